@@ -1,0 +1,88 @@
+"""Engine configuration: one dataclass, validated at construction.
+
+Every check names the flag (or keyword argument) to change, so a bad setting fails at once
+with an actionable message rather than deep inside a CUDA call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+class ConfigError(ValueError):
+    """A setting the user must change; the message says which flag."""
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the KV cache)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None  # None: sized from free memory
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    cpu_kvcache_space_gib: float = 4.0  # CPU only: KV bytes to allocate when num_kvcache_blocks is None
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, flag: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"{flag}: {why}")
+
+        need(isinstance(self.model, str) and self.model != "", "--model", "a model path or id is required")
+        need(_pos_int(self.tensor_parallel_size), "--tensor-parallel-size", "must be a positive integer")
+        need(self.max_model_len is None or _pos_int(self.max_model_len), "--max-model-len", "must be a positive integer")
+        need(_pos_int(self.max_num_seqs), "--max-num-seqs", "must be a positive integer")
+        need(_pos_int(self.max_num_batched_tokens), "--max-num-batched-tokens", "must be a positive integer")
+        need(
+            _pos_int(self.kvcache_block_size) and self.kvcache_block_size & (self.kvcache_block_size - 1) == 0,
+            "--block-size",
+            f"must be a power of two (got {self.kvcache_block_size})",
+        )
+        need(
+            self.num_kvcache_blocks is None or _pos_int(self.num_kvcache_blocks),
+            "--num-kvcache-blocks",
+            "must be a positive integer",
+        )
+        need(
+            isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1,
+            "--gpu-memory-utilization",
+            f"must be in (0, 1] (got {self.gpu_memory_utilization})",
+        )
+        need(self.device in DEVICES, "--device", f"must be one of {DEVICES}")
+        need(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", f"must be one of {KV_CACHE_DTYPES}")
+        need(self.load_format in LOAD_FORMATS, "--load-format", f"must be one of {LOAD_FORMATS}")
+        need(isinstance(self.seed, int), "--seed", "must be an integer")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            need(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "--max-num-batched-tokens",
+                f"must be >= max_model_len={self.max_model_len} when chunked prefill is off",
+            )
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pos_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0

@@ -1,0 +1,91 @@
+"""One request's token state as the scheduler and block manager see it (no torch)."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+from nvcli.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Prompt plus generated tokens, how many of them have KV in the cache, and where.
+
+    `num_computed_tokens` counts tokens whose K/V are stored in `block_table`'s blocks; a step
+    schedules `num_tokens - num_computed_tokens` of them (or a chunk of that, for chunked
+    prefill). A decode is the case where exactly one token, the last sampled one, is left.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        request_id: str | None = None,
+    ) -> None:
+        if not token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # Chained prefix-cache hashes of this sequence's full, computed blocks.
+        self.block_hashes: list[int] = []
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first schedule)
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.arrival_index = self.seq_id
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,82 @@
+"""Pure-torch references for the paged KV cache and attention kernels.
+
+Layouts shared by every implementation:
+- KV cache, one pair per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+- slot of a token = block_id * block_size + offset inside the block; slot -1 is skipped
+  (padding in CUDA-graph batches).
+- block_tables: `[num_seqs, max_blocks_per_seq]` int32, rows padded with any valid id.
+- A step's queries are packed: sequence s owns rows query_start_loc[s] : query_start_loc[s+1]
+  and its KV length after this step is seq_lens[s], so query row j of s sits at position
+  seq_lens[s] - q_len + j and attends causally to KV positions [0, that position].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int
+) -> None:
+    nb, bs, h, d = k_cache.shape
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache.view(nb * bs, h, d)[slots] = key[valid].to(k_cache.dtype)
+    v_cache.view(nb * bs, h, d)[slots] = value[valid].to(v_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    bs = cache.shape[1]
+    nblocks = -(-seq_len // bs)
+    blocks = cache[block_table[:nblocks].long()]  # [nblocks, block_size, num_kv_heads, head_dim]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries over the paged cache; float32 math."""
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_s = q[qsl[s] : qsl[s + 1]].float()  # [q_len, num_heads, head_dim]
+        q_len = q_s.shape[0]
+        if q_len == 0:
+            continue
+        k = _gather_kv(k_cache, block_tables[s], seq_len).float()  # [seq_len, num_kv_heads, head_dim]
+        v = _gather_kv(v_cache, block_tables[s], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale  # [num_heads, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[qsl[s] : qsl[s + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    qsl = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
+    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale)

@@ -1,0 +1,88 @@
+"""Per-request sampling settings, validated at construction (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 is greedy. `seed` makes a request's samples independent of whatever
+    else shares its batch. `stop` strings end generation and are cut from the text.
+    `logprobs=N` returns the sampled token's logprob plus the N most likely alternatives.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        if not _is_int(self.n) or self.n != 1:
+            raise bad("n", "only n=1 is supported")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be a positive integer or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        elif self.stop is None:
+            self.stop_list = []
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop_list = list(self.stop)
+        else:
+            raise bad("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop_list):
+            raise bad("stop", "stop strings must not be empty")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be true or false")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
