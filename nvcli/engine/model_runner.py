@@ -1,0 +1,286 @@
+"""Runs the model for one scheduled batch: inputs, KV cache, attention metadata, CUDA graphs, sampling.
+
+One ModelRunner per tensor-parallel rank. Rank 0 builds a `StepInput` (plain lists) from the
+scheduler's batch; every rank turns it into tensors and runs the forward; rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nvcli.config import ConfigError, EngineConfig
+from nvcli.engine.attention_metadata import AttentionMetadata
+from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
+from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.models.layers.attention import Attention
+from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
+from nvcli.models.registry import model_class
+
+log = logging.getLogger("nvcli")
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class StepInput:
+    """Everything a rank needs to run one step; small lists, cheap to ship to TP workers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    decode_only: bool
+
+
+def build_step_input(batch: ScheduledBatch, block_size: int) -> StepInput:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        start = seq.num_computed_tokens
+        end = start + n
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(end)
+    return StepInput(
+        input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], batch.is_decode_only
+    )
+
+
+def pick_dtype(config: EngineConfig, hf_config, device: str) -> torch.dtype:
+    if config.dtype != "auto":
+        dtype = TORCH_DTYPES[config.dtype]
+    elif device == "cpu":
+        dtype = torch.float32
+    else:
+        dtype = torch.bfloat16
+    if device == "cpu" and dtype != torch.float32:
+        log.warning("dtype %s on CPU is slow; float32 is the CPU default", dtype)
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_dir: Path, rank: int = 0) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.rank = rank
+        self.device = torch.device(config.resolved_device() if rank == 0 or config.resolved_device() == "cpu"
+                                   else f"cuda:{rank}")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = pick_dtype(config, hf_config, self.device.type)
+        self.block_size = config.kvcache_block_size
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model, config.seed)
+        else:
+            load_weights(self.model, iter_safetensors(model_dir))
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_cuda_graphs()
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_bytes_per_block(self) -> int:
+        layer = self.attn_layers[0]
+        elem = torch.tensor([], dtype=self.kv_dtype()).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * elem
+
+    def kv_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.config.kv_cache_dtype.startswith("fp8") else self.dtype
+
+    def _allocate_kv_cache(self) -> int:
+        per_block = self.kv_bytes_per_block()
+        if self.config.num_kvcache_blocks is not None:
+            num_blocks = self.config.num_kvcache_blocks
+        elif self.device.type == "cpu":
+            max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+            wanted = -(-max_len // self.block_size) * self.config.max_num_seqs
+            num_blocks = max(1, min(wanted, int(self.config.cpu_kvcache_space_gib * 2**30) // per_block))
+        else:
+            num_blocks = self._blocks_from_free_memory(per_block)
+        layer = self.attn_layers[0]
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype(), device=self.device)
+        except torch.OutOfMemoryError as e:
+            raise ConfigError(
+                f"--num-kvcache-blocks / --gpu-memory-utilization: {num_blocks} KV blocks "
+                f"({num_blocks * per_block / 2**30:.1f} GiB) do not fit in device memory"
+            ) from e
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
+        return num_blocks
+
+    def _blocks_from_free_memory(self, per_block: int) -> int:
+        """Measure the peak of a worst-case step, then give the KV cache what utilization allows."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run()
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+        # Activations of the worst step come back on every step; the graph pool holds about one
+        # decode step's worth (graphs of all sizes share it).
+        graph_pool = 0 if self.config.enforce_eager else self._decode_activation_bytes()
+        budget = total * self.config.gpu_memory_utilization - used - (peak - current) - graph_pool
+        num_blocks = int(budget) // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"--gpu-memory-utilization={self.config.gpu_memory_utilization}: no memory left for the KV cache "
+                f"(device {total / 2**30:.1f} GiB, in use {used / 2**30:.1f} GiB, step peak "
+                f"{(peak - current) / 2**30:.1f} GiB); raise it or lower --max-num-batched-tokens"
+            )
+        return num_blocks
+
+    def _decode_activation_bytes(self) -> int:
+        bs = self._graph_batch_sizes()[-1]
+        hidden = self.hf_config.hidden_size
+        inter = self.hf_config.intermediate_size // max(1, self.model.tp_size)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return bs * (6 * hidden + 3 * inter) * elem + (64 << 20)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        n = min(self.config.max_num_batched_tokens, (self.config.max_model_len or 4096) * self.config.max_num_seqs)
+        seq_len = min(n, self.config.max_model_len or n)
+        num_seqs = -(-n // seq_len)
+        layer = self.attn_layers[0]
+        dummy = torch.zeros((1, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.kv_dtype(),
+                            device=self.device)
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = dummy
+        qsl = [min(i * seq_len, n) for i in range(num_seqs + 1)]
+        step = StepInput([0] * n, [i % seq_len for i in range(n)], [-1] * n, qsl,
+                         [qsl[i + 1] - qsl[i] for i in range(num_seqs)], [[0]] * num_seqs, False)
+        hidden = self._forward(step)
+        logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        del hidden, logits
+
+    # ------------------------------------------------------------------ forward
+    def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        dev = self.device
+        pin = dev.type == "cuda"
+
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, pin_memory=pin).to(dev, non_blocking=True)
+
+        width = max(len(b) for b in step.block_tables)
+        tables = [b + [0] * (width - len(b)) for b in step.block_tables]
+        meta = AttentionMetadata(
+            slot_mapping=t(step.slot_mapping, torch.int64),
+            query_start_loc=t(step.query_start_loc, torch.int32),
+            seq_lens=t(step.seq_lens, torch.int32),
+            block_tables=t(tables, torch.int32),
+            max_query_len=max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])),
+            max_seq_len=max(step.seq_lens),
+            decode_only=step.decode_only,
+        )
+        return t(step.input_ids, torch.int64), t(step.positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """Hidden states of the last token of each sequence: [num_seqs, hidden]."""
+        bs = len(step.seq_lens)
+        if step.decode_only and self.graphs and bs <= self._graph_batch_sizes()[-1]:
+            return self._replay_graph(step)
+        input_ids, positions, meta = self._tensors(step)
+        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+        last = meta.query_start_loc[1:].long() - 1
+        return hidden[last]
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Forward on this rank; returns logits [num_seqs, vocab] (float32) on rank 0."""
+        hidden = self._forward(step)
+        logits = self.model.compute_logits(hidden)
+        return logits.float() if self.rank == 0 else None
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]:
+        params = [s.sampling_params for s in batch.seqs]
+        positions = [s.num_completion_tokens for s in batch.seqs]
+        sb = SamplingBatch.build(params, positions, logits.shape[1], self.device)
+        tokens = sample(logits, sb, self.generator)
+        logprobs = gather_logprobs(logits, tokens, sb)
+        return tokens.tolist(), logprobs
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _graph_batch_sizes(self) -> list[int]:
+        top = min(self.config.max_num_seqs, 512)
+        sizes = [1, 2, 4, 8] + list(range(16, top + 1, 16))
+        return sorted({s for s in sizes if s <= top} | {top})
+
+    @torch.inference_mode()
+    def _capture_cuda_graphs(self) -> None:
+        sizes = self._graph_batch_sizes()
+        max_bs = sizes[-1]
+        max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
+        dev = self.device
+        self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        self.g_block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
+        self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.g_hidden = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.dtype, device=dev)
+        self.g_max_blocks = max_blocks
+        pool = None
+        for bs in reversed(sizes):
+            meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
+                                     self.g_block_tables[:bs], 1, max_blocks * self.block_size, True)
+            # Warm-up outside the graph so Triton compiles and autotunes first.
+            self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _replay_graph(self, step: StepInput) -> torch.Tensor:
+        bs = len(step.seq_lens)
+        graph_bs = next(s for s in self._graph_batch_sizes() if s >= bs)
+        dev = self.device
+        width = max(len(b) for b in step.block_tables)
+        if width > self.g_max_blocks:
+            raise RuntimeError("sequence longer than max_model_len reached the decode graph")
+        tables = torch.zeros(graph_bs, width, dtype=torch.int32, pin_memory=True)
+        for i, b in enumerate(step.block_tables):
+            tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        pad = graph_bs - bs
+        self.g_input_ids[:graph_bs].copy_(torch.tensor(step.input_ids + [0] * pad, pin_memory=True), non_blocking=True)
+        self.g_positions[:graph_bs].copy_(torch.tensor(step.positions + [0] * pad, pin_memory=True), non_blocking=True)
+        self.g_slots[:graph_bs].copy_(torch.tensor(step.slot_mapping + [-1] * pad, pin_memory=True), non_blocking=True)
+        self.g_seq_lens[:graph_bs].copy_(
+            torch.tensor(step.seq_lens + [0] * pad, dtype=torch.int32, pin_memory=True), non_blocking=True
+        )
+        self.g_block_tables[:graph_bs, :width].copy_(tables.to(dev, non_blocking=True))
+        self.graphs[graph_bs].replay()
+        return self.g_hidden[:bs]

@@ -1,0 +1,104 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p, seeded Gumbel-max.
+
+Sampling uses the exponential-race form of Gumbel-max: argmax(p / q) with q ~ Exp(1) picks
+token i with probability p_i. Rows with a seed draw q from their own generator seeded by
+(seed, output position), so a seeded request gets the same tokens whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [num_seqs] float32, 0 = greedy
+    top_k: torch.Tensor | None  # [num_seqs] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [num_seqs] float32; None if no row uses it
+    min_p: torch.Tensor | None  # [num_seqs] float32; None if no row uses it
+    seeds: list[tuple[int, int]]  # (row, seed mixed with the output position) for seeded rows
+    all_greedy: bool
+    num_logprobs: list[int | None]  # per row; None = not requested
+
+    @staticmethod
+    def build(params: list, positions: list[int], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """`params`: SamplingParams per row; `positions`: index of the token being sampled."""
+        temps = [p.temperature for p in params]
+        all_greedy = all(t == 0 for t in temps)
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64)
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        seeds = [
+            (i, (p.seed * 1_000_003 + pos) & 0x7FFF_FFFF_FFFF_FFFF)
+            for i, (p, pos) in enumerate(zip(params, positions))
+            if p.seed is not None and p.temperature > 0
+        ]
+        to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return SamplingBatch(
+            temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
+            top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [num_seqs, vocab] float32 -> token ids [num_seqs] int64."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temps = batch.temperatures
+    scaled = logits / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
+    if batch.top_k is not None or batch.top_p is not None:
+        scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    if batch.min_p is not None:
+        keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    for row, seed in batch.seeds:
+        g = torch.Generator(device=probs.device).manual_seed(seed)
+        q[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
+    sampled = (probs / q).argmax(dim=-1)
+    return torch.where(temps > 0, sampled, greedy)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), _MASK)
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), _MASK)
+    return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
+
+
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
+    """Logprob of each sampled token (and the top-N alternatives) from the raw model logits."""
+    rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+    out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[idx].float(), dim=-1)
+    chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+    max_n = max(batch.num_logprobs[i] or 0 for i in rows)
+    top_vals, top_ids = (logp.topk(max_n, dim=-1) if max_n else (None, None))
+    for j, i in enumerate(rows):
+        entry = {int(tokens[i]): chosen[j]}
+        n = batch.num_logprobs[i] or 0
+        if n:
+            for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()):
+                entry.setdefault(t, v)
+        out[i] = entry
+    return out

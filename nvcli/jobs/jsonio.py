@@ -1,0 +1,42 @@
+"""JSON in and out: orjson when installed, the standard library otherwise.
+
+Both paths produce compact UTF-8 bytes without a trailing newline; non-finite floats become
+null so every line we write is strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+try:  # pragma: no cover - which branch runs depends on the machine
+    import orjson
+
+    JSONDecodeError: type[Exception] = orjson.JSONDecodeError
+
+    def loads(data: bytes | str) -> Any:
+        return orjson.loads(data)
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+except ImportError:  # pragma: no cover
+    orjson = None  # type: ignore[assignment]
+    JSONDecodeError = ValueError
+
+    def loads(data: bytes | str) -> Any:
+        return json.loads(data)
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

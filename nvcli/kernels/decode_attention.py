@@ -1,0 +1,293 @@
+"""Paged decode attention (one query token per sequence) in Triton, flash-decoding style.
+
+Kernel 1 (`_decode_split_kernel`), grid `(num_seqs, num_kv_heads, num_splits)`: each program
+takes every query head of one KV-head group (so each K/V row is read once per group), walks
+its share of the sequence's KV positions in tiles of BLOCK_N tokens (the physical slot of
+every token is gathered through the block table, so a tile spans several pages) and keeps
+an online softmax. With one split it writes the final output; otherwise it writes a
+normalised partial output and its log-sum-exp (base 2), and kernel 2
+(`_decode_reduce_kernel`, grid `(num_seqs, num_heads)`) merges the splits.
+
+CUDA-graph safety: the grid and the split count depend only on tensor shapes (num_seqs,
+num_kv_heads, block_tables.shape[1]) and the device's SM count; each program derives its
+token range from seq_lens on the device. A split that starts past the sequence end writes
+lse = -inf and a zero partial, which the reduce ignores; seq_len 0 gives a zero output.
+
+fp8 caches (`torch.float8_e4m3fn`) are dequantised in the kernel: the fp8 tile is converted
+up, k_scale is folded into the softmax scale and v_scale into the output (both are
+per-tensor, so this equals multiplying every loaded element by its scale).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from nvcli.kernels.kv_store import Scale, is_fp8, scale_args
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_heads, head_dim] (used when NUM_SPLITS == 1)
+    mid_o_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
+    mid_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32 (NUM_SPLITS > 1)
+    k_scale_ptr,
+    v_scale_ptr,
+    k_scale_val,
+    v_scale_val,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # >= 16 (tl.dot needs M >= 16)
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,  # cache block_size
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # tokens per split: a multiple of BLOCK_N so only a sequence's last tile is partial
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
+    offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # [GROUP_PAD]
+
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+
+    if SCALE_IS_PTR:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = k_scale_val
+        v_scale = v_scale_val
+    score_scale = qk_scale * k_scale
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + offs_n  # [BLOCK_N]
+        n_mask = pos < end
+        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        in_page = (pos % PAGE).to(tl.int64)
+        k_off = blk * stride_kb + in_page * stride_kt  # [BLOCK_N]
+        v_off = blk * stride_vb + in_page * stride_vt
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM]
+        v = v.to(q.dtype)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * score_scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    acc = acc * v_scale
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [GROUP_PAD, HEAD_DIM]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
+        tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32
+    mid_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    row = seq.to(tl.int64) * tl.num_programs(1) + head
+    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
+    w = tl.exp2(lse - m)  # [SPLITS_PAD]
+    denom = tl.sum(w, axis=0)
+    o = tl.load(
+        mid_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM]
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # CPU / interpreter: pretend H100 so tests exercise the same split logic
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, num_sms: int) -> int:
+    """Split count from shapes only (CUDA-graph safe): aim for ~4 programs per SM."""
+    programs = max(1, num_seqs * num_kv_heads)
+    target = 4 * num_sms
+    if programs >= target:
+        return 1
+    splits = triton.next_power_of_2(math.ceil(target / programs))
+    max_tiles = max(1, math.ceil(max_kv_len / block_n))
+    # at least ~2 tiles per split, and at most 64 splits
+    return max(1, min(splits, triton.next_power_of_2(max(1, max_tiles // 2)), 64))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+    *,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
+
+    k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache and are
+    ignored otherwise. The keyword-only knobs override the tuned defaults (benchmarks).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs
+    assert block_tables.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+
+    if not is_fp8(k_cache.dtype):
+        k_scale = v_scale = None
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
+
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if num_splits is None:
+        max_kv_len = block_tables.shape[1] * page
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_kv_len, block_n, _sm_count(q.device))
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3
+
+    if num_splits > 1:
+        mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # unused
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        mid_o,
+        mid_lse,
+        k_ptr,
+        v_ptr,
+        k_val,
+        v_val,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        SCALE_IS_PTR=scale_is_ptr,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            mid_o,
+            mid_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,170 @@
+"""Triton kernel writing a step's keys/values into the paged KV cache.
+
+Layouts (see `reference.py`): key/value `[num_tokens, num_kv_heads, head_dim]`, caches
+`[num_blocks, block_size, num_kv_heads, head_dim]`, slot = block_id * block_size + offset,
+slot -1 = padding (skipped). An fp8 (`torch.float8_e4m3fn`) cache stores
+`clamp(x / scale, -448, 448)` cast to fp8 with a per-tensor scale (python float or a
+1-element tensor, default 1.0).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import triton
+import triton.language as tl
+
+Scale = Union[float, torch.Tensor, None]
+
+FP8_E4M3_MAX = 448.0
+
+
+def scale_args(
+    k_scale: Scale, v_scale: Scale, dummy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float, float, bool]:
+    """Kernel arguments (k_ptr, v_ptr, k_val, v_val, is_ptr) for a pair of per-tensor scales.
+
+    Scales may be None (= 1.0), python floats or 1-element tensors. Tensor scales are read by
+    the kernel from device memory (no host sync, CUDA-graph safe); floats are passed by value
+    and `dummy` stands in for the unused pointers. If only one is a tensor the other is
+    materialised on the device with `torch.full` (a fill kernel, also capture safe).
+    """
+    k_t = isinstance(k_scale, torch.Tensor)
+    v_t = isinstance(v_scale, torch.Tensor)
+    if not (k_t or v_t):
+        k_val = 1.0 if k_scale is None else float(k_scale)
+        v_val = 1.0 if v_scale is None else float(v_scale)
+        return dummy, dummy, k_val, v_val, False
+
+    def as_tensor(s: Scale) -> torch.Tensor:
+        if isinstance(s, torch.Tensor):
+            assert s.numel() == 1, "per-tensor scale must have one element"
+            return s.reshape(1).to(device=dummy.device, dtype=torch.float32)
+        return torch.full((1,), 1.0 if s is None else float(s), dtype=torch.float32, device=dummy.device)
+
+    return as_tensor(k_scale), as_tensor(v_scale), 1.0, 1.0, True
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_scale_val,
+    v_scale_val,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+
+    offs_h = tl.arange(0, HEADS_PAD)[:, None]  # [HEADS_PAD, 1]
+    offs_d = tl.arange(0, DIM_PAD)[None, :]  # [1, DIM_PAD]
+    mask = (offs_h < NUM_KV_HEADS) & (offs_d < HEAD_DIM)
+
+    tok64 = tok.to(tl.int64)
+    k = tl.load(key_ptr + tok64 * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(value_ptr + tok64 * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h * stride_kch + offs_d
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h * stride_vch + offs_d
+    if QUANT:
+        if SCALE_IS_PTR:
+            ks = tl.load(k_scale_ptr)
+            vs = tl.load(v_scale_ptr)
+        else:
+            ks = k_scale_val
+            vs = v_scale_val
+        kq = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
+        vq = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
+        tl.store(kc, kq.to(kc.dtype.element_ty), mask=mask)
+        tl.store(vc, vq.to(vc.dtype.element_ty), mask=mask)
+    else:
+        tl.store(kc, k.to(kc.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(vc.dtype.element_ty), mask=mask)
+
+
+def store_kvcache_triton(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
+    *,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+) -> None:
+    """Scatter key/value rows into the paged caches; fp8 caches store x / scale (saturated)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert value.shape == key.shape
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert slot_mapping.shape[0] == num_tokens
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    block_size = k_cache.shape[1]
+    quant = is_fp8(k_cache.dtype)
+    if not quant:
+        k_scale = v_scale = None  # scales only apply to an fp8 cache
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, slot_mapping)
+    elements = num_kv_heads * head_dim
+    num_warps = 1 if elements <= 256 else (2 if elements <= 1024 else 4)
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_ptr,
+        v_ptr,
+        k_val,
+        v_val,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        QUANT=quant,
+        SCALE_IS_PTR=scale_is_ptr,
+        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,278 @@
+"""Varlen causal prefill attention over the paged KV cache in Triton (flash-attention style).
+
+Packed queries `[num_tokens, num_heads, head_dim]`: sequence s owns rows
+query_start_loc[s]:query_start_loc[s+1] and its KV length (this step's K/V already stored)
+is seq_lens[s], so query row j sits at position seq_lens[s] - q_len + j. This covers plain
+prefill, prefix-cache hits, chunked prefill and mixed batches with q_len-1 (decode) rows.
+
+Grid `(num_kv_heads, num_seqs, cdiv(max_query_len, BLOCK_Q))`: a program owns BLOCK_Q query
+tokens times every query head of one KV-head group, packed into the BLOCK_M = BLOCK_Q *
+GROUP_PAD rows of the tile (so K/V tiles are shared by the group), and walks KV tiles of
+BLOCK_N tokens whose physical slots are gathered through the block table. KV tiles entirely
+visible to every row run without masks; the diagonal tiles are masked; tiles past the
+causal limit are never visited. fp8 caches are dequantised in the kernel (k_scale folded
+into the softmax scale, v_scale into the output).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from nvcli.kernels.kv_store import Scale, is_fp8, scale_args
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    bt_row,
+    k_head,
+    v_head,
+    tile,
+    q_pos,
+    kv_limit,
+    score_scale,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    offs_n,
+    offs_d,
+    PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pos = tile + offs_n  # [BLOCK_N]
+    if MASKED:
+        n_mask = pos < kv_limit
+        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    in_page = (pos % PAGE).to(tl.int64)
+    k_off = blk * stride_kb + in_page * stride_kt  # [BLOCK_N]
+    v_off = blk * stride_vb + in_page * stride_vt
+    if MASKED:
+        k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_head + k_off[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * score_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    # finite: every row sees KV position 0 in the first tile visited, so m_i is finite after it
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    k_scale_ptr,
+    v_scale_ptr,
+    k_scale_val,
+    v_scale_val,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_block = tl.num_programs(2) - 1 - tl.program_id(2)  # most causal work launches first
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # KV positions before this step's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = q_block * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] query index inside the sequence
+    g = offs_m % GROUP_PAD
+    heads = kvh * GROUP + g
+    row_mask = (tok < q_len) & (g < GROUP)
+    q_pos = ctx_len + tok  # [BLOCK_M]
+
+    row_t = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + row_t[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM]
+
+    if SCALE_IS_PTR:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = k_scale_val
+        v_scale = v_scale_val
+    score_scale = qk_scale * k_scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+    first_pos = ctx_len + q_block * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles below are visible to every row
+    kv_end = last_pos + 1
+    for tile in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
+            PAGE, False, DOT_PREC,
+        )  # fmt: skip
+    for tile in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _prefill_tile(
+            acc, m_i, l_i, q, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
+            PAGE, True, DOT_PREC,
+        )  # fmt: skip
+
+    o = acc * (v_scale / l_i)[:, None]
+    tl.store(
+        out_ptr + row_t[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None],
+    )
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Causal varlen attention of packed queries over the paged cache -> like q.
+
+    max_query_len must be >= every q_len (it sizes the grid). max_seq_len is accepted for
+    API symmetry (the kernel reads each sequence's length on the device). k_scale / v_scale
+    (None, float or 1-element tensor) dequantise an fp8 cache and are ignored otherwise.
+    """
+    del max_seq_len
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] == num_seqs
+    assert block_tables.stride(-1) == 1
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+
+    if not is_fp8(k_cache.dtype):
+        k_scale = v_scale = None
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if block_m is None:
+        block_m = 128 if head_dim <= 128 else 64
+    if block_n is None:
+        block_n = 64
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    if num_stages is None:
+        num_stages = 3 if head_dim <= 128 else 2
+    # rows per program: BLOCK_Q tokens x GROUP_PAD heads, BLOCK_Q no larger than needed
+    block_q = max(1, block_m // group_pad)
+    block_q = min(block_q, max(16 // group_pad, triton.next_power_of_2(max_query_len)))
+    block_m_eff = max(16, block_q * group_pad)
+    block_q = block_m_eff // group_pad
+
+    grid = (num_kv_heads, num_seqs, triton.cdiv(max_query_len, block_q))
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        k_ptr,
+        v_ptr,
+        k_val,
+        v_val,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m_eff,
+        BLOCK_N=block_n,
+        SCALE_IS_PTR=scale_is_ptr,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,114 @@
+"""Offline API shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from nvcli.config import EngineConfig
+from nvcli.engine.llm_engine import EngineStats, LLMEngine
+from nvcli.outputs import RequestOutput
+from nvcli.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        kvcache_block_size: int = 16,
+        num_kvcache_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        device: str = "auto",
+        dtype: str = "auto",
+        enforce_eager: bool = False,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed, **kwargs,
+        )
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(_prompt(p), sp) for p, sp in zip(prompts, params)]
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.engine.render_chat(conv, chat_template_kwargs) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(token_lists, sampling_params)  # type: ignore[arg-type]
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    done[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        return [done[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+
+
+def _prompt(p: PromptType) -> str | list[int]:
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    return p

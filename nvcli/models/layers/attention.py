@@ -1,0 +1,33 @@
+"""Paged attention layer: writes this step's K/V into the cache, then attends over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvcli.engine.attention_metadata import AttentionMetadata
+from nvcli.kernels import ops
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the cache is allocated: [num_blocks, block_size, num_kv_heads, head_dim]
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale)
+        return ops.paged_prefill_attention(
+            q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, meta.max_seq_len, self.scale,
+        )

@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2); Qwen2 and Qwen3 reuse it with their own switches.
+
+The model is stateless about scheduling: forward takes packed tokens, their positions and
+the step's AttentionMetadata, and returns hidden states; `compute_logits` runs the LM head on
+the rows that need sampling only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nvcli.distributed import tp_size
+from nvcli.engine.attention_metadata import AttentionMetadata
+from nvcli.models.layers.activation import SiluAndMul
+from nvcli.models.layers.attention import Attention
+from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nvcli.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nvcli.models.layers.norm import RMSNorm
+from nvcli.models.layers.rotary import RotaryEmbedding
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.total_heads = config.num_attention_heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias=False)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            config.max_position_embeddings,
+            getattr(config, "rope_theta", None) or _rope_param(config, "rope_theta", 10000.0),
+            _rope_scaling(config),
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(o.flatten(1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
+        self.mlp = DecoderMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (our parameter fragment, shard id of a fused layer)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp_size = tp_size()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
+        return self.lm_head(hidden)
+
+
+def _rope_scaling(config) -> dict | None:
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling is None:
+        params = getattr(config, "rope_parameters", None)
+        if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+            scaling = params
+    return scaling
+
+
+def _rope_param(config, key: str, default: float) -> float:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and key in params:
+        return float(params[key])
+    return default

@@ -1,0 +1,79 @@
+"""Weights into a model: safetensors (single file or sharded index), or dummy random values.
+
+Checkpoint tensors stream one at a time (never the whole checkpoint in memory) into each
+parameter's weight_loader, which takes this rank's shard. Only safetensors are read: no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; nv loads safetensors or GGUF only "
+            "(convert .bin/.pt checkpoints, or pass --load-format dummy for random weights)"
+        )
+    return files
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue
+        target, shard = name, None
+        for ckpt_part, (our_part, shard_id) in packed.items():
+            if f".{ckpt_part}." in name:
+                target, shard = name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                continue
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            param.data.copy_(tensor)
+        elif shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(target)
+    missing = [
+        n for n in params
+        if n not in loaded and not (n == "lm_head.weight" and getattr(model, "tie_word_embeddings", False))
+    ]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the real shape: the speed of the engine does not depend on their values."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,25 @@
+"""Architecture name (config.json `architectures`) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from nvcli.models.llama import LlamaForCausalLM
+from nvcli.models.qwen2 import Qwen2ForCausalLM
+from nvcli.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(hf_config) -> type[nn.Module]:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(
+        f"unsupported architecture {archs or '(none in config.json)'}; supported: {', '.join(MODEL_REGISTRY)}"
+    )
