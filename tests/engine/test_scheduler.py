@@ -1,0 +1,148 @@
+"""Scheduler: continuous batching, chunked prefill, preemption, limits. No torch, milliseconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nvcli.engine.block_manager import BlockManager
+from nvcli.engine.scheduler import Scheduler
+from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks: int = 64, max_seqs: int = 8, budget: int = 64, max_len: int = 64, chunked: bool = True):
+    bm = BlockManager(num_blocks, BS)
+    return Scheduler(bm, max_seqs, budget, max_len, chunked), bm
+
+
+def seq(n: int, max_tokens: int = 4, first: int = 0) -> Sequence:
+    return Sequence(list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), BS)
+
+
+def run_to_end(sched: Scheduler, max_steps: int = 10_000) -> int:
+    steps = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch.seqs, "no progress: scheduler deadlocked"
+        produced = sched.postprocess(batch, [7] * len(batch.seqs))
+        for s in produced:
+            sched.check_stop(s, eos_token_ids=set())
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def test_scheduler_imports_no_torch() -> None:
+    code = "import sys, nvcli.engine.scheduler, nvcli.engine.block_manager; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prefill_then_decode_in_one_batch() -> None:
+    sched, _ = make()
+    a, b = seq(10), seq(6, first=100)
+    sched.add(a)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [10]
+    sched.postprocess(batch, [1])
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [a.seq_id, b.seq_id]
+    assert batch.num_new_tokens == [1, 6]  # a decode and a prefill share the step
+    assert not batch.is_decode_only
+
+
+def test_chunked_prefill_respects_budget_and_lets_decodes_run() -> None:
+    sched, _ = make(budget=8)
+    a = seq(3)
+    sched.add(a)
+    sched.postprocess(sched.schedule(), [1])
+    long = seq(20, first=50)
+    sched.add(long)
+    seen = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        batch = sched.schedule()
+        assert batch.num_tokens <= 8
+        assert a in batch.seqs or a.is_finished
+        seen.append(dict(zip([s.seq_id for s in batch.seqs], batch.num_new_tokens)).get(long.seq_id))
+        for s in sched.postprocess(batch, [1] * len(batch.seqs)):
+            sched.check_stop(s, set())
+    assert sched.num_chunked_prefills >= 2
+    assert long.num_completion_tokens == 1  # only the final chunk produced a token
+    run_to_end(sched)
+
+
+def test_preemption_frees_blocks_and_everything_finishes() -> None:
+    sched, bm = make(num_blocks=6, max_len=24)  # 24 tokens of KV; 3 requests need 3x(8+8)
+    seqs = [seq(8, max_tokens=8, first=i * 100) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    run_to_end(sched)
+    assert sched.num_preemptions > 0
+    assert all(s.status == SequenceStatus.FINISHED and s.num_completion_tokens == 8 for s in seqs)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_max_num_seqs_limits_running() -> None:
+    sched, _ = make(max_seqs=2)
+    for i in range(5):
+        sched.add(seq(4, first=i * 10))
+    batch = sched.schedule()
+    assert len(batch.seqs) == 2 and len(sched.waiting) == 3
+    run_to_end(sched)
+
+
+def test_prompt_longer_than_max_model_len_is_rejected() -> None:
+    sched, _ = make(max_len=16)
+    with pytest.raises(ValueError, match="max-model-len"):
+        sched.add(seq(17))
+
+
+def test_finish_by_max_tokens_and_model_len() -> None:
+    sched, _ = make(max_len=12)
+    a = seq(4, max_tokens=100)
+    b = seq(4, max_tokens=3, first=50)
+    sched.add(a)
+    sched.add(b)
+    run_to_end(sched)
+    assert a.finish_reason == "length" and a.num_tokens == 12
+    assert b.finish_reason == "length" and b.num_completion_tokens == 3
+
+
+def test_eos_and_stop_ids_respect_min_tokens() -> None:
+    sched, _ = make()
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[9]), BS)
+    sched.add(s)
+    for token in (9, 5, 9):
+        produced = sched.postprocess(sched.schedule(), [token])
+        for p in produced:
+            sched.check_stop(p, eos_token_ids={42})
+    assert s.finish_reason == "stop" and s.stop_reason == 9 and s.completion_token_ids == [9, 5, 9]
+
+
+def test_abort_waiting_and_running() -> None:
+    sched, bm = make(max_seqs=1)
+    a, b = seq(4), seq(4, first=10)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    sched.finish(a, "abort")
+    sched.finish(b, "abort")
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefix_cache_hit_through_scheduler() -> None:
+    sched, bm = make()
+    a = seq(13)
+    sched.add(a)
+    run_to_end(sched)
+    b = seq(13)
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.num_cached_tokens == 12 and batch.num_new_tokens == [1]
+    run_to_end(sched)
+    assert bm.num_free_blocks == bm.num_blocks

@@ -1,0 +1,49 @@
+"""Invalid settings fail at construction with a message naming the flag to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvcli.config import ConfigError, EngineConfig
+from nvcli.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(tensor_parallel_size=0), "--tensor-parallel-size"),
+        (dict(max_num_seqs=-1), "--max-num-seqs"),
+        (dict(kvcache_block_size=24), "--block-size"),
+        (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
+        (dict(dtype="float64"), "--dtype"),
+        (dict(kv_cache_dtype="int4"), "--kv-cache-dtype"),
+        (dict(load_format="pickle"), "--load-format"),
+        (dict(device="tpu"), "--device"),
+        (dict(max_model_len=0), "--max-model-len"),
+    ],
+)
+def test_bad_engine_config_names_the_flag(kwargs: dict, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        EngineConfig(model="x", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(stop=5), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed="x"), "seed"),
+        (dict(temperature="hot"), "temperature"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**kwargs)
