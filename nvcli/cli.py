@@ -1,0 +1,139 @@
+"""The `nv` command line (Typer). Flags only: the work happens in `nvcli.jobs.command`.
+
+Engine flags carry vLLM's names so a vLLM command line mostly carries over.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from nvcli.config import EngineConfig
+
+app = typer.Typer(
+    name="nv",
+    help="Batch generation for LLMs from the command line, with an embedded paged-attention engine.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_D = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
+ENGINE = "Engine (vLLM names)"
+SAMPLING = "Sampling defaults (each input line may override them)"
+JOB = "Job"
+
+
+@app.callback()
+def main() -> None:
+    """nv: batch generation for LLMs (JSONL in, JSONL out)."""
+
+
+def _json_object(value: Optional[str]) -> Optional[dict]:
+    if value is None:
+        return None
+    from nvcli.jobs import jsonio
+
+    try:
+        obj = jsonio.loads(value)
+    except ValueError as e:
+        raise typer.BadParameter(f"not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise typer.BadParameter('must be a JSON object, e.g. \'{"enable_thinking": false}\'')
+    return obj
+
+
+@app.command(no_args_is_help=True)
+def generate(
+    input: Annotated[str, typer.Argument(metavar="INPUT", help="JSONL file of requests, or - for stdin.", show_default=False)],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="OUTPUT", help="JSONL file for the results (default: stdout).", rich_help_panel=JOB)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local model directory, Hugging Face id in the local HF cache, or GGUF file (default: the default model).", rich_help_panel=ENGINE)] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory or id (default: the model's).", rich_help_panel=ENGINE)] = None,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs (ranks) to split the model over.", rich_help_panel=ENGINE)] = _D["tensor_parallel_size"],
+    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion in tokens (default: the model's, capped by the KV cache).", rich_help_panel=ENGINE)] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory nv may use (weights + KV cache + activations).", rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = _D["max_num_seqs"],
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)] = _D["max_num_batched_tokens"],
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
+    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=ENGINE)] = _D["enable_prefix_caching"],
+    enable_chunked_prefill: Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts across steps.", rich_help_panel=ENGINE)] = _D["enable_chunked_prefill"],
+    dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float16 | float32.", rich_help_panel=ENGINE)] = _D["dtype"],
+    kv_cache_dtype: Annotated[str, typer.Option(help="auto | fp8 | fp8_e4m3 (fp8 halves KV memory).", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block (a power of two).", rich_help_panel=ENGINE)] = _D["kvcache_block_size"],
+    num_kvcache_blocks: Annotated[Optional[int], typer.Option(help="Fix the number of KV blocks (default: sized from free memory).", rich_help_panel=ENGINE)] = None,
+    load_format: Annotated[str, typer.Option(help="auto | safetensors | gguf | dummy (random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
+    device: Annotated[str, typer.Option(help="auto | cuda | cpu.", rich_help_panel=ENGINE)] = _D["device"],
+    seed: Annotated[int, typer.Option(help="Engine random seed (a line's own \"seed\" makes that request reproducible).", rich_help_panel=ENGINE)] = _D["seed"],
+    max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per request (default: until EOS or max-model-len).", rich_help_panel=SAMPLING)] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default: the model's generation_config.json, else 1.0).", rich_help_panel=SAMPLING)] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass (default: model's, else 1.0).", rich_help_panel=SAMPLING)] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens; -1 = off (default: model's, else off).", rich_help_panel=SAMPLING)] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p x the top probability (default: model's, else 0).", rich_help_panel=SAMPLING)] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeat the flag for several); cut from the text.", rich_help_panel=SAMPLING)] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS, up to max-tokens.", rich_help_panel=SAMPLING)] = False,
+    logprobs: Annotated[Optional[int], typer.Option(help="Return the sampled token's logprob plus this many alternatives (0-20).", rich_help_panel=SAMPLING)] = None,
+    return_token_ids: Annotated[bool, typer.Option("--return-token-ids", help="Add the generated token ids to each output line.", rich_help_panel=SAMPLING)] = False,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option(metavar="JSON", help='Extra chat template variables, e.g. \'{"enable_thinking": false}\'.', rich_help_panel=SAMPLING)] = None,
+    no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Same as --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3).", rich_help_panel=SAMPLING)] = False,
+    unordered: Annotated[bool, typer.Option("--unordered", help="Write lines as they finish instead of in input order.", rich_help_panel=JOB)] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Skip ids already answered in OUTPUT (repairing a torn last line) and append the rest.", rich_help_panel=JOB)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard, progress or summary on stderr.", rich_help_panel=JOB)] = False,
+    max_in_flight: Annotated[Optional[int], typer.Option(min=1, help="Lines read ahead of the output: in the engine plus waiting to be written in order (default: 4 x max-num-seqs).", rich_help_panel=JOB)] = None,
+) -> None:
+    """Generate a completion for every line of INPUT; write one JSON line per input line.
+
+    Input lines: {"prompt": ...}, {"messages": [...]}, {"prompt_token_ids": [...]}, or OpenAI Batch requests ({"custom_id", "url": "/v1/chat/completions", "body": {...}}), each with an optional "id" and per-line sampling fields. Blank lines are skipped.
+
+    Exit code: 0 every line succeeded, 1 some lines failed (they get error lines), 2 usage error, 130 interrupted (rerun with --resume to finish).
+    """
+    from nvcli.jobs.command import GenerateArgs
+    from nvcli.jobs.command import generate as run_generate
+
+    ctk = _json_object(chat_template_kwargs) or {}
+    if no_thinking:
+        ctk["enable_thinking"] = False
+    engine = dict(
+        model=model,
+        tokenizer=tokenizer,
+        tensor_parallel_size=tensor_parallel_size,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        kvcache_block_size=block_size,
+        num_kvcache_blocks=num_kvcache_blocks,
+        load_format=load_format,
+        device=device,
+        seed=seed,
+    )
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                    stop=stop or None, logprobs=logprobs)
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    if ignore_eos:
+        sampling["ignore_eos"] = True
+    if "max_tokens" not in sampling:
+        sampling["max_tokens"] = None  # SamplingParams' own default (16) is too short for a batch job
+    args = GenerateArgs(
+        input=input,
+        output=output,
+        engine=engine,
+        sampling=sampling,
+        chat_template_kwargs=ctk,
+        return_token_ids=return_token_ids,
+        unordered=unordered,
+        resume=resume,
+        quiet=quiet,
+        max_in_flight=max_in_flight,
+    )
+    raise typer.Exit(run_generate(args))
+
+
+if __name__ == "__main__":
+    app(prog_name="nv")

@@ -1,0 +1,306 @@
+"""What `nv generate` shows on stderr: a Rich Live dashboard on a terminal, one plain progress
+line every few seconds elsewhere, and a summary table at the end. stdout never sees any of it.
+
+The renderers are pure functions of a `JobProgress` snapshot plus rolling rates, so tests
+render them on a recording console with made-up numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import IO, Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from nvcli.jobs.runner import JobProgress, JobResult
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+# -- rolling rates ---------------------------------------------------------------------------
+@dataclass
+class Rates:
+    prompt_tps: float = 0.0  # prompt tokens/s over the last few seconds
+    gen_tps: float = 0.0  # generated tokens/s over the last few seconds
+    lines_ps: float = 0.0  # output lines/s over the last half minute
+    history: tuple[float, ...] = ()  # generated tokens/s, one value per second, oldest first
+
+
+class RateTracker:
+    """Rolling throughput from cumulative counters sampled over time."""
+
+    def __init__(self, window_s: float = 5.0, lines_window_s: float = 30.0, history: int = 60) -> None:
+        self.window_s = window_s
+        self.lines_window_s = lines_window_s
+        self.samples: deque[tuple[float, int, int, int]] = deque()  # (t, prompt, gen, lines)
+        self.history: deque[float] = deque(maxlen=history)
+        self._bucket_t: float | None = None
+        self._bucket_gen = 0
+
+    def add(self, t: float, prompt_tokens: int, gen_tokens: int, lines: int) -> Rates:
+        self.samples.append((t, prompt_tokens, gen_tokens, lines))
+        horizon = max(self.window_s, self.lines_window_s)
+        while len(self.samples) > 2 and t - self.samples[1][0] >= horizon:
+            self.samples.popleft()
+        if self._bucket_t is None:
+            self._bucket_t, self._bucket_gen = t, gen_tokens
+        while t - self._bucket_t >= 1.0:  # one sparkline value per elapsed second
+            self.history.append(max(0.0, (gen_tokens - self._bucket_gen) / (t - self._bucket_t)))
+            self._bucket_t, self._bucket_gen = t, gen_tokens
+        return Rates(
+            prompt_tps=self._rate(t, 1, self.window_s),
+            gen_tps=self._rate(t, 2, self.window_s),
+            lines_ps=self._rate(t, 3, self.lines_window_s),
+            history=tuple(self.history),
+        )
+
+    def _rate(self, t: float, i: int, window: float) -> float:
+        old = next((s for s in self.samples if t - s[0] <= window), self.samples[0])
+        new = self.samples[-1]
+        dt = new[0] - old[0]
+        return max(0.0, (new[i] - old[i]) / dt) if dt > 0 else 0.0
+
+
+def engine_tokens(p: JobProgress) -> tuple[int, int]:
+    """Cumulative (prompt, generated) tokens: live engine counters when there are any."""
+    s = p.stats
+    if s is not None and hasattr(s, "generation_tokens"):
+        return int(s.prompt_tokens), int(s.generation_tokens)
+    return p.prompt_tokens, p.completion_tokens
+
+
+# -- formatting helpers ----------------------------------------------------------------------
+def sparkline(values: tuple[float, ...] | list[float], width: int = 40) -> str:
+    vals = list(values)[-width:]
+    if not vals:
+        return ""
+    top = max(vals)
+    if top <= 0:
+        return SPARK[0] * len(vals)
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in vals)
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None or s != s or s == float("inf"):
+        return "--"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def fmt_num(x: float) -> str:
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:,.1f}"
+
+
+def eta_s(p: JobProgress, rates: Rates) -> float | None:
+    if p.total is None or rates.lines_ps <= 0:
+        return None
+    return max(0, p.total - p.done) / rates.lines_ps
+
+
+def hit_rate(stats: Any) -> float | None:
+    q = getattr(stats, "prefix_cache_query_tokens", 0) or 0
+    return (getattr(stats, "prefix_cache_hit_tokens", 0) or 0) / q if q else None
+
+
+# -- the live view ---------------------------------------------------------------------------
+def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> RenderableType:
+    bar_w = max(10, min(40, width - 60))
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold cyan", no_wrap=True)
+    grid.add_column()
+
+    # requests
+    if p.total:
+        frac = min(1.0, p.done / p.total)
+        req = Text.assemble(
+            (f"{p.done:,} / {p.total:,}", "bold"), f"  {frac:.0%}  ETA {fmt_duration(eta_s(p, rates))}"
+        )
+        grid.add_row("requests", Group(ProgressBar(total=p.total, completed=p.done, width=bar_w), req))
+    else:
+        grid.add_row("requests", Text.assemble((f"{p.done:,}", "bold"), " done (total unknown: reading a stream)"))
+    detail = f"ok {p.written - p.failed:,}   failed {p.failed:,}   in flight {p.in_flight:,}"
+    if p.skipped:
+        detail += f"   resumed past {p.skipped:,}"
+    if p.buffered:
+        detail += f"   waiting to be written in order {p.buffered:,}"
+    grid.add_row("", Text(detail, style="red" if p.failed else ""))
+
+    # throughput
+    grid.add_row(
+        "tokens/s",
+        Text.assemble("prompt ", (fmt_num(rates.prompt_tps), "bold"), "   generation ", (fmt_num(rates.gen_tps), "bold green"),
+                      f"   requests/s {rates.lines_ps:.2f}"),
+    )
+    spark = sparkline(rates.history, width=bar_w + 20)
+    grid.add_row("gen tok/s", Text(spark or "(collecting)", style="green") + Text(
+        f"  peak {fmt_num(max(rates.history))}" if rates.history else "", style="dim"))
+
+    s = p.stats
+    if s is not None:
+        total = int(getattr(s, "kv_blocks_total", 0) or 0)
+        used = int(getattr(s, "kv_blocks_used", 0) or 0)
+        if total:
+            kv = Text(f" {used:,} / {total:,} blocks used ({used / total:.0%}), {total - used:,} free")
+            grid.add_row("KV cache", Group(ProgressBar(total=total, completed=used, width=bar_w,
+                                                       complete_style="magenta", finished_style="red"), kv))
+        hr = hit_rate(s)
+        grid.add_row("prefix cache", f"hit rate {hr:.1%}" if hr is not None else "hit rate --")
+        grid.add_row(
+            "scheduler",
+            f"running {getattr(s, 'num_running', 0):,}   waiting {getattr(s, 'num_waiting', 0):,}   "
+            f"preempted {getattr(s, 'num_preemptions', 0):,}",
+        )
+        step_ms = float(getattr(s, "last_step_time_s", 0.0) or 0.0) * 1000
+        grid.add_row("step", f"{step_ms:.1f} ms   steps {getattr(s, 'num_steps', 0):,}   elapsed {fmt_duration(p.elapsed_s)}")
+    else:
+        grid.add_row("elapsed", fmt_duration(p.elapsed_s))
+    title = f"nv generate · {p.model_name}" if p.model_name else "nv generate"
+    subtitle = "draining: Ctrl-C again to abort" if p.draining else "Ctrl-C to stop"
+    return Panel(grid, title=title, subtitle=subtitle, title_align="left", subtitle_align="right", width=width)
+
+
+def plain_line(p: JobProgress, rates: Rates) -> str:
+    """One progress line for stderr when it is not a terminal."""
+    if p.total:
+        head = f"{p.done}/{p.total} lines ({p.done / p.total:.0%})"
+    else:
+        head = f"{p.done} lines"
+    parts = [head, f"failed {p.failed}", f"prompt {rates.prompt_tps:.0f} tok/s",
+             f"gen {rates.gen_tps:.0f} tok/s"]
+    s = p.stats
+    if s is not None:
+        total = int(getattr(s, "kv_blocks_total", 0) or 0)
+        if total:
+            parts.append(f"KV {int(getattr(s, 'kv_blocks_used', 0) or 0) / total:.0%}")
+        parts.append(f"running {getattr(s, 'num_running', 0)} waiting {getattr(s, 'num_waiting', 0)}")
+    parts.append(f"elapsed {fmt_duration(p.elapsed_s)}")
+    if p.total:
+        parts.append(f"ETA {fmt_duration(eta_s(p, rates))}")
+    if p.draining:
+        parts.append("draining")
+    return "nv: " + " | ".join(parts)
+
+
+# -- the summary -----------------------------------------------------------------------------
+def render_summary(r: JobResult) -> Table:
+    t = Table(title="nv generate: summary", show_header=False, title_justify="left", min_width=44)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    c = r.counts
+    t.add_row("output lines written", f"{r.written:,}")
+    t.add_row("  succeeded", f"{r.succeeded:,}")
+    failed = f"{r.failed:,}"
+    if r.errors:
+        failed += "  (" + ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) + ")"
+    t.add_row("  failed", Text(failed, style="red" if r.failed else ""))
+    if c.skipped:
+        t.add_row("already answered (--resume)", f"{c.skipped:,}" + (f" ({c.skipped_errors} errors)" if c.skipped_errors else ""))
+    if c.blank:
+        t.add_row("blank lines skipped", f"{c.blank:,}")
+    t.add_row("prompt tokens", f"{r.prompt_tokens:,}")
+    t.add_row("generated tokens", f"{r.completion_tokens:,}")
+    t.add_row("elapsed", f"{r.elapsed_s:.2f} s")
+    if r.elapsed_s > 0:
+        t.add_row("requests/s", f"{r.succeeded / r.elapsed_s:,.2f}")
+        t.add_row("output tokens/s", f"{r.completion_tokens / r.elapsed_s:,.1f}")
+        t.add_row("total tokens/s", f"{(r.prompt_tokens + r.completion_tokens) / r.elapsed_s:,.1f}")
+    s = r.stats
+    if s is not None:
+        hr = hit_rate(s)
+        if hr is not None:
+            t.add_row("prefix cache hit rate", f"{hr:.1%}")
+        t.add_row("preemptions", f"{getattr(s, 'num_preemptions', 0):,}")
+    if r.output_closed:
+        t.add_row("stopped", "the output was closed")
+    elif r.aborted:
+        t.add_row("stopped", "aborted (Ctrl-C twice)")
+    elif r.interrupted:
+        t.add_row("stopped", "interrupted (Ctrl-C): rerun with --resume to finish")
+    return t
+
+
+# -- reporters (what the job loop talks to) ---------------------------------------------------
+class LiveDashboard:
+    """Rich Live view on stderr; refreshed by the job loop (no background thread)."""
+
+    def __init__(self, console: Console | None = None, refresh_s: float = 0.25) -> None:
+        self.console = console or Console(stderr=True)
+        self.refresh_s = refresh_s
+        self.tracker = RateTracker()
+        self.live: Live | None = None
+        self._last = 0.0
+
+    def start(self, message: str = "starting") -> None:
+        self.live = Live(Text(message), console=self.console, auto_refresh=False, redirect_stdout=False,
+                         redirect_stderr=True, transient=False)
+        self.live.start(refresh=True)
+
+    def update(self, p: JobProgress) -> None:
+        prompt, gen = engine_tokens(p)
+        rates = self.tracker.add(time.monotonic(), prompt, gen, p.written)
+        if self.live is not None:
+            self.live.update(render_dashboard(p, rates, width=min(100, self.console.width)), refresh=True)
+
+    def log(self, message: str) -> None:
+        self.console.print(f"[yellow]nv:[/] {message}", highlight=False)
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def summary(self, r: JobResult) -> None:
+        self.console.print(render_summary(r))
+
+
+class PlainProgress:
+    """One line every `interval_s` seconds, for logs and CI (stderr is not a terminal)."""
+
+    def __init__(self, stream: IO[str] | None = None, interval_s: float = 5.0) -> None:
+        self.stream = stream or sys.stderr
+        self.interval_s = interval_s
+        self.tracker = RateTracker()
+        self._last: float | None = None
+
+    def start(self, message: str = "starting") -> None:
+        self._write(f"nv: {message}")
+        self._last = time.monotonic()
+
+    def update(self, p: JobProgress) -> None:
+        now = time.monotonic()
+        prompt, gen = engine_tokens(p)
+        rates = self.tracker.add(now, prompt, gen, p.written)
+        if self._last is None or now - self._last >= self.interval_s:
+            self._last = now
+            self._write(plain_line(p, rates))
+
+    def log(self, message: str) -> None:
+        self._write(f"nv: {message}")
+
+    def stop(self) -> None:
+        pass
+
+    def summary(self, r: JobResult) -> None:
+        console = Console(file=self.stream, width=100, no_color=True, highlight=False)
+        console.print(render_summary(r))
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass

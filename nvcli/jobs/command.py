@@ -1,0 +1,244 @@
+"""`nv generate` end to end: check the arguments, load the engine, run the job, report.
+
+cli.py only declares the flags; this module does the work so it can be called and tested
+without Typer. `generate(args)` returns the process exit code:
+0 every line succeeded · 1 some lines failed · 2 usage error · 130 Ctrl-C · 141 output closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from nvcli.config import ConfigError, EngineConfig
+from nvcli.jobs import jsonio
+from nvcli.jobs.requests import Defaults
+from nvcli.jobs.resume import ResumeError, scan_output
+from nvcli.jobs.runner import EXIT_INTERRUPTED, EXIT_USAGE, JobOptions, JobResult, LineCounter, run_job
+from nvcli.sampling_params import SamplingParams
+
+
+class UsageError(Exception):
+    """Bad arguments: printed as `nv: error: ...`, exit code 2."""
+
+
+@dataclass
+class GenerateArgs:
+    input: str
+    output: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig keyword arguments (model included)
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams defaults set by flags
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_token_ids: bool = False
+    unordered: bool = False
+    resume: bool = False
+    quiet: bool = False
+    max_in_flight: int | None = None
+
+
+# The model's generation_config.json may recommend these (vLLM's `--generation-config auto`).
+GEN_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def err(msg: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"nv: {msg}\n")
+        sys.stderr.flush()
+
+
+def generate(args: GenerateArgs) -> int:
+    try:
+        return _generate(args)
+    except UsageError as e:
+        err(f"error: {e}")
+        return EXIT_USAGE
+
+
+def _generate(args: GenerateArgs) -> int:
+    # 1. cheap checks first: nothing slow happens before the arguments are known to be good
+    src_path = _check_input(args.input)
+    out_path = None if args.output in (None, "-") else Path(args.output)
+    if args.resume and out_path is None:
+        raise UsageError("--resume needs an output file (-o OUTPUT): it reads that file to skip answered lines")
+    if out_path is not None:
+        if out_path.is_dir():
+            raise UsageError(f"output {str(out_path)!r} is a directory")
+        if not out_path.parent.exists():
+            raise UsageError(f"cannot write {str(out_path)!r}: directory {str(out_path.parent)!r} does not exist")
+        if src_path is not None and out_path.exists() and out_path.resolve() == src_path.resolve():
+            raise UsageError("the output file is the input file; write to another file")
+    try:
+        SamplingParams(**args.sampling)
+    except ValueError as e:
+        name, _, why = str(e).removeprefix("SamplingParams.").partition(":")
+        raise UsageError(f"--{name.replace('_', '-')}:{why}") from None
+    try:
+        EngineConfig(**{**args.engine, "model": args.engine.get("model") or "default"})
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    done: dict[str, bool] = {}
+    if args.resume and out_path is not None:
+        try:
+            state = scan_output(out_path)
+        except (ResumeError, OSError) as e:
+            raise UsageError(str(e)) from None
+        done = state.done
+        if not args.quiet:
+            note = f"--resume: {state.lines} lines already in {str(out_path)!r}"
+            if state.repaired_bytes:
+                note += f"; cut a torn last line ({state.repaired_bytes} bytes) left by an interrupted run"
+            err(note)
+    if out_path is not None and not os.access(out_path if out_path.exists() else out_path.parent, os.W_OK):
+        raise UsageError(f"cannot write {str(out_path)!r}: permission denied")
+
+    # 2. the engine
+    engine, model_name = _load_engine(args)
+    try:
+        defaults = Defaults(
+            sampling=_sampling_defaults(engine, args),
+            chat_template_kwargs=dict(args.chat_template_kwargs),
+            return_token_ids=args.return_token_ids,
+        )
+        max_num_seqs = int(args.engine.get("max_num_seqs") or EngineConfig.__dataclass_fields__["max_num_seqs"].default)
+        opts = JobOptions(
+            defaults=defaults,
+            ordered=not args.unordered,
+            max_in_flight=args.max_in_flight or max(64, 4 * max_num_seqs),
+            model_name=model_name,
+            done=done,
+        )
+        return _run(engine, args, opts, src_path, out_path)
+    finally:
+        with contextlib.suppress(Exception):
+            engine.shutdown()
+
+
+def _check_input(spec: str) -> Path | None:
+    if spec == "-":
+        return None
+    p = Path(spec)
+    if not p.exists():
+        raise UsageError(f"input file {spec!r} does not exist (use - to read stdin)")
+    if p.is_dir():
+        raise UsageError(f"input {spec!r} is a directory, not a JSONL file")
+    if not os.access(p, os.R_OK):
+        raise UsageError(f"input file {spec!r} is not readable")
+    return p
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConfigError]
+    try:
+        from nvcli.models.resolve import ModelNotFoundError
+
+        types.append(ModelNotFoundError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
+    user_errors = _user_error_types()
+    model = args.engine.get("model")
+    try:
+        if model is None:
+            try:
+                from nvcli.models.resolve import resolve_model
+            except ImportError:
+                raise UsageError("--model is required (no default model is configured)") from None
+            model = str(resolve_model(None))
+        if not args.quiet:
+            err(f"loading model {model} ...")
+        from nvcli.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(EngineConfig(**{**args.engine, "model": model}))
+    except user_errors as e:
+        raise UsageError(str(e)) from None
+    name = args.engine.get("model") or Path(model).name
+    return engine, name
+
+
+def _sampling_defaults(engine: Any, args: GenerateArgs) -> dict[str, Any]:
+    """Command-line flags, on top of the model's own recommendations (generation_config.json)."""
+    sampling = dict(args.sampling)
+    recommended = {k: v for k, v in _generation_config(engine).items() if k not in sampling}
+    if recommended:
+        try:
+            SamplingParams(**{**recommended, **sampling})
+        except ValueError:
+            return sampling
+        sampling = {**recommended, **sampling}
+        if not args.quiet:
+            shown = " ".join(f"{k}={v}" for k, v in recommended.items())
+            err(f"sampling defaults from the model's generation_config.json: {shown} (flags override)")
+    return sampling
+
+
+def _generation_config(engine: Any) -> dict[str, Any]:
+    candidates = [getattr(engine, "model_path", None), getattr(getattr(engine, "config", None), "model", None),
+                  getattr(getattr(engine, "tokenizer", None), "name_or_path", None)]
+    for c in candidates:
+        if not c:
+            continue
+        f = Path(str(c)) / "generation_config.json"
+        if f.is_file():
+            try:
+                cfg = jsonio.loads(f.read_bytes())
+            except (OSError, ValueError):
+                return {}
+            if not isinstance(cfg, dict) or cfg.get("do_sample") is False:
+                return {}
+            return {k: cfg[k] for k in GEN_CONFIG_FIELDS if isinstance(cfg.get(k), (int, float))}
+    return {}
+
+
+def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | None, out_path: Path | None) -> int:
+    from nvcli.dashboard import LiveDashboard, PlainProgress
+
+    counter = None
+    if src_path is not None and stat.S_ISREG(src_path.stat().st_mode):
+        counter = LineCounter(src_path)
+        counter.start()
+    reporter: LiveDashboard | PlainProgress | None = None
+    if not args.quiet:
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        reporter = LiveDashboard(console) if console.is_terminal else PlainProgress(sys.stderr)
+        reporter.start(f"generating with {opts.model_name}")
+    src: BinaryIO = open(src_path, "rb") if src_path is not None else sys.stdin.buffer  # noqa: SIM115
+    dst: BinaryIO = open(out_path, "ab" if args.resume else "wb") if out_path is not None else sys.stdout.buffer  # noqa: SIM115
+    result: JobResult | None = None
+    try:
+        result = run_job(engine, src, dst, opts, reporter, counter)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    finally:
+        if reporter is not None:
+            reporter.stop()
+        if src_path is not None:
+            src.close()
+        if out_path is not None:
+            with contextlib.suppress(OSError):
+                dst.close()
+    if result.output_closed:  # `nv generate ... | head -1`: not an error worth a word
+        _silence_stdout()
+        return result.exit_code
+    if reporter is not None:
+        reporter.summary(result)
+    elif result.failed or result.counts.skipped_errors:
+        err(f"{result.failed + result.counts.skipped_errors} lines failed (their output lines carry an error)")
+    return result.exit_code
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout is gone: point fd 1 at /dev/null so exit-time flushes stay quiet."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

@@ -1,0 +1,151 @@
+"""Build output lines: native results, OpenAI Batch results, and error lines of both shapes.
+
+Native:  {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}
+         (+ "token_ids", + "logprobs" when asked for)
+OpenAI:  {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}
+         with body a chat.completion / text_completion object, or {"error": {...}} and
+         status_code 400 for a line that cannot be served.
+Errors:  {"id", "error": {"type", "message"}} for native lines.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
+from nvcli.outputs import RequestOutput
+
+
+@dataclass
+class FormatContext:
+    model_name: str
+    tokenizer: Any = None  # decodes token ids for logprobs; None: tokens shown as ids
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def error_line(err: LineError) -> dict[str, Any]:
+    if err.shape == NATIVE:
+        return {"id": err.id, "error": {"type": err.kind, "message": err.message}}
+    body = {"error": {"message": err.message, "type": "invalid_request_error", "param": None, "code": err.kind}}
+    return _envelope(err.id, err.custom_id, 400, body)
+
+
+def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[str, Any]:
+    comp = out.outputs[0]
+    n_prompt = len(out.prompt_token_ids)
+    n_gen = len(comp.token_ids)
+    want_lp = req.sampling_params.logprobs is not None and comp.logprobs is not None
+    if req.shape == NATIVE:
+        line: dict[str, Any] = {
+            "id": req.id,
+            "text": comp.text,
+            "finish_reason": comp.finish_reason,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen},
+        }
+        if req.return_token_ids:
+            line["token_ids"] = list(comp.token_ids)
+        if want_lp:
+            line["logprobs"] = _native_logprobs(comp.token_ids, comp.logprobs, req.sampling_params.logprobs, ctx)
+        return line
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    if req.shape == CHAT:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": comp.text},
+            "logprobs": _chat_logprobs(comp.token_ids, comp.logprobs, req.sampling_params.logprobs, ctx)
+            if want_lp
+            else None,
+            "finish_reason": comp.finish_reason,
+        }
+        obj, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {
+            "index": 0,
+            "text": comp.text,
+            "logprobs": _completion_logprobs(comp.token_ids, comp.logprobs, req.sampling_params.logprobs, ctx)
+            if want_lp
+            else None,
+            "finish_reason": comp.finish_reason,
+        }
+        obj, prefix = "text_completion", "cmpl"
+    if req.return_token_ids:
+        choice["token_ids"] = list(comp.token_ids)
+    body = {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": obj,
+        "created": ctx.created,
+        "model": ctx.model_name,
+        "choices": [choice],
+        "usage": usage,
+    }
+    return _envelope(req.id, req.custom_id, 200, body)
+
+
+def _envelope(rid: str | int, custom_id: str | None, status: int, body: dict) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": f"nv-batch-{uuid.uuid4().hex}", "body": body},
+        "error": None,
+    }
+
+
+def _token_str(tid: int, ctx: FormatContext) -> str:
+    if ctx.tokenizer is None:
+        return f"token_id:{tid}"
+    return ctx.tokenizer.decode([tid])
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k] if k > 0 else []
+
+
+def _lp(entry: dict[int, float], tid: int) -> float | None:
+    v = entry.get(tid)
+    return None if v is None else float(v)
+
+
+def _native_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ctx: FormatContext) -> list[dict]:
+    out = []
+    for tid, entry in zip(token_ids, lps, strict=False):
+        item: dict[str, Any] = {"token_id": tid, "token": _token_str(tid, ctx), "logprob": _lp(entry, tid)}
+        if k > 0:
+            item["top_logprobs"] = [
+                {"token_id": t, "token": _token_str(t, ctx), "logprob": float(v)} for t, v in _top(entry, k)
+            ]
+        out.append(item)
+    return out
+
+
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ctx: FormatContext) -> dict:
+    content = []
+    for tid, entry in zip(token_ids, lps, strict=False):
+        tok = _token_str(tid, ctx)
+        content.append(
+            {
+                "token": tok,
+                "logprob": _lp(entry, tid),
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (s := _token_str(t, ctx)), "logprob": float(v), "bytes": list(s.encode("utf-8"))}
+                    for t, v in _top(entry, k)
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ctx: FormatContext) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for tid, entry in zip(token_ids, lps, strict=False):
+        tok = _token_str(tid, ctx)
+        tokens.append(tok)
+        token_lps.append(_lp(entry, tid))
+        tops.append({_token_str(t, ctx): float(v) for t, v in _top(entry, k)} if k > 0 else None)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,354 @@
+"""Turn one JSONL input line into a request (or a per-line error), for every input shape.
+
+Shapes (DESIGN.md §1):
+- native: `{"prompt": str}`, `{"messages": [...]}` or `{"prompt_token_ids": [int, ...]}`, with
+  optional `id` and sampling fields at the top level;
+- OpenAI Batch envelope: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
+  "/v1/completions", "body": {...}}`, answered in the OpenAI Batch output shape.
+
+A line's id is its `id`, else its `custom_id`, else its 0-based line number. Per-line sampling
+fields override the command-line defaults. Nothing here touches the engine: chat rendering and
+tokenization happen in the reader, so this module is testable without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nvcli.jobs import jsonio
+from nvcli.sampling_params import SamplingParams
+
+NATIVE = "native"
+CHAT = "chat"  # OpenAI /v1/chat/completions envelope
+COMPLETION = "completion"  # OpenAI /v1/completions envelope
+OPENAI_SHAPES = (CHAT, COMPLETION)
+URLS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
+
+# Error kinds (the "type" of an error line).
+INVALID_JSON = "invalid_json"
+INVALID_REQUEST = "invalid_request"
+PROMPT_TOO_LONG = "prompt_too_long"
+DUPLICATE_ID = "duplicate_id"
+ENGINE_ERROR = "engine_error"
+
+# SamplingParams fields a line may set directly (vLLM names).
+SAMPLING_FIELDS = (
+    "n",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids")
+# Body fields of OpenAI requests that we accept and ignore (no effect on generation).
+_OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls")
+# OpenAI sampling knobs we do not implement: accepted only at their neutral value.
+_OPENAI_NEUTRAL = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": None,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
+
+
+@dataclass
+class Defaults:
+    """Job-wide defaults: command-line sampling flags, chat template kwargs, output extras."""
+
+    sampling: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_token_ids: bool = False
+
+
+@dataclass
+class Request:
+    """A line that passed validation: what to generate and how to answer it."""
+
+    line_no: int
+    id: str | int
+    key: str
+    shape: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    custom_id: str | None = None
+    return_token_ids: bool = False
+    ordinal: int = -1  # position among output lines, assigned by the reader
+
+
+@dataclass
+class LineError:
+    """A line that cannot be served; it is answered with one error line."""
+
+    line_no: int
+    id: str | int
+    key: str
+    shape: str
+    kind: str
+    message: str
+    custom_id: str | None = None
+    ordinal: int = -1
+
+
+class _Invalid(Exception):
+    def __init__(self, message: str, kind: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def id_key(value: str | int) -> str:
+    """Canonical key of an id: "5" and 5 are different ids; the key never looks at prompts."""
+    return f"s:{value}" if isinstance(value, str) else f"i:{value}"
+
+
+def parse_line(
+    raw: bytes | str,
+    line_no: int,
+    defaults: Defaults,
+    warn: Callable[[str], None] | None = None,
+    fallback_shape: str = NATIVE,
+) -> Request | LineError:
+    """Parse one non-blank input line. `line_no` is 0-based; `fallback_shape` is used for lines
+    too broken to tell their shape (a file of OpenAI requests keeps OpenAI-shaped errors)."""
+    try:
+        obj = jsonio.loads(raw)
+    except (jsonio.JSONDecodeError, ValueError) as e:
+        return _error(line_no, line_no, fallback_shape, INVALID_JSON, f"line {line_no + 1} is not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        return _error(
+            line_no, line_no, fallback_shape, INVALID_REQUEST,
+            f"line {line_no + 1} must be a JSON object, got {_json_type(obj)}",
+        )
+    shape = NATIVE
+    custom_id = obj.get("custom_id")
+    rid: Any = obj.get("id", custom_id)
+    if rid is None:
+        rid = line_no
+    if not _valid_id(rid):
+        name = "id" if "id" in obj else "custom_id"
+        return _error(
+            line_no, line_no, fallback_shape, INVALID_REQUEST,
+            f"{name} must be a string or an integer, got {_json_type(rid)}",
+        )
+    if custom_id is not None and not isinstance(custom_id, str):
+        custom_id = str(custom_id) if _valid_id(custom_id) else None
+    try:
+        if "url" in obj or "body" in obj:
+            url = obj.get("url")
+            shape = URLS.get(url, CHAT) if isinstance(url, str) else CHAT  # errors: OpenAI-shaped either way
+            shape, req = _parse_openai(obj, line_no, rid, defaults, warn)
+        else:
+            req = _parse_native(obj, line_no, rid, defaults, warn)
+    except _Invalid as e:
+        return _error(line_no, rid, shape, e.kind, str(e), custom_id)
+    req.custom_id = custom_id
+    return req
+
+
+def _error(line_no: int, rid: str | int, shape: str, kind: str, message: str, custom_id: str | None = None) -> LineError:
+    return LineError(line_no, rid, id_key(rid), shape, kind, message, custom_id)
+
+
+def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None) -> Request:
+    _warn_unknown(obj, set(_NATIVE_OWN) | set(SAMPLING_FIELDS), "", warn)
+    given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in obj]
+    if not given:
+        raise _Invalid("missing prompt: give one of \"prompt\", \"messages\" or \"prompt_token_ids\"")
+    if len(given) > 1:
+        raise _Invalid(f"give only one of \"prompt\", \"messages\" or \"prompt_token_ids\" (got {', '.join(given)})")
+    overrides = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+    if overrides.get("logprobs") is True:
+        overrides["logprobs"] = 0
+    elif overrides.get("logprobs") is False:
+        overrides["logprobs"] = None
+    req = Request(line_no, rid, id_key(rid), NATIVE, _sampling(defaults, overrides))
+    req.return_token_ids = _bool(obj, "return_token_ids", defaults.return_token_ids)
+    _fill_prompt(req, obj, given[0], defaults)
+    return req
+
+
+def _parse_openai(
+    obj: dict, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None
+) -> tuple[str, Request]:
+    url = obj.get("url")
+    shape = URLS.get(url) if isinstance(url, str) else None
+    if shape is None:
+        raise _Invalid(f"unknown url {url!r}: nv serves {' and '.join(URLS)}")
+    method = obj.get("method", "POST")
+    if method != "POST":
+        raise _Invalid(f"method must be \"POST\", got {method!r}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _Invalid(f"body must be a JSON object, got {_json_type(body)}")
+    return shape, _parse_openai_body(body, shape, line_no, rid, defaults, warn)
+
+
+def _parse_openai_body(
+    body: dict, shape: str, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None
+) -> Request:
+    common = (
+        "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+        "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n",
+    )
+    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs"}
+    if shape == CHAT:
+        known |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+    else:
+        known |= {"prompt"}
+    _warn_unknown(body, known, "body.", warn)
+    for name, neutral in _OPENAI_NEUTRAL.items():
+        value = body.get(name, neutral)
+        if value != neutral and not (value in ({}, []) and neutral is None):
+            raise _Invalid(f"body.{name}={value!r} is not supported by nv (leave it out)")
+    overrides = {k: body[k] for k in common if k in body and body[k] is not None}
+    if shape == CHAT:
+        if body.get("max_completion_tokens") is not None:
+            overrides["max_tokens"] = body["max_completion_tokens"]
+        lp, top = body.get("logprobs"), body.get("top_logprobs")
+        if lp not in (None, True, False):
+            raise _Invalid(f"body.logprobs must be true or false for chat completions, got {lp!r}")
+        if top is not None and not lp:
+            raise _Invalid("body.top_logprobs needs body.logprobs=true")
+        if lp:
+            overrides["logprobs"] = 0 if top is None else top
+        req = Request(line_no, rid, id_key(rid), CHAT, _sampling(defaults, overrides, prefix="body."))
+        _fill_prompt(req, body, "messages", defaults, prefix="body.")
+    else:
+        if body.get("logprobs") is not None:
+            overrides["logprobs"] = body["logprobs"]
+        req = Request(line_no, rid, id_key(rid), COMPLETION, _sampling(defaults, overrides, prefix="body."))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if prompt is None:
+            raise _Invalid("missing prompt: body.prompt is required for /v1/completions")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise _Invalid("body.prompt holds several prompts: put one prompt per line")
+        key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
+        _fill_prompt(req, {key: prompt}, key, defaults, prefix="body.")
+    req.return_token_ids = _bool(body, "return_token_ids", defaults.return_token_ids, prefix="body.")
+    return req
+
+
+def _fill_prompt(req: Request, obj: dict, key: str, defaults: Defaults, prefix: str = "") -> None:
+    value = obj[key]
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise _Invalid(f"{prefix}prompt must be a string, got {_json_type(value)}")
+        if value == "":
+            raise _Invalid(f"{prefix}prompt is empty")
+        req.prompt = value
+    elif key == "prompt_token_ids":
+        name = prefix + ("prompt" if prefix else "prompt_token_ids")
+        if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+            raise _Invalid(f"{name} must be a list of non-negative integer token ids")
+        if not value:
+            raise _Invalid(f"{name} is empty")
+        req.prompt_token_ids = value
+    else:
+        req.messages = _messages(value, prefix)
+        kwargs = obj.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise _Invalid(f"{prefix}chat_template_kwargs must be a JSON object, got {_json_type(kwargs)}")
+        req.chat_template_kwargs = {**defaults.chat_template_kwargs, **(kwargs or {})}
+
+
+def _messages(value: Any, prefix: str) -> list[dict[str, Any]]:
+    name = prefix + "messages"
+    if not isinstance(value, list):
+        raise _Invalid(f"{name} must be a list of {{\"role\", \"content\"}} objects, got {_json_type(value)}")
+    if not value:
+        raise _Invalid(f"{name} is empty")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise _Invalid(f"{name}[{i}] must be an object with \"role\" and \"content\", got {_json_type(m)}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise _Invalid(f"{name}[{i}].role must be a non-empty string")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _Invalid(f"{name}[{i}].content[{j}]: only {{\"type\": \"text\", \"text\": ...}} parts are supported")
+                texts.append(part["text"])
+            m = {**m, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise _Invalid(f"{name}[{i}].content must be a string or a list of text parts, got {_json_type(content)}")
+        out.append(m)
+    return out
+
+
+def _sampling(defaults: Defaults, overrides: dict[str, Any], prefix: str = "") -> SamplingParams:
+    merged = {**defaults.sampling, **overrides}
+    for k in _INT_FIELDS:  # 10.0 -> 10, as a lenient JSON client would
+        v = merged.get(k)
+        if isinstance(v, float) and math.isfinite(v) and v == int(v):
+            merged[k] = int(v)
+    try:
+        return SamplingParams(**merged)
+    except ValueError as e:
+        raise _Invalid(prefix + str(e).removeprefix("SamplingParams.")) from None
+
+
+def _bool(obj: dict, key: str, default: bool, prefix: str = "") -> bool:
+    v = obj.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _Invalid(f"{prefix}{key} must be true or false, got {_json_type(v)}")
+    return v
+
+
+def _warn_unknown(obj: dict, known: set[str], prefix: str, warn: Callable[[str], None] | None) -> None:
+    if warn is None:
+        return
+    for k in obj:
+        if k not in known and k not in ("url", "method", "body"):
+            warn(f"ignoring unknown field {prefix}{k!r}")
+
+
+def _valid_id(v: Any) -> bool:
+    return isinstance(v, str) or _is_int(v)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return f"a number ({v})"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__

@@ -1,0 +1,305 @@
+"""The job loop: the main thread steps the engine, the reader thread feeds it, lines go out.
+
+    reader thread ──add_request──▶ engine ◀──step()── main thread ──▶ LineWriter ──▶ JSONL
+          └──────── events (error lines, wake-ups, eof) ─────────────▶┘
+
+The engine lives on the main thread only (add_request is its one thread-safe entry point).
+Ctrl-C once: stop reading, finish the requests already in the engine, write them, exit 130.
+Ctrl-C twice: abort what is running, write every finished line at once, exit 130.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+from nvcli.jobs.formatting import FormatContext, error_line, result_line
+from nvcli.jobs.reader import InputReader, ReaderCounts
+from nvcli.jobs.requests import ENGINE_ERROR, Defaults, LineError, Request
+from nvcli.jobs.writer import LineWriter, OutputClosed
+
+EXIT_OK = 0
+EXIT_LINE_ERRORS = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE, as `seq 1e9 | head -1` reports under pipefail
+
+
+@dataclass
+class JobOptions:
+    defaults: Defaults = field(default_factory=Defaults)
+    ordered: bool = True
+    max_in_flight: int = 1024  # lines in the engine plus lines in the reorder buffer
+    model_name: str = "model"
+    done: dict[str, bool] = field(default_factory=dict)  # --resume: id key -> was an error line
+    handle_sigint: bool = True
+
+
+@dataclass
+class JobProgress:
+    """What the dashboard shows; a snapshot taken on the main thread."""
+
+    elapsed_s: float
+    written: int  # output lines written by this run
+    failed: int  # ... of which error lines
+    skipped: int  # lines answered by an earlier run (--resume)
+    read: int  # input lines read so far
+    in_flight: int  # requests in the engine
+    buffered: int  # finished lines waiting for earlier ones (ordered output)
+    total: int | None  # non-blank input lines, when known (files); None for pipes
+    prompt_tokens: int
+    completion_tokens: int
+    stats: Any = None  # EngineStats, or None
+    draining: bool = False
+    model_name: str = ""
+
+    @property
+    def done(self) -> int:
+        return self.written + self.skipped
+
+
+class Reporter(Protocol):
+    def update(self, progress: JobProgress) -> None: ...
+    def log(self, message: str) -> None: ...
+
+
+@dataclass
+class JobResult:
+    written: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    counts: ReaderCounts = field(default_factory=ReaderCounts)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    elapsed_s: float = 0.0
+    interrupted: bool = False  # Ctrl-C: the input was not read to its end
+    aborted: bool = False  # second Ctrl-C: running requests were dropped
+    output_closed: bool = False  # our reader went away (BrokenPipe)
+    stats: Any = None
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+    @property
+    def succeeded(self) -> int:
+        return self.written - self.failed
+
+    @property
+    def exit_code(self) -> int:
+        if self.output_closed:
+            return EXIT_OUTPUT_CLOSED
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if self.failed or self.counts.skipped_errors:
+            return EXIT_LINE_ERRORS
+        return EXIT_OK
+
+
+class LineCounter(threading.Thread):
+    """Count the non-blank lines of an input file in the background (for the ETA)."""
+
+    def __init__(self, path: Path | str) -> None:
+        super().__init__(name="nv-line-counter", daemon=True)
+        self.path = Path(path)
+        self.total: int | None = None
+
+    def run(self) -> None:
+        n = 0
+        try:
+            with open(self.path, "rb") as f:
+                for raw in f:
+                    if raw.strip():
+                        n += 1
+        except OSError:
+            return
+        self.total = n
+
+
+class _Job:
+    def __init__(self, engine: Any, src: BinaryIO, dst: BinaryIO, opts: JobOptions,
+                 reporter: Reporter | None, counter: LineCounter | None) -> None:
+        self.engine = engine
+        self.opts = opts
+        self.reporter = reporter
+        self.counter = counter
+        self.events: queue.Queue = queue.Queue()
+        self.slots = threading.Semaphore(max(1, opts.max_in_flight))
+        self.pending: dict[str, Request] = {}
+        self.reader = InputReader(src, engine, opts.defaults, self.events, self.slots, self.pending, opts.done)
+        self.writer = LineWriter(dst, ordered=opts.ordered, slots=self.slots)
+        self.ctx = FormatContext(model_name=opts.model_name, tokenizer=getattr(engine, "tokenizer", None))
+        self.result = JobResult(counts=self.reader.counts)
+        self.reader_done = False
+        self.draining = False
+        self.interrupts = 0
+        self.t0 = time.monotonic()
+        self.last_report = 0.0
+
+    # -- signals -------------------------------------------------------------------------
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.interrupts += 1
+        if self.interrupts >= 3:
+            raise KeyboardInterrupt
+
+    # -- main loop -----------------------------------------------------------------------
+    def run(self) -> JobResult:
+        old = None
+        if self.opts.handle_sigint and threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGINT, self._on_sigint)
+        self.reader.start()
+        try:
+            self._loop()
+        except OutputClosed:
+            self.result.output_closed = True
+            self._abort_all()
+        except BaseException:
+            self._abort_all()
+            try:
+                self.writer.flush_buffered()
+            except OutputClosed:
+                pass
+            raise
+        finally:
+            self.reader.stop()
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+            self.result.written = self.writer.written
+            self.result.errors = self.writer.errors
+            self.result.elapsed_s = time.monotonic() - self.t0
+            self.result.stats = _stats(self.engine)
+            self._report(force=True)
+        return self.result
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished()
+            self._drain_events(block=not busy)
+            if self.interrupts and not self.draining:
+                self.draining = True
+                self.result.interrupted = True
+                self.reader.stop()
+                self._log("interrupted: finishing the requests in flight (Ctrl-C again to abort them)")
+            if self.interrupts >= 2:
+                self.result.aborted = True
+                self._abort_all()
+                n = self.writer.flush_buffered()
+                self._log(f"aborted: dropped the requests in flight, wrote {n} finished lines out of order")
+                return
+            if engine.has_unfinished():
+                for out in engine.step():
+                    self._finish(out)
+            elif (self.reader_done or self.draining) and self.events.empty():
+                if self.pending:  # the engine forgot requests it accepted: answer them anyway
+                    for rid in list(self.pending):
+                        req = self.pending.pop(rid)
+                        err = LineError(req.line_no, req.id, req.key, req.shape, ENGINE_ERROR,
+                                        "the engine dropped this request without an answer", req.custom_id)
+                        self.writer.put(req.ordinal, error_line(err), ENGINE_ERROR)
+                    continue
+                return
+            self._report()
+
+    def _drain_events(self, block: bool) -> None:
+        timeout = 0.05 if block else None
+        while True:
+            try:
+                ev = self.events.get(timeout=timeout) if timeout else self.events.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            kind = ev[0]
+            if kind == "line":
+                self.writer.put(ev[1], ev[2], ev[3])
+            elif kind == "eof":
+                self.reader_done = True
+            elif kind == "warn":
+                self._log(ev[1])
+            elif kind == "failed":
+                raise RuntimeError(f"reading the input failed: {ev[1]}") from ev[1]
+
+    def _finish(self, out: Any) -> None:
+        req = self.pending.pop(out.request_id, None)
+        if req is None:
+            return
+        try:
+            line = result_line(req, out, self.ctx)
+            kind = None
+        except Exception as e:  # noqa: BLE001 - a formatting bug must not cost the line
+            err = LineError(req.line_no, req.id, req.key, req.shape, ENGINE_ERROR,
+                            f"could not format the output: {e}", req.custom_id)
+            line, kind = error_line(err), ENGINE_ERROR
+        if kind is None:
+            self.result.prompt_tokens += len(out.prompt_token_ids)
+            self.result.completion_tokens += len(out.outputs[0].token_ids)
+        self.writer.put(req.ordinal, line, kind)
+
+    def _abort_all(self) -> None:
+        self.reader.stop()
+        for rid in list(self.pending):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001, S110 - best effort on the way out
+                pass
+        self.pending.clear()
+
+    # -- progress ------------------------------------------------------------------------
+    def _log(self, msg: str) -> None:
+        if self.reporter is not None:
+            self.reporter.log(msg)
+
+    def _report(self, force: bool = False) -> None:
+        if self.reporter is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_report < 0.25:
+            return
+        self.last_report = now
+        self.reporter.update(self.progress(now))
+
+    def progress(self, now: float | None = None) -> JobProgress:
+        now = time.monotonic() if now is None else now
+        c = self.reader.counts
+        return JobProgress(
+            elapsed_s=now - self.t0,
+            written=self.writer.written,
+            failed=sum(self.writer.errors.values()),
+            skipped=c.skipped,
+            read=c.lines - c.blank,
+            in_flight=len(self.pending),
+            buffered=self.writer.buffered,
+            total=self.counter.total if self.counter is not None else None,
+            prompt_tokens=self.result.prompt_tokens,
+            completion_tokens=self.result.completion_tokens,
+            stats=_stats(self.engine),
+            draining=self.draining,
+            model_name=self.opts.model_name,
+        )
+
+
+def _stats(engine: Any) -> Any:
+    fn = getattr(engine, "stats", None)
+    if fn is None:
+        return None
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - the dashboard must never end a job
+        return None
+
+
+def run_job(
+    engine: Any,
+    src: BinaryIO,
+    dst: BinaryIO,
+    opts: JobOptions | None = None,
+    reporter: Reporter | None = None,
+    counter: LineCounter | None = None,
+) -> JobResult:
+    """Serve every line of `src` with `engine`, writing one output line per input line to `dst`."""
+    return _Job(engine, src, dst, opts or JobOptions(), reporter, counter).run()

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import json
+
+from nvcli.jobs.requests import (
+    CHAT,
+    COMPLETION,
+    DUPLICATE_ID,
+    INVALID_JSON,
+    INVALID_REQUEST,
+    NATIVE,
+    Defaults,
+    LineError,
+    Request,
+    id_key,
+    parse_line,
+)
+
+
+def parse(obj, line_no: int = 0, defaults: Defaults | None = None, warn=None):
+    raw = obj if isinstance(obj, (bytes, str)) else json.dumps(obj)
+    return parse_line(raw, line_no, defaults or Defaults(sampling={"max_tokens": None}), warn)
+
+
+def test_native_prompt_with_overrides():
+    r = parse({"id": "a", "prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": ["x"], "seed": 3}, 7,
+              Defaults(sampling={"max_tokens": 100, "temperature": 0.8, "top_p": 0.9}))
+    assert isinstance(r, Request)
+    assert (r.id, r.key, r.shape, r.prompt) == ("a", "s:a", NATIVE, "hi")
+    sp = r.sampling_params
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.stop_list, sp.seed) == (5, 0, 0.9, ["x"], 3)
+
+
+def test_ids_default_to_custom_id_then_line_number():
+    assert parse({"prompt": "x"}, 12).id == 12
+    assert parse({"prompt": "x", "custom_id": "c"}, 12).id == "c"
+    assert parse({"prompt": "x", "custom_id": "c", "id": 4}, 12).id == 4
+    assert id_key(4) != id_key("4")
+
+
+def test_messages_and_token_ids():
+    r = parse({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+               "chat_template_kwargs": {"x": 1}}, defaults=Defaults(chat_template_kwargs={"enable_thinking": False}))
+    assert r.messages[0]["content"] == "a\nb"
+    assert r.chat_template_kwargs == {"enable_thinking": False, "x": 1}
+    r = parse({"prompt_token_ids": [1, 2, 3], "logprobs": True, "return_token_ids": True})
+    assert r.prompt_token_ids == [1, 2, 3] and r.sampling_params.logprobs == 0 and r.return_token_ids
+
+
+def test_openai_chat_envelope():
+    r = parse({"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                        "max_completion_tokens": 7, "temperature": 0.2, "logprobs": True, "top_logprobs": 2}})
+    assert isinstance(r, Request)
+    assert (r.shape, r.id, r.custom_id) == (CHAT, "req-1", "req-1")
+    assert (r.sampling_params.max_tokens, r.sampling_params.temperature, r.sampling_params.logprobs) == (7, 0.2, 2)
+
+
+def test_openai_completion_envelope():
+    r = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["once"], "max_tokens": 3, "stop": "."}})
+    assert (r.shape, r.prompt, r.sampling_params.max_tokens, r.sampling_params.stop_list) == (COMPLETION, "once", 3, ["."])
+    r = parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": [1, 2], "max_tokens": 3}})
+    assert r.prompt_token_ids == [1, 2]
+
+
+def test_bad_lines_become_errors_with_messages():
+    cases = [
+        (b'{"prompt": "x"', INVALID_JSON, "not valid JSON"),
+        (b"[1, 2]", INVALID_REQUEST, "must be a JSON object"),
+        ({"id": "a"}, INVALID_REQUEST, "missing prompt"),
+        ({"prompt": ""}, INVALID_REQUEST, "prompt is empty"),
+        ({"prompt": 5}, INVALID_REQUEST, "prompt must be a string"),
+        ({"prompt": "x", "max_tokens": "ten"}, INVALID_REQUEST, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, INVALID_REQUEST, "temperature"),
+        ({"messages": []}, INVALID_REQUEST, "messages is empty"),
+        ({"messages": [{"content": "x"}]}, INVALID_REQUEST, "role"),
+        ({"prompt_token_ids": [1, "a"]}, INVALID_REQUEST, "token ids"),
+        ({"prompt": "x", "messages": []}, INVALID_REQUEST, "only one of"),
+        ({"id": [1], "prompt": "x"}, INVALID_REQUEST, "id must be a string or an integer"),
+        ({"custom_id": "z", "url": "/v1/embeddings", "body": {}}, INVALID_REQUEST, "unknown url"),
+        ({"custom_id": "z", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], "n": 2}},
+         INVALID_REQUEST, "n=1"),
+        ({"custom_id": "z", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}],
+                                                                     "frequency_penalty": 0.5}}, INVALID_REQUEST, "not supported"),
+    ]
+    for line, kind, words in cases:
+        r = parse(line, 3)
+        assert isinstance(r, LineError), line
+        assert r.kind == kind, (line, r)
+        assert words in r.message, (line, r.message)
+    assert parse(b"{bad", 3).id == 3
+    assert parse({"custom_id": "z", "url": "/v1/embeddings", "body": {}}).shape in (CHAT, COMPLETION)
+    assert DUPLICATE_ID  # produced by the reader, which sees every line
+
+
+def test_unknown_fields_warn():
+    seen = []
+    r = parse({"prompt": "x", "max_token": 3}, warn=seen.append)
+    assert isinstance(r, Request) and seen and "max_token" in seen[0]
+
+
+def test_integral_floats_accepted():
+    assert parse({"prompt": "x", "max_tokens": 10.0}).sampling_params.max_tokens == 10
