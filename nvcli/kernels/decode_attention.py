@@ -164,7 +164,9 @@ def _decode_reduce_kernel(
         other=0.0,
     )  # [SPLITS_PAD, HEAD_DIM]
     o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty)
+    )
 
 
 @lru_cache(maxsize=16)

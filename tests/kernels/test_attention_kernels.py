@@ -1,0 +1,237 @@
+"""Triton paged attention kernels against the torch references (Triton interpreter on CPU).
+
+Shapes are tiny because the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvcli.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
+from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
+from nvcli.kernels.reference import paged_attention_ref, paged_decode_attention_ref
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIM = 32
+SCALE = HEAD_DIM**-0.5
+
+# the interpreter converts loop bounds with int(ndarray), which numpy >= 1.25 flags
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def make_paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    block_size: int,
+    gen: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+    head_dim: int = HEAD_DIM,
+    table_width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches and block tables whose blocks are shuffled (non-contiguous) across sequences."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # a few blocks nobody owns
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    width = max(table_width or 0, max(blocks_per_seq) + 1)
+    # padding entries point at a valid block, as the engine's padded tables do
+    tables = torch.full((len(seq_lens), width), int(perm[-1]), dtype=torch.int32)
+    i = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = perm[i : i + n]
+        i += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    return k_cache, v_cache, tables
+
+
+def quantize(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 cache, its float32 dequantisation) quantised the way store_kvcache_triton does."""
+    q = (cache.float() / scale).clamp(-448.0, 448.0).to(FP8)
+    return q, q.float() * scale
+
+
+def decode_ref(q, k_cache, v_cache, tables, seq_lens) -> torch.Tensor:
+    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    out[seq_lens == 0] = 0.0  # the reference leaves empty rows unset; the kernel writes zeros
+    return out
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, atol: float = 2e-4, rtol: float = 1e-3) -> None:
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_gqa_block_boundaries(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + block_size)
+    lens = [15, 16, 17, 31, 32, 33, 1, 0]
+    k_cache, v_cache, tables = make_paged_kv(lens, num_kv_heads, block_size, gen)
+    q = torch.randn(len(lens), num_heads, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
+    assert (out[seq_lens == 0] == 0).all()
+
+
+@pytest.mark.parametrize("num_splits,block_n", [(None, 16), (3, 16), (8, 64)])
+def test_decode_splits(num_splits: int | None, block_n: int) -> None:
+    """Split-KV paths, including splits that start past a sequence's end and seq_len 0."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [100, 33, 16, 1, 0]
+    # wide padded tables, like a CUDA graph's: the default split count comes from the width
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen, table_width=16)
+    if num_splits is None:
+        assert choose_num_splits(len(lens), 2, tables.shape[1] * 16, block_n, 132) > 1
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(
+        q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=num_splits, block_n=block_n
+    )
+    assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_decode_large_pages(block_size: int) -> None:
+    gen = torch.Generator().manual_seed(block_size)
+    lens = [block_size + 5, 20]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, block_size, gen)
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2)
+    assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
+
+
+def test_decode_fp16_strided_q() -> None:
+    gen = torch.Generator().manual_seed(3)
+    lens = [40, 9]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen, dtype=torch.float16)
+    # q as a strided view of a fused qkv tensor
+    qkv = torch.randn(len(lens), 8 * HEAD_DIM, generator=gen).to(torch.float16)
+    q = qkv[:, : 4 * HEAD_DIM].view(len(lens), 4, HEAD_DIM)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    assert out.dtype == torch.float16
+    assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("scale_kind", ["float", "tensor"])
+def test_decode_fp8_cache(scale_kind: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    lens = [50, 17, 0]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    ks, vs = 0.01, 0.02
+    k8, k_deq = quantize(k_cache * 2.0, ks)
+    v8, v_deq = quantize(v_cache, vs)
+    q = torch.randn(len(lens), 8, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if scale_kind == "tensor":
+        k_scale, v_scale = torch.tensor([ks]), torch.tensor(vs)
+    else:
+        k_scale, v_scale = ks, vs
+    out = paged_decode_attention_triton(q, k8, v8, tables, seq_lens, SCALE, k_scale, v_scale, num_splits=2)
+    assert_close(out, decode_ref(q, k_deq, v_deq, tables, seq_lens))
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def _packed(q_lens: list[int], num_heads: int, gen: torch.Generator, dtype=torch.float32):
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(qsl[-1]), num_heads, HEAD_DIM, generator=gen).to(dtype)
+    return q, qsl
+
+
+def _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, **kw) -> torch.Tensor:
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    return paged_prefill_attention_triton(
+        q, k_cache, v_cache, qsl, seq_lens, tables, max(q_lens), int(seq_lens.max()), SCALE, **kw
+    )
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_mixed_batch(num_heads: int, num_kv_heads: int, block_size: int) -> None:
+    """Full prompts, prefix-cache hits / chunked prefill (q_len < seq_len) and decodes together."""
+    gen = torch.Generator().manual_seed(num_heads * 100 + num_kv_heads * 10 + block_size + 1)
+    seq_lens_l = [33, 40, 17, 16, 31, 5]
+    q_lens = [33, 24, 1, 16, 1, 3]  # full, prefix hit of 16, decode, full, decode, chunk
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, num_kv_heads, block_size, gen)
+    q, qsl = _packed(q_lens, num_heads, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 64)])
+def test_prefill_tile_shapes(block_m: int, block_n: int) -> None:
+    """Several query blocks per sequence and KV tiles that straddle pages and the diagonal."""
+    gen = torch.Generator().manual_seed(block_m + block_n)
+    seq_lens_l = [70, 45]
+    q_lens = [38, 45]
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen)
+    q, qsl = _packed(q_lens, 4, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, block_m=block_m, block_n=block_n)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    assert_close(out, ref)
+
+
+def test_prefill_large_pages_and_empty_query() -> None:
+    gen = torch.Generator().manual_seed(5)
+    seq_lens_l = [70, 9, 20]
+    q_lens = [20, 0, 20]  # a sequence without queries this step
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 64, gen)
+    q, qsl = _packed(q_lens, 4, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    assert_close(out, ref)
+
+
+def test_prefill_fp16() -> None:
+    gen = torch.Generator().manual_seed(9)
+    seq_lens_l = [40, 20]
+    q_lens = [40, 4]
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen, dtype=torch.float16)
+    q, qsl = _packed(q_lens, 4, gen, dtype=torch.float16)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    assert out.dtype == torch.float16
+    assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_prefill_fp8_cache() -> None:
+    gen = torch.Generator().manual_seed(13)
+    seq_lens_l = [40, 18, 7]
+    q_lens = [40, 2, 1]
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen)
+    ks, vs = 0.02, 0.01
+    k8, k_deq = quantize(k_cache, ks)
+    v8, v_deq = quantize(v_cache * 3.0, vs)
+    q, qsl = _packed(q_lens, 8, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    out = _run_prefill(q, k8, v8, qsl, seq_lens, tables, k_scale=torch.tensor(ks), v_scale=vs)
+    ref = paged_attention_ref(q, k_deq, v_deq, qsl, seq_lens, tables, SCALE)
+    assert_close(out, ref)
+
+
+def test_decode_and_prefill_agree_on_decode_batch() -> None:
+    """A batch of q_len-1 rows gives the same answer through both kernels."""
+    gen = torch.Generator().manual_seed(17)
+    lens = [25, 64, 3]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    dec = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2)
+    pre = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
+    torch.testing.assert_close(dec, pre, atol=1e-5, rtol=1e-5)
