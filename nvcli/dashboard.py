@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import IO, Any
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
@@ -117,6 +117,14 @@ def hit_rate(stats: Any) -> float | None:
 
 
 # -- the live view ---------------------------------------------------------------------------
+def _bar(total: int, completed: int, label: Text, width: int, **style: str) -> Table:
+    row = Table.grid(padding=(0, 1))
+    row.add_column(width=width, no_wrap=True)
+    row.add_column(no_wrap=True, overflow="ellipsis")
+    row.add_row(ProgressBar(total=total, completed=completed, width=width, **style), label)
+    return row
+
+
 def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> RenderableType:
     bar_w = max(10, min(40, width - 60))
     grid = Table.grid(padding=(0, 2))
@@ -129,14 +137,14 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
         req = Text.assemble(
             (f"{p.done:,} / {p.total:,}", "bold"), f"  {frac:.0%}  ETA {fmt_duration(eta_s(p, rates))}"
         )
-        grid.add_row("requests", Group(ProgressBar(total=p.total, completed=p.done, width=bar_w), req))
+        grid.add_row("requests", _bar(p.total, p.done, req, bar_w))
     else:
         grid.add_row("requests", Text.assemble((f"{p.done:,}", "bold"), " done (total unknown: reading a stream)"))
     detail = f"ok {p.written - p.failed:,}   failed {p.failed:,}   in flight {p.in_flight:,}"
     if p.skipped:
         detail += f"   resumed past {p.skipped:,}"
     if p.buffered:
-        detail += f"   waiting to be written in order {p.buffered:,}"
+        detail += f"   reorder buffer {p.buffered:,}"
     grid.add_row("", Text(detail, style="red" if p.failed else ""))
 
     # throughput
@@ -154,9 +162,8 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
         total = int(getattr(s, "kv_blocks_total", 0) or 0)
         used = int(getattr(s, "kv_blocks_used", 0) or 0)
         if total:
-            kv = Text(f" {used:,} / {total:,} blocks used ({used / total:.0%}), {total - used:,} free")
-            grid.add_row("KV cache", Group(ProgressBar(total=total, completed=used, width=bar_w,
-                                                       complete_style="magenta", finished_style="red"), kv))
+            kv = Text(f"{used:,} / {total:,} blocks used ({used / total:.0%}), {total - used:,} free")
+            grid.add_row("KV cache", _bar(total, used, kv, bar_w, complete_style="magenta", finished_style="red"))
         hr = hit_rate(s)
         grid.add_row("prefix cache", f"hit rate {hr:.1%}" if hr is not None else "hit rate --")
         grid.add_row(

@@ -78,7 +78,7 @@ def _generate(args: GenerateArgs) -> int:
         name, _, why = str(e).removeprefix("SamplingParams.").partition(":")
         raise UsageError(f"--{name.replace('_', '-')}:{why}") from None
     try:
-        EngineConfig(**{**args.engine, "model": args.engine.get("model") or "default"})
+        EngineConfig(**args.engine)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     done: dict[str, bool] = {}
@@ -142,24 +142,22 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
-    user_errors = _user_error_types()
-    model = args.engine.get("model")
-    try:
-        if model is None:
-            try:
-                from nvcli.models.resolve import resolve_model
-            except ImportError:
-                raise UsageError("--model is required (no default model is configured)") from None
-            model = str(resolve_model(None))
-        if not args.quiet:
-            err(f"loading model {model} ...")
-        from nvcli.engine.llm_engine import LLMEngine
+def make_engine(config: EngineConfig) -> Any:
+    """Build the engine (tests replace this with a fake)."""
+    from nvcli.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(EngineConfig(**{**args.engine, "model": model}))
-    except user_errors as e:
+    return LLMEngine(config)
+
+
+def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
+    model = args.engine.get("model")
+    if not args.quiet:
+        err(f"loading model {model or '(default)'} ...")
+    try:
+        engine = make_engine(EngineConfig(**args.engine))
+    except _user_error_types() as e:
         raise UsageError(str(e)) from None
-    name = args.engine.get("model") or Path(model).name
+    name = model or Path(str(getattr(engine, "model_dir", "") or "model")).name
     return engine, name
 
 
@@ -180,7 +178,7 @@ def _sampling_defaults(engine: Any, args: GenerateArgs) -> dict[str, Any]:
 
 
 def _generation_config(engine: Any) -> dict[str, Any]:
-    candidates = [getattr(engine, "model_path", None), getattr(getattr(engine, "config", None), "model", None),
+    candidates = [getattr(engine, "model_dir", None), getattr(getattr(engine, "config", None), "model", None),
                   getattr(getattr(engine, "tokenizer", None), "name_or_path", None)]
     for c in candidates:
         if not c:

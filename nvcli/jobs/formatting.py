@@ -27,9 +27,11 @@ class FormatContext:
 
 
 def error_line(err: LineError) -> dict[str, Any]:
+    line = err.line_no + 1  # 1-based, as editors count
     if err.shape == NATIVE:
-        return {"id": err.id, "error": {"type": err.kind, "message": err.message}}
-    body = {"error": {"message": err.message, "type": "invalid_request_error", "param": None, "code": err.kind}}
+        return {"id": err.id, "error": {"type": err.kind, "message": err.message, "line": line}}
+    body = {"error": {"message": err.message, "type": "invalid_request_error", "param": None, "code": err.kind,
+                      "line": line}}
     return _envelope(err.id, err.custom_id, 400, body)
 
 

@@ -134,7 +134,9 @@ def parse_line(
     try:
         obj = jsonio.loads(raw)
     except (jsonio.JSONDecodeError, ValueError) as e:
-        return _error(line_no, line_no, fallback_shape, INVALID_JSON, f"line {line_no + 1} is not valid JSON: {e}")
+        where = f" at column {e.colno}" if getattr(e, "colno", None) else ""
+        why = getattr(e, "msg", None) or str(e)
+        return _error(line_no, line_no, fallback_shape, INVALID_JSON, f"line {line_no + 1} is not valid JSON: {why}{where}")
     if not isinstance(obj, dict):
         return _error(
             line_no, line_no, fallback_shape, INVALID_REQUEST,

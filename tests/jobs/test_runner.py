@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from conftest import FakeEngine
+from fake_engine import FakeEngine
 
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.runner import EXIT_LINE_ERRORS, EXIT_OK, EXIT_OUTPUT_CLOSED, JobOptions, run_job

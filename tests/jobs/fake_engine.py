@@ -1,0 +1,134 @@
+"""A fake engine with LLMEngine's interface, for testing the job machinery in milliseconds.
+
+Tokens are characters (id = code point); each step every running request generates one token,
+a deterministic function of its prompt, so outputs are checkable; requests finish at
+max_tokens, or on the stop token 0 if a prompt contains "!". A running request count above
+max_num_seqs waits, so completion order differs from input order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nvcli.outputs import CompletionOutput, RequestOutput
+
+
+class FakeTokenizer:
+    name_or_path = ""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    kv_blocks_total: int = 100
+    kv_blocks_used: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_steps: int = 0
+    last_step_time_s: float = 0.0
+    num_finished: int = 0
+
+
+class _Req:
+    def __init__(self, rid, prompt, ids, sp):
+        self.rid, self.prompt, self.ids, self.sp = rid, prompt, ids, sp
+        self.out: list[int] = []
+
+
+class FakeEngine:
+    def __init__(self, max_model_len: int = 200, max_num_seqs: int = 4, step_delay: float = 0.0) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.step_delay = step_delay
+        self.lock = threading.Lock()
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self.st = FakeStats()
+        self.added: list[str] = []
+        self.max_unfinished_seen = 0
+        self.aborted: list[str] = []
+        self.shut = False
+
+    def render_chat(self, messages, chat_template_kwargs=None):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        if chat_template_kwargs and chat_template_kwargs.get("enable_thinking") is False:
+            text += "<nothink>"
+        return self.tokenizer.encode(text)
+
+    def add_request(self, prompt, sampling_params, request_id=None):
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        with self.lock:
+            self.waiting.append(_Req(request_id, prompt if isinstance(prompt, str) else None, ids, sampling_params))
+            self.added.append(request_id)
+            self.max_unfinished_seen = max(self.max_unfinished_seen, len(self.waiting) + len(self.running))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        with self.lock:
+            return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self.aborted.append(request_id)
+            self.waiting = deque(r for r in self.waiting if r.rid != request_id)
+            self.running = [r for r in self.running if r.rid != request_id]
+
+    def step(self) -> list[RequestOutput]:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        with self.lock:
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                r = self.waiting.popleft()
+                self.st.prompt_tokens += len(r.ids)
+                self.running.append(r)
+            finished = []
+            for r in self.running:
+                tok = 97 + (sum(r.ids) + 7 * len(r.out)) % 26
+                if "!" in (r.prompt or "") and len(r.out) == 2:
+                    tok = 0
+                r.out.append(tok)
+                self.st.generation_tokens += 1
+                limit = r.sp.max_tokens if r.sp.max_tokens is not None else self.max_model_len - len(r.ids)
+                if tok == 0 and not r.sp.ignore_eos:
+                    finished.append((r, "stop"))
+                elif len(r.out) >= limit or len(r.ids) + len(r.out) >= self.max_model_len:
+                    finished.append((r, "length"))
+            outs = []
+            for r, reason in finished:
+                self.running.remove(r)
+                toks = r.out[:-1] if reason == "stop" else r.out
+                lps = [{t: -0.5, 98: -1.5} if t != 98 else {t: -0.5, 99: -1.5} for t in r.out] if r.sp.logprobs is not None else None
+                outs.append(RequestOutput(
+                    request_id=r.rid, prompt=r.prompt, prompt_token_ids=r.ids,
+                    outputs=[CompletionOutput(0, self.tokenizer.decode(toks), r.out, reason, None, lps)],
+                    finished=True,
+                ))
+            self.st.num_steps += 1
+            self.st.num_finished += len(outs)
+            self.st.num_running = len(self.running)
+            self.st.num_waiting = len(self.waiting)
+            return outs
+
+    def stats(self) -> FakeStats:
+        return FakeStats(**vars(self.st))
+
+    def shutdown(self) -> None:
+        self.shut = True

@@ -1,0 +1,159 @@
+"""`nv generate` through Typer's CliRunner, on the fake engine (fast; the real engine is in tests/test_cli.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fake_engine import FakeEngine
+from typer.testing import CliRunner
+
+from nvcli.cli import app
+from nvcli.config import ConfigError
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    made: list[FakeEngine] = []
+
+    def make(config):
+        if config.model == "missing":
+            raise ConfigError("--model: no model 'missing' found: looked in ./missing and the HF cache")
+        e = FakeEngine(max_model_len=config.max_model_len or 200, max_num_seqs=config.max_num_seqs)
+        e.config = config
+        made.append(e)
+        return e
+
+    monkeypatch.setattr("nvcli.jobs.command.make_engine", make)
+    return made
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def nv(*args, input=None):
+    return runner.invoke(app, ["generate", *map(str, args)], input=input)
+
+
+def test_file_to_file(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "max_tokens": 1 + i} for i in range(5)])
+    out = tmp_path / "out.jsonl"
+    r = nv(src, "-o", out, "--max-tokens", 3, "--temperature", 0, "--max-num-seqs", 2)
+    assert r.exit_code == 0, r.output
+    lines = read_jsonl(out)
+    assert [x["id"] for x in lines] == [0, 1, 2, 3, 4]
+    assert [x["usage"]["completion_tokens"] for x in lines] == [1, 2, 3, 4, 5]  # per-line max_tokens wins
+    assert r.stdout == ""
+    assert "summary" in r.stderr and "succeeded" in r.stderr
+    assert engines[0].config.max_num_seqs == 2
+
+
+def test_stdin_to_stdout_has_only_jsonl(engines):
+    data = "".join(json.dumps({"id": f"x{i}", "prompt": "hello"}) + "\n" for i in range(4))
+    r = nv("-", "--max-tokens", 2, input=data)
+    assert r.exit_code == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["id"] for x in lines] == ["x0", "x1", "x2", "x3"]
+    assert "\x1b" not in r.stdout
+
+
+def test_flags_become_defaults_and_lines_override(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "chat-think", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": True}},
+        {"id": "plain", "prompt": "abc", "return_token_ids": False, "ignore_eos": False},
+    ])
+    r = nv(src, "--no-thinking", "--max-tokens", 2, "--return-token-ids", "--stop", "zz", "--stop", "yy", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    chat, think, plain = (json.loads(x) for x in r.stdout.splitlines())
+    assert chat["usage"]["prompt_tokens"] == len("<user>hi<assistant><nothink>")
+    assert think["usage"]["prompt_tokens"] == len("<user>hi<assistant>")
+    assert "token_ids" in chat and "token_ids" not in plain
+    assert r.stderr == ""  # --quiet
+
+
+def test_unordered_flag(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "max_tokens": 12 - i} for i in range(10)])
+    r = nv(src, "--unordered", "--max-num-seqs", 10, "-q")
+    ids = [json.loads(x)["id"] for x in r.stdout.splitlines()]
+    assert r.exit_code == 0 and sorted(ids) == list(range(10)) and ids != list(range(10))
+
+
+def test_bad_lines_exit_1_with_summary(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "ok"}, "{not json", {"prompt": ""}, ""])
+    r = nv(src, "-o", tmp_path / "out.jsonl", "--max-tokens", 2)
+    assert r.exit_code == 1
+    lines = read_jsonl(tmp_path / "out.jsonl")
+    assert len(lines) == 3 and [("error" in x) for x in lines] == [False, True, True]
+    assert "failed" in r.stderr and "invalid_json 1" in r.stderr and "blank lines skipped" in r.stderr
+    r = nv(src, "-o", tmp_path / "out.jsonl", "--max-tokens", 2, "--quiet")
+    assert r.exit_code == 1 and "2 lines failed" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["nope.jsonl"], "does not exist"),
+        (["IN", "--temperature", "hot"], "temperature"),
+        (["IN", "--resume"], "--resume needs an output file"),
+        (["IN", "--chat-template-kwargs", "{bad"], "not valid JSON"),
+        (["IN", "--block-size", "3"], "--block-size"),
+        (["IN", "--temperature", "-1"], "--temperature"),
+        (["IN", "--model", "missing"], "no model 'missing' found"),
+        (["IN", "--no-such-flag"], "No such option"),
+        (["IN", "-o", "OUTDIR/nodir/out.jsonl"], "does not exist"),
+        (["IN", "-o", "IN"], "the output file is the input file"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path, engines, args, words):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    args = [a.replace("IN", str(src)).replace("OUTDIR", str(tmp_path)) for a in args]
+    r = nv(*args)
+    assert r.exit_code == 2, (args, r.output)
+    assert words in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_resume_repairs_torn_line_and_completes(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(8)])
+    out = tmp_path / "out.jsonl"
+    assert nv(src, "-o", out, "--max-tokens", 2, "-q").exit_code == 0
+    full = out.read_text().splitlines()
+    # simulate a run killed mid-write: 3 whole lines and half of the 4th
+    out.write_text("\n".join(full[:3]) + "\n" + full[3][: len(full[3]) // 2])
+    r = nv(src, "-o", out, "--max-tokens", 2, "--resume")
+    assert r.exit_code == 0, r.output
+    assert "torn last line" in r.stderr
+    lines = read_jsonl(out)
+    assert [x["id"] for x in lines] == [f"r{i}" for i in range(8)]
+    assert lines == [json.loads(x) for x in full]
+    # nothing left to do: resuming again changes nothing
+    r = nv(src, "-o", out, "--max-tokens", 2, "--resume", "-q")
+    assert r.exit_code == 0 and read_jsonl(out) == lines
+
+
+def test_resume_refuses_a_foreign_file(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text("this is not jsonl\n{\"id\": 1}\n")
+    r = nv(src, "-o", out, "--resume")
+    assert r.exit_code == 2 and "line 1" in r.output
+
+
+def test_help_lists_vllm_flags():
+    r = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    for flag in ("--tensor-parallel-size", "-tp", "--max-model-len", "--gpu-memory-utilization", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "--seed",
+                 "--kv-cache-dtype", "--block-size", "--load-format", "--device", "--num-kvcache-blocks",
+                 "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--ignore-eos",
+                 "--logprobs", "--chat-template-kwargs", "--no-thinking", "--unordered", "--resume", "--quiet"):
+        assert flag in r.stdout, flag

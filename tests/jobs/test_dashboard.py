@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+from fake_engine import FakeStats
+from rich.console import Console
+
+from nvcli.dashboard import (
+    LiveDashboard,
+    PlainProgress,
+    Rates,
+    RateTracker,
+    plain_line,
+    render_dashboard,
+    render_summary,
+    sparkline,
+)
+from nvcli.jobs.reader import ReaderCounts
+from nvcli.jobs.runner import JobProgress, JobResult
+
+
+def progress(**kw) -> JobProgress:
+    base = dict(elapsed_s=83.0, written=1234, failed=4, skipped=0, read=1800, in_flight=512, buffered=3, total=10000,
+                prompt_tokens=400_000, completion_tokens=150_000, model_name="Qwen3-0.6B",
+                stats=FakeStats(num_running=256, num_waiting=250, num_preemptions=3, kv_blocks_total=4096,
+                                kv_blocks_used=3277, prefix_cache_hit_tokens=4321, prefix_cache_query_tokens=10000,
+                                prompt_tokens=420_000, generation_tokens=160_000, num_steps=4567,
+                                last_step_time_s=0.0123))
+    base.update(kw)
+    return JobProgress(**base)
+
+
+RATES = Rates(prompt_tps=12345.6, gen_tps=4567.8, lines_ps=14.5,
+              history=tuple(float(x) for x in [100, 800, 1500, 2600, 3900, 4500, 4400, 4600, 4567]))
+
+
+def capture(renderable, width: int = 100) -> str:
+    console = Console(record=True, force_terminal=True, width=width, file=io.StringIO(), color_system="truecolor")
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_dashboard_shows_throughput_kv_bar_and_counts():
+    text = capture(render_dashboard(progress(), RATES))
+    assert "1,234 / 10,000" in text and "ETA" in text
+    assert "12,346" in text and "4,568" in text  # prompt and generation tok/s
+    assert "▁" in text and "█" in text  # the sparkline
+    assert "KV cache" in text and "3,277 / 4,096 blocks" in text and "80%" in text
+    assert "━" in text  # the bars
+    assert "hit rate 43.2%" in text
+    assert "running 256" in text and "waiting 250" in text and "preempted 3" in text
+    assert "12.3 ms" in text
+
+
+def test_dashboard_for_a_pipe_has_no_total():
+    text = capture(render_dashboard(progress(total=None), RATES))
+    assert "total unknown" in text and "ETA" not in text
+
+
+def test_plain_line_and_sparkline():
+    line = plain_line(progress(), RATES)
+    assert line.startswith("nv: 1234/10000 lines") and "gen 4568 tok/s" in line and "KV 80%" in line
+    assert "\x1b" not in line
+    assert sparkline([0, 1, 2, 3]) == "▁▃▆█" and sparkline([]) == "" and sparkline([0, 0]) == "▁▁"
+
+
+def test_rate_tracker_rolls():
+    t = RateTracker(window_s=2.0)
+    r = Rates()
+    for i in range(11):
+        r = t.add(i * 0.5, prompt_tokens=i * 100, gen_tokens=i * 50, lines=i)
+    assert abs(r.gen_tps - 100) < 1e-6 and abs(r.prompt_tps - 200) < 1e-6 and abs(r.lines_ps - 2) < 1e-6
+    assert len(r.history) == 5 and abs(r.history[-1] - 100) < 1e-6
+
+
+def test_summary_table():
+    res = JobResult(written=10, errors=Counter({"invalid_json": 1, "prompt_too_long": 2}),
+                    counts=ReaderCounts(lines=12, blank=2, outputs=10), prompt_tokens=1000, completion_tokens=500,
+                    elapsed_s=2.0, stats=FakeStats(prefix_cache_hit_tokens=1, prefix_cache_query_tokens=4))
+    text = capture(render_summary(res))
+    assert "succeeded" in text and "7" in text and "invalid_json 1, prompt_too_long 2" in text
+    assert "output tokens/s" in text and "250.0" in text and "25.0%" in text
+
+
+def test_reporters_write_to_their_stream_only():
+    buf = io.StringIO()
+    p = PlainProgress(buf, interval_s=0.0)
+    p.start()
+    p.update(progress())
+    p.log("hello")
+    assert "nv: 1234/10000 lines" in buf.getvalue() and "nv: hello" in buf.getvalue()
+    console = Console(record=True, force_terminal=True, width=100, file=io.StringIO())
+    d = LiveDashboard(console)
+    d.start()
+    d.update(progress())
+    d.stop()
+    assert "KV cache" in console.export_text()
