@@ -120,6 +120,10 @@ class ModelRunner:
             num_blocks = max(1, min(wanted, int(self.config.cpu_kvcache_space_gib * 2**30) // per_block))
         else:
             num_blocks = self._blocks_from_free_memory(per_block)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            agreed = torch.tensor([num_blocks], device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)  # every rank the same size
+            num_blocks = int(agreed.item())
         layer = self.attn_layers[0]
         shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         try:

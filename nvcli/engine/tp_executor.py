@@ -1,0 +1,242 @@
+"""Tensor parallelism: rank 0 in the engine's process, ranks 1..N-1 as spawned worker processes.
+
+Each step, rank 0 packs the StepInput into a shared-memory buffer as int32 arrays (no pickling)
+and sets every worker's event; all ranks then run the forward together, joined by
+torch.distributed (NCCL on GPU, gloo on CPU). Port and shared-memory names are unique per run,
+so two jobs can share a host. A watchdog ends the job within a second or two if a worker dies,
+and workers exit on their own if the engine's process goes away: no hangs, no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nvcli.config import EngineConfig
+from nvcli.engine.model_runner import ModelRunner, StepInput, build_step_input
+from nvcli.engine.scheduler import ScheduledBatch
+
+CMD_STEP, CMD_EXIT = 1, 2
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited; the job cannot go on."""
+_HEADER = 8  # int32 words: cmd, decode_only, num_tokens, num_seqs, width, 3 spare
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def channel_words(config: EngineConfig) -> int:
+    max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    max_blocks = -(-(config.max_model_len or 0) // config.kvcache_block_size) + 1
+    seqs = config.max_num_seqs
+    return _HEADER + 3 * max_tokens + 2 * seqs + 1 + seqs * max_blocks
+
+
+def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
+    n, s = len(step.input_ids), len(step.seq_lens)
+    width = max(len(b) for b in step.block_tables)
+    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, 0, 0, 0)
+    o = _HEADER
+    for arr in (step.input_ids, step.positions, step.slot_mapping):
+        buf[o : o + n] = arr
+        o += n
+    buf[o : o + s + 1] = step.query_start_loc
+    o += s + 1
+    buf[o : o + s] = step.seq_lens
+    o += s
+    tables = buf[o : o + s * width].reshape(s, width)
+    for i, b in enumerate(step.block_tables):
+        tables[i, : len(b)] = b
+        tables[i, len(b) :] = 0
+
+
+def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
+    cmd, decode_only, n, s, width = (int(x) for x in buf[:5])
+    if cmd != CMD_STEP:
+        return cmd, None
+    o = _HEADER
+    ids, pos, slots = (buf[o + i * n : o + (i + 1) * n].tolist() for i in range(3))
+    o += 3 * n
+    qsl = buf[o : o + s + 1].tolist()
+    o += s + 1
+    seq_lens = buf[o : o + s].tolist()
+    o += s
+    tables = buf[o : o + s * width].reshape(s, width).tolist()
+    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only))
+
+
+def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
+    backend = "nccl" if config.resolved_device() == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", world_size=config.tensor_parallel_size, rank=rank,
+        timeout=timedelta(minutes=30),
+    )
+
+
+def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_name: str, event,
+                parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 coordinates shutdown on Ctrl-C
+
+    def watch_parent() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    from transformers import AutoConfig
+
+    _init_dist(config, rank, port)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    runner = ModelRunner(config, hf_config, Path(model_dir), rank=rank)
+    shm = SharedMemory(name=shm_name)
+    buf = np.ndarray((shm.size // 4,), dtype=np.int32, buffer=shm.buf)
+    try:
+        while True:
+            event.wait()
+            event.clear()
+            cmd, step = unpack_step(buf)
+            if cmd == CMD_EXIT:
+                break
+            assert step is not None
+            runner.execute(step)
+    finally:
+        del buf
+        shm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig, hf_config, model_dir: Path) -> None:
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        world = config.tensor_parallel_size
+        if config.resolved_device() == "cuda" and torch.cuda.device_count() < world:
+            from nvcli.config import ConfigError
+
+            raise ConfigError(f"--tensor-parallel-size={world} needs {world} GPUs; {torch.cuda.device_count()} visible")
+        _check_divisible(hf_config, world)
+        self.shm = SharedMemory(name=f"nv-{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
+                                size=4 * channel_words(config))
+        self.buf = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.events = [ctx.Event() for _ in range(1, world)]
+        self.procs = [
+            ctx.Process(target=worker_main, name=f"nv-tp-worker-{r}",
+                        args=(config, str(model_dir), r, port, self.shm.name, self.events[r - 1], os.getpid()),
+                        daemon=True)
+            for r in range(1, world)
+        ]
+        for p in self.procs:
+            p.start()
+        self._closed = False
+        atexit.register(self.shutdown)
+        self._watchdog = threading.Thread(target=self._watch_workers, daemon=True)
+        self._watchdog.start()
+        try:
+            _init_dist(config, 0, port)
+            self.runner = ModelRunner(config, hf_config, model_dir, rank=0)
+        except BaseException:
+            self._cleanup(kill=True)
+            raise
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+
+    def _dead_worker(self) -> str | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return (f"tensor-parallel worker rank {rank} died (exit code {p.exitcode}); stopping. "
+                        "Lines already written are complete: rerun with --resume to finish the job.")
+        return None
+
+    def _watch_workers(self) -> None:
+        """Rank 0 may be stuck in a collective that never completes: end the process from here."""
+        while not self._closed:
+            msg = self._dead_worker()
+            if msg is not None and not self._closed:
+                sys.stderr.write(f"nv: error: {msg}\n")
+                sys.stderr.flush()
+                self._cleanup(kill=True)
+                os._exit(70)
+            time.sleep(0.2)
+
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]:
+        step = build_step_input(batch, self.block_size)
+        pack_step(self.buf, step)
+        for e in self.events:
+            e.set()
+        try:
+            logits = self.runner.execute(step)
+        except Exception as e:
+            # gloo notices a vanished peer with a connection error; say what happened instead.
+            deadline = time.monotonic() + 2.0
+            while (msg := self._dead_worker()) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if msg is None:
+                raise
+            self._cleanup(kill=True)
+            raise WorkerDiedError(msg) from e
+        assert logits is not None
+        return self.runner.sample(logits, batch)
+
+    def _cleanup(self, kill: bool) -> None:
+        self._closed = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill() if kill else p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        try:  # unlink first: it works even while this process still maps the segment
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+        try:
+            del self.buf
+            self.shm.close()
+        except (AttributeError, BufferError):
+            pass
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self.buf[:_HEADER] = (CMD_EXIT, 0, 0, 0, 0, 0, 0, 0)
+        for e in self.events:
+            e.set()
+        self._cleanup(kill=False)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_divisible(hf_config, world: int) -> None:
+    from nvcli.config import ConfigError
+
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", hf_config.intermediate_size)):
+        if value % world:
+            raise ConfigError(
+                f"--tensor-parallel-size={world}: the model's {name}={value} is not divisible by it; "
+                "choose a size that divides the attention and KV head counts"
+            )

@@ -1,0 +1,81 @@
+"""Tensor parallelism over gloo on CPU: identical greedy output, clean errors, no orphans after a crash."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from nvcli import LLM, SamplingParams
+from nvcli.config import ConfigError
+
+PROMPTS = [list(range(1000, 1005)), list(range(2000, 2040)), list(range(3000, 3023))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ENGINE = dict(device="cpu", num_kvcache_blocks=64, max_model_len=256)
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("nv-*")} if Path("/dev/shm").exists() else set()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tp2_matches_tp1(tiny_model_dir, arch: str) -> None:
+    model = str(tiny_model_dir(arch))
+    before = shm_segments()
+    ref = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(model, tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.executor.procs)
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    llm.shutdown()
+    assert all(not p.is_alive() for p in procs)
+    assert shm_segments() == before
+
+
+def test_heads_not_divisible_is_rejected(tiny_model_dir) -> None:
+    with pytest.raises(ConfigError, match="tensor-parallel-size=3"):
+        LLM(str(tiny_model_dir("qwen3")), tensor_parallel_size=3, **ENGINE)
+
+
+def test_worker_death_ends_the_job_quickly_without_orphans(tiny_model_dir, tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        from nvcli import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_model_dir("qwen3"))!r}, tensor_parallel_size=2, device="cpu",
+                      num_kvcache_blocks=64, max_model_len=256)
+            print("WORKER", llm.engine.executor.procs[0].pid, llm.engine.executor.shm.name, flush=True)
+            sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            while True:
+                llm.generate([list(range(10, 40))] * 4, sp)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKER"), proc.stderr.read()
+        _, pid, shm_name = line.split()
+        time.sleep(1.0)
+        os.kill(int(pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc != 0, err
+    assert "worker rank 1 died" in err and "--resume" in err
+    assert elapsed < 10
+    assert not Path("/dev/shm", shm_name).exists()
+    assert "leaked shared_memory" not in err
+    alive = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert alive == [], "orphan processes left behind"
