@@ -249,7 +249,7 @@ class LiveDashboard:
         self.refresh_s = refresh_s
         self.tracker = RateTracker()
         self.live: Live | None = None
-        self._last = 0.0
+        self.last: tuple[JobProgress, Rates] | None = None  # the latest frame's inputs
 
     def start(self, message: str = "starting") -> None:
         self.live = Live(Text(message), console=self.console, auto_refresh=False, redirect_stdout=False,
@@ -259,6 +259,7 @@ class LiveDashboard:
     def update(self, p: JobProgress) -> None:
         prompt, gen = engine_tokens(p)
         rates = self.tracker.add(time.monotonic(), prompt, gen, p.written)
+        self.last = (p, rates)
         if self.live is not None:
             self.live.update(render_dashboard(p, rates, width=min(100, self.console.width)), refresh=True)
 

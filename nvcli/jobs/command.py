@@ -132,13 +132,15 @@ def _check_input(spec: str) -> Path | None:
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors that mean "change your command line": printed without a traceback, exit code 2."""
     types: list[type[BaseException]] = [ConfigError]
-    try:
-        from nvcli.models.resolve import ModelNotFoundError
-
-        types.append(ModelNotFoundError)
-    except ImportError:
-        pass
+    for module, names in (("nvcli.models.resolve", ("ModelNotFoundError", "UnsafeCheckpointError")),
+                          ("nvcli.models.gguf", ("GGUFError",))):
+        try:
+            mod = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        types.extend(t for t in (getattr(mod, n, None) for n in names) if isinstance(t, type))
     return tuple(types)
 
 
