@@ -40,9 +40,9 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
-    out_ptr,  # [num_seqs, num_heads, head_dim] (used when NUM_SPLITS == 1)
-    mid_o_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32 (NUM_SPLITS > 1)
-    mid_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32 (NUM_SPLITS > 1)
+    out_ptr,  # [num_seqs, num_heads, head_dim] (written when DIRECT)
+    mid_o_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32 (written unless DIRECT)
+    mid_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (written unless DIRECT)
     k_scale_ptr,
     v_scale_ptr,
     k_scale_val,
@@ -64,17 +64,18 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,  # cache block_size
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: write the final output, no partials
     SCALE_IS_PTR: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # tokens per split: a multiple of BLOCK_N so only a sequence's last tile is partial
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -102,10 +103,16 @@ def _decode_split_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh
     v_head = v_cache_ptr + kvh * stride_vh
+    # block ids of the first tile; inside the loop the next tile's ids are fetched one
+    # iteration ahead so the K/V addresses never wait on a load issued in the same iteration
+    pos_next = start + offs_n
+    blk_next = tl.load(bt_row + pos_next // PAGE, mask=pos_next < end, other=0)
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
         n_mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        blk = blk_next.to(tl.int64)
+        pos_next = pos + BLOCK_N
+        blk_next = tl.load(bt_row + pos_next // PAGE, mask=pos_next < end, other=0)
         in_page = (pos % PAGE).to(tl.int64)
         k_off = blk * stride_kb + in_page * stride_kt  # [BLOCK_N]
         v_off = blk * stride_vb + in_page * stride_vt
@@ -126,40 +133,40 @@ def _decode_split_kernel(
     acc = acc * v_scale
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [GROUP_PAD, HEAD_DIM]
-    if NUM_SPLITS == 1:
+    if DIRECT:
         o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [GROUP_PAD]
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    mid_o_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] fp32
-    mid_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] fp32
+    mid_o_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    mid_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32
     out_ptr,  # [num_seqs, num_heads, head_dim]
     stride_os,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     row = seq.to(tl.int64) * tl.num_programs(1) + head
-    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
     w = tl.exp2(lse - m)  # [SPLITS_PAD]
     denom = tl.sum(w, axis=0)
     o = tl.load(
-        mid_o_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mid_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_mask[:, None],
         other=0.0,
     )  # [SPLITS_PAD, HEAD_DIM]
@@ -274,7 +281,7 @@ def paged_decode_attention_triton(
         HEAD_DIM=head_dim,
         PAGE=page,
         BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
+        DIRECT=num_splits == 1,
         SCALE_IS_PTR=scale_is_ptr,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
@@ -287,9 +294,9 @@ def paged_decode_attention_triton(
             out,
             out.stride(0),
             out.stride(1),
+            num_splits,
             HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
             num_warps=4 if head_dim >= 128 else 2,
         )
     return out

@@ -5,10 +5,11 @@ query_start_loc[s]:query_start_loc[s+1] and its KV length (this step's K/V alrea
 is seq_lens[s], so query row j sits at position seq_lens[s] - q_len + j. This covers plain
 prefill, prefix-cache hits, chunked prefill and mixed batches with q_len-1 (decode) rows.
 
-Grid `(num_kv_heads, num_seqs, cdiv(max_query_len, BLOCK_Q))`: a program owns BLOCK_Q query
-tokens times every query head of one KV-head group, packed into the BLOCK_M = BLOCK_Q *
-GROUP_PAD rows of the tile (so K/V tiles are shared by the group), and walks KV tiles of
-BLOCK_N tokens whose physical slots are gathered through the block table. KV tiles entirely
+Grid `(num_kv_heads, num_tokens // BLOCK_Q + num_seqs)`: the query blocks of all sequences,
+flattened (a program finds its sequence by binary search over query_start_loc). A program
+owns BLOCK_Q query tokens times every query head of one KV-head group, packed into the
+BLOCK_M = BLOCK_Q * GROUP_PAD rows of the tile (so K/V tiles are shared by the group), and
+walks KV tiles of BLOCK_N tokens whose physical slots are gathered through the block table. KV tiles entirely
 visible to every row run without masks; the diagonal tiles are masked; tiles past the
 causal limit are never visited. fp8 caches are dequantised in the kernel (k_scale folded
 into the softmax scale, v_scale into the output).
@@ -33,6 +34,7 @@ def _prefill_tile(
     m_i,
     l_i,
     q,
+    blk,  # [BLOCK_N] int64 physical block of every token of this tile (fetched one tile ahead)
     bt_row,
     k_head,
     v_head,
@@ -47,19 +49,19 @@ def _prefill_tile(
     offs_n,
     offs_d,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pos = tile + offs_n  # [BLOCK_N]
-    if MASKED:
-        n_mask = pos < kv_limit
-        blk = tl.load(bt_row + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    # next tile's block ids, loaded now so the next K/V addresses do not wait on this load
+    pos_next = pos + BLOCK_N
+    blk_next = tl.load(bt_row + pos_next // PAGE, mask=pos_next < kv_limit, other=0).to(tl.int64)
     in_page = (pos % PAGE).to(tl.int64)
     k_off = blk * stride_kb + in_page * stride_kt  # [BLOCK_N]
     v_off = blk * stride_vb + in_page * stride_vt
     if MASKED:
+        n_mask = pos < kv_limit
         k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
     else:
@@ -75,7 +77,7 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, blk_next
 
 
 @triton.jit
@@ -103,6 +105,7 @@ def _prefill_kernel(
     stride_vt,
     stride_vh,
     stride_bt,
+    num_seqs,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -114,11 +117,25 @@ def _prefill_kernel(
     DOT_PREC: tl.constexpr,
 ):
     kvh = tl.program_id(0)
-    seq = tl.program_id(1)
-    q_block = tl.num_programs(2) - 1 - tl.program_id(2)  # most causal work launches first
+    # Flattened (sequence, query block) index: sequence s owns the ids starting at
+    # query_start_loc[s] // BLOCK_Q + s, which leaves room for its cdiv(q_len, BLOCK_Q)
+    # blocks; the grid is num_tokens // BLOCK_Q + num_seqs, at most num_seqs ids are idle.
+    # Reversed so the last query blocks (most causal work) start first.
+    block_id = tl.num_programs(1) - 1 - tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:  # largest s with query_start_loc[s] // BLOCK_Q + s <= block_id
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = block_id - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -159,17 +176,19 @@ def _prefill_kernel(
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles below are visible to every row
     kv_end = last_pos + 1
+    pos0 = offs_n
+    blk = tl.load(bt_row + pos0 // PAGE, mask=pos0 < kv_end, other=0).to(tl.int64)
     for tile in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(
-            acc, m_i, l_i, q, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+        acc, m_i, l_i, blk = _prefill_tile(
+            acc, m_i, l_i, q, blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-            PAGE, False, DOT_PREC,
+            PAGE, BLOCK_N, False, DOT_PREC,
         )  # fmt: skip
     for tile in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(
-            acc, m_i, l_i, q, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+        acc, m_i, l_i, blk = _prefill_tile(
+            acc, m_i, l_i, q, blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-            PAGE, True, DOT_PREC,
+            PAGE, BLOCK_N, True, DOT_PREC,
         )  # fmt: skip
 
     o = acc * (v_scale / l_i)[:, None]
@@ -200,7 +219,7 @@ def paged_prefill_attention_triton(
 ) -> torch.Tensor:
     """Causal varlen attention of packed queries over the paged cache -> like q.
 
-    max_query_len must be >= every q_len (it sizes the grid). max_seq_len is accepted for
+    max_query_len (>= every q_len) picks the query tile height. max_seq_len is accepted for
     API symmetry (the kernel reads each sequence's length on the device). k_scale / v_scale
     (None, float or 1-element tensor) dequantise an fp8 cache and are ignored otherwise.
     """
@@ -238,7 +257,7 @@ def paged_prefill_attention_triton(
     block_m_eff = max(16, block_q * group_pad)
     block_q = block_m_eff // group_pad
 
-    grid = (num_kv_heads, num_seqs, triton.cdiv(max_query_len, block_q))
+    grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -263,6 +282,7 @@ def paged_prefill_attention_triton(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        num_seqs,
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,

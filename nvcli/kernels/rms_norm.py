@@ -1,0 +1,108 @@
+"""Fused residual-add + RMSNorm in Triton, matching `nvcli.models.layers.norm.RMSNorm`.
+
+    x = x + residual            (fp32 add, rounded to x.dtype: the new residual)
+    out = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)   (fp32 math, out in x.dtype)
+
+One program per row of the last dimension; 2-D `[rows, hidden]` or 3-D `[tokens, heads,
+head_dim]` inputs (e.g. per-head q/k norms on a strided view of a fused qkv tensor) are
+read through their strides without copies.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    eps,
+    inner,  # rows per outer index (heads for 3-D inputs, 1 for 2-D)
+    stride_x0,
+    stride_x1,
+    stride_r0,
+    stride_r1,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    outer = row // inner
+    sub = row % inner
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + outer * stride_x0 + sub * stride_x1 + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + outer * stride_r0 + sub * stride_r1 + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + row * N + offs, x, mask=mask)  # new residual: contiguous
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(inner, stride0, stride1) addressing row r at (r // inner) * stride0 + (r % inner) * stride1."""
+    if t.dim() == 2:
+        return 1, t.stride(0), 0
+    return t.shape[1], t.stride(0), t.stride(1)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [rows, hidden] or [tokens, heads, head_dim]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: Optional[torch.Tensor] = None,  # like x
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual); without residual the second item is x itself."""
+    n = x.shape[-1]
+    assert weight.shape == (n,) and weight.is_contiguous()
+    if x.dim() not in (2, 3) or x.stride(-1) != 1:
+        x = x.reshape(-1, n).contiguous() if x.dim() not in (2, 3) else x.contiguous()
+    if residual is not None:
+        assert residual.shape[-1] == n and residual.numel() == x.numel()
+        residual = residual.reshape(x.shape)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    shape = x.shape
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else x
+    rows = x.numel() // n
+    if rows == 0:
+        return out, new_res
+    inner, sx0, sx1 = _row_strides(x)
+    if residual is not None:
+        r_inner, sr0, sr1 = _row_strides(residual)
+        assert r_inner == inner
+    else:
+        sr0 = sr1 = 0
+    block = triton.next_power_of_2(n)
+    num_warps = 1 if block <= 256 else (4 if block <= 2048 else (8 if block <= 8192 else 16))
+    _rms_norm_kernel[(rows,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        new_res,
+        eps,
+        inner,
+        sx0,
+        sx1,
+        sr0,
+        sr1,
+        N=n,
+        BLOCK=block,
+        HAS_RES=residual is not None,
+        num_warps=num_warps,
+    )
+    return out, new_res
