@@ -210,10 +210,9 @@ def render_summary(r: JobResult) -> Table:
     c = r.counts
     t.add_row("output lines written", f"{r.written:,}")
     t.add_row("  succeeded", f"{r.succeeded:,}")
-    failed = f"{r.failed:,}"
-    if r.errors:
-        failed += "  (" + ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) + ")"
-    t.add_row("  failed", Text(failed, style="red" if r.failed else ""))
+    t.add_row("  failed", Text(f"{r.failed:,}", style="red" if r.failed else ""))
+    for kind, n in sorted(r.errors.items()):
+        t.add_row(f"    {kind}", Text(f"{n:,}", style="red"))
     if c.skipped:
         t.add_row("already answered (--resume)", f"{c.skipped:,}" + (f" ({c.skipped_errors} errors)" if c.skipped_errors else ""))
     if c.blank:

@@ -1,0 +1,282 @@
+"""`nv generate` end to end with the real engine on a tiny random Qwen3 (real tokenizer), on CPU.
+
+Most checks run in-process through Typer's CliRunner; a few run `python -m nvcli` / `nv` as a
+user would, in a shell pipeline, and kill it (SIGKILL, SIGINT) mid-job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nvcli.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+FAST = ["--device", "cpu", "--num-kvcache-blocks", "256", "--max-model-len", "512", "--temperature", "0"]
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return str(tiny_model_dir("qwen3"))
+
+
+def nv(model: str, *args, input: str | None = None):
+    r = runner.invoke(app, ["generate", *map(str, args), "--model", model, *FAST], input=input)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def jsonl(text: str) -> list[dict]:
+    return [json.loads(x) for x in text.splitlines()]
+
+
+def write(path: Path, objs) -> Path:
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def nv_argv() -> list[str]:
+    """The installed console script when there is one (CI installs the package), else python -m nvcli."""
+    script = Path(sys.executable).with_name("nv")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "nvcli"]
+
+
+# -- in-process --------------------------------------------------------------------------------
+def test_every_input_shape_file_to_file(model, tmp_path):
+    src = tmp_path / "all.jsonl"
+    with open(src, "w") as f:  # the examples, with their token budgets cut to keep CPU time short
+        for name in ("prompts.jsonl", "chat.jsonl", "tokens.jsonl", "openai_batch.jsonl"):
+            for line in (EXAMPLES / name).read_text().splitlines():
+                obj = json.loads(line)
+                for d in (obj, obj.get("body", {})):
+                    for k in ("max_tokens", "max_completion_tokens"):
+                        if k in d:
+                            d[k] = min(d[k], 8)
+                f.write(json.dumps(obj) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = nv(model, src, "-o", out, "--max-tokens", 6, "--ignore-eos", "--no-thinking")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == ""
+    lines = jsonl(out.read_text())
+    n_in = [len((EXAMPLES / f).read_text().splitlines()) for f in
+            ("prompts.jsonl", "chat.jsonl", "tokens.jsonl", "openai_batch.jsonl")]
+    assert len(lines) == sum(n_in)
+    by_id = {x["id"]: x for x in lines}
+    # native prompt; the line without an id got its 0-based line number
+    assert by_id["france"]["finish_reason"] == "length" and by_id["france"]["usage"]["completion_tokens"] == 6
+    assert 4 in by_id and isinstance(by_id[4]["text"], str)
+    assert by_id["haiku"]["usage"]["completion_tokens"] == 8  # the line's max_tokens beats --max-tokens
+    # chat: a per-line chat_template_kwargs beats --no-thinking (Qwen3's template adds an empty think block)
+    assert by_id["think"]["usage"]["prompt_tokens"] < by_id["greet"]["usage"]["prompt_tokens"] + 10
+    # pre-tokenized, with token ids and logprobs on request
+    fox = by_id["fox"]
+    assert fox["usage"]["prompt_tokens"] == 4 and len(fox["token_ids"]) == 8
+    story = by_id["story"]
+    assert len(story["logprobs"]) == 8 and len(story["logprobs"][0]["top_logprobs"]) == 2
+    assert "token_ids" not in story
+    # OpenAI Batch envelopes: chat and completions
+    req1 = by_id["request-1"]
+    assert req1["custom_id"] == "request-1" and req1["error"] is None and req1["response"]["status_code"] == 200
+    body = req1["response"]["body"]
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] == 8 and body["usage"]["total_tokens"] == (
+        body["usage"]["prompt_tokens"] + 8)
+    assert len(by_id["request-2"]["response"]["body"]["choices"][0]["logprobs"]["content"]) == 8
+    body3 = by_id["request-3"]["response"]["body"]
+    assert body3["object"] == "text_completion" and body3["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_per_line_overrides_and_chat_flags(model):
+    data = "".join(json.dumps(x) + "\n" for x in [
+        {"id": "a", "prompt": "Hello", "max_tokens": 3},
+        {"id": "b", "prompt": "Hello", "max_tokens": 7},
+        {"id": "c", "prompt": "Hello"},
+        {"id": "d", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {"id": "e", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+         "chat_template_kwargs": {"enable_thinking": True}},
+        {"id": "f", "prompt": "Hello", "max_tokens": 7, "stop": ["e"], "temperature": 0.8, "seed": 1},
+    ])
+    r = nv(model, "-", "--max-tokens", 5, "--ignore-eos", "--no-thinking", "-q", input=data)
+    assert r.exit_code == 0, r.stderr
+    by_id = {x["id"]: x for x in jsonl(r.stdout)}
+    assert [by_id[k]["usage"]["completion_tokens"] for k in "abc"] == [3, 7, 5]
+    assert by_id["a"]["text"] == by_id["b"]["text"][: len(by_id["a"]["text"])]  # greedy: a prefix
+    assert by_id["d"]["usage"]["prompt_tokens"] > by_id["e"]["usage"]["prompt_tokens"]  # --no-thinking adds tokens
+    assert "e" not in by_id["f"]["text"]
+    assert r.stderr == ""
+
+
+def test_ordered_and_unordered_agree_by_id(model, tmp_path):
+    src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
+                                        for i in range(16)])
+    a = nv(model, src, "--ignore-eos", "--max-num-seqs", 4, "-q")
+    b = nv(model, src, "--ignore-eos", "--max-num-seqs", 4, "--unordered", "-q")
+    assert a.exit_code == b.exit_code == 0
+    la, lb = jsonl(a.stdout), jsonl(b.stdout)
+    assert [x["id"] for x in la] == [f"r{i}" for i in range(16)]
+    assert [x["id"] for x in lb] != [x["id"] for x in la]  # short requests overtook long ones
+    assert {x["id"]: x for x in la} == {x["id"]: x for x in lb}
+
+
+def test_good_and_bad_lines_one_output_each(model, tmp_path):
+    src = write(tmp_path / "mixed.jsonl", [
+        {"id": "good-1", "prompt": "Hello"},
+        '{"id": "torn", "prompt": "Hel',
+        {"id": "wrong-type", "prompt": "Hello", "max_tokens": "lots"},
+        {"id": "empty", "prompt": ""},
+        {"id": "no-prompt", "temperature": 0},
+        {"id": "too-long", "prompt": "word " * 200},
+        {"id": "bad-token", "prompt_token_ids": [10**9]},
+        {"id": "good-1", "prompt": "duplicate id"},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "good-2", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}},
+        "",
+        {"id": "good-3", "messages": [{"role": "user", "content": "Hi"}]},
+    ])
+    out = tmp_path / "out.jsonl"
+    r = runner.invoke(app, ["generate", str(src), "-o", str(out), "--model", model, "--device", "cpu",
+                            "--num-kvcache-blocks", "64", "--max-model-len", "128", "--max-tokens", "4"])
+    assert r.exit_code == 1, r.stderr
+    lines = jsonl(out.read_text())
+    assert len(lines) == 11  # 12 lines, one blank
+    ids = [x["id"] for x in lines]
+    assert ids == ["good-1", 1, "wrong-type", "empty", "no-prompt", "too-long", "bad-token", "good-1", "bad-url",
+                   "good-2", "good-3"]
+    kinds = [x["error"]["type"] if x.get("error") else None for x in lines]
+    assert kinds == [None, "invalid_json", "invalid_request", "invalid_request", "invalid_request", "prompt_too_long",
+                     "invalid_request", "duplicate_id", None, None, None]
+    assert "max_model_len" in lines[5]["error"]["message"]
+    bad_url = lines[8]
+    assert bad_url["response"]["status_code"] == 400 and "unknown url" in bad_url["response"]["body"]["error"]["message"]
+    assert lines[9]["response"]["status_code"] == 200
+    assert "duplicate_id" in r.stderr and "prompt_too_long" in r.stderr  # the summary, by kind
+
+
+def test_usage_errors_exit_2(model, tmp_path):
+    src = write(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    cases = [
+        (["generate", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["generate", str(src), "--model", str(tmp_path / "no-such-model")], "no-such-model"),
+        (["generate", str(src), "--model", model, "--device", "cpu", "--max-model-len", "10000000"], "--max-model-len"),
+        (["generate", str(src), "--model", model, "--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+        (["generate", str(src), "--model", model, "--top-p", "0"], "--top-p"),
+        (["generate", str(src), "--tp", "x"], "--tensor-parallel-size"),
+    ]
+    for argv, words in cases:
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert words in r.output and "Traceback" not in r.output, r.output
+
+
+def test_dashboard_with_real_engine_stats(model):
+    """The Live dashboard renders the real engine's stats (KV bar, throughput) on a terminal console."""
+    import io
+
+    from rich.console import Console
+
+    from nvcli.config import EngineConfig
+    from nvcli.dashboard import LiveDashboard, render_dashboard
+    from nvcli.engine.llm_engine import LLMEngine
+    from nvcli.jobs import Defaults, JobOptions, run_job
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", num_kvcache_blocks=64, max_model_len=256))
+    console = Console(record=True, force_terminal=True, width=100, file=io.StringIO())
+    dash = LiveDashboard(console, refresh_s=0.0)
+    data = "".join(json.dumps({"prompt": f"Count to {i}:", "max_tokens": 12}) + "\n" for i in range(8)).encode()
+    out = io.BytesIO()
+    dash.start()
+    result = run_job(engine, io.BytesIO(data), out,
+                     JobOptions(defaults=Defaults(sampling={"temperature": 0, "ignore_eos": True}), handle_sigint=False,
+                                model_name="tiny"), reporter=dash)
+    dash.stop()
+    engine.shutdown()
+    assert result.written == 8 and b"\x1b" not in out.getvalue()
+    assert dash.last is not None
+    frame = Console(record=True, force_terminal=True, width=100, file=io.StringIO())
+    frame.print(render_dashboard(*dash.last))
+    text = frame.export_text()
+    assert "KV cache" in text and "/ 64 blocks" in text and "generation" in text and "nv generate · tiny" in text
+
+
+# -- as a user runs it (subprocesses) ----------------------------------------------------------
+def test_shell_pipeline_stdin_to_stdout_and_head(model, tmp_path):
+    src = write(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Line {i}", "max_tokens": 3} for i in range(40)])
+    cmd = " ".join([*nv_argv(), "generate", "-", "--model", model, *FAST, "--max-num-seqs", "4"])
+    # a full pipeline: cat | nv | cat, stdout must be pure JSONL
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; cat {src} | {cmd} | cat"], capture_output=True,
+                       env=subprocess_env(), timeout=300)
+    assert p.returncode == 0, p.stderr.decode()
+    assert b"\x1b" not in p.stdout
+    lines = jsonl(p.stdout.decode())
+    assert [x["id"] for x in lines] == list(range(40)) and all(x["usage"]["completion_tokens"] == 3 for x in lines)
+    assert b"summary" in p.stderr  # stderr is not a terminal: plain progress and the summary
+    # | head -1: the reader goes away; nv stops quietly
+    p = subprocess.run(["bash", "-c", f"cat {src} | {cmd} | head -1; echo \"status=${{PIPESTATUS[1]}}\" >&2"],
+                       capture_output=True, env=subprocess_env(), timeout=300)
+    assert len(p.stdout.splitlines()) == 1 and json.loads(p.stdout)["id"] == 0
+    err = p.stderr.decode()
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert "status=141" in err  # 128 + SIGPIPE, as other Unix tools report it
+
+
+def test_sigkill_then_resume_then_ctrl_c_then_resume(model, tmp_path):
+    n = 48
+    src = write(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": f"Question {i}: what is {i} plus {i}?"}
+                                        for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    base = [*nv_argv(), "generate", str(src), "-o", str(out), "--model", model, *FAST, "--max-tokens", "6",
+            "--ignore-eos"]
+
+    def start(*extra: str) -> subprocess.Popen:
+        return subprocess.Popen([*base, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+
+    def wait_for_lines(proc: subprocess.Popen, k: int) -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= k:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"no {k} lines in time; rc={proc.poll()}")
+
+    # 1. SIGKILL mid-job, then tear the last line as a kill mid-write would
+    proc = start("--max-num-seqs", "2", "-q")
+    wait_for_lines(proc, 4)
+    proc.kill()
+    proc.wait()
+    done = out.read_text().splitlines()
+    assert 4 <= len(done) < n
+    with open(out, "a") as f:
+        f.write('{"id": "q999", "text": "half a li')
+    # 2. --resume, interrupted by Ctrl-C: drains what is in flight, exits 130
+    proc = start("--max-num-seqs", "2", "--max-in-flight", "4", "--resume")
+    wait_for_lines(proc, len(done) + 2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()
+    assert b"torn last line" in err and b"Traceback" not in err
+    mid = jsonl(out.read_text())
+    assert len(mid) < n and len({x["id"] for x in mid}) == len(mid)
+    # 3. --resume to the end (in-process)
+    r = runner.invoke(app, ["generate", str(src), "-o", str(out), "--model", model, *FAST, "--max-tokens", "6",
+                            "--ignore-eos", "--resume", "--max-num-seqs", "64"])
+    assert r.exit_code == 0, r.stderr
+    final = jsonl(out.read_text())  # every line parses: nothing torn
+    assert sorted(x["id"] for x in final) == sorted(f"q{i}" for i in range(n))  # none lost, none twice
+    assert all(x["usage"]["completion_tokens"] == 6 for x in final)
+    assert final[: len(mid)] == mid  # earlier answers kept as they were
