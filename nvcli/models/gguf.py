@@ -208,17 +208,20 @@ def convert_gguf_to_hf_dir(path: str | Path, cache_dir: Path | None = None, dtyp
 # metadata
 
 
-class GGUFReader:
-    """gguf.GGUFReader over a plain ndarray view of the file's memory map.
+_READER_CLASS: Any = None
 
-    Same parsing code; slicing an ndarray view instead of np.memmap skips memmap's per-slice
-    bookkeeping, which makes reading the metadata about 2.5x faster.
+
+def open_gguf(path: str | Path) -> Any:
+    """A gguf.GGUFReader over a plain ndarray view of the file's memory map.
+
+    Same parsing code as gguf.GGUFReader; slicing an ndarray view instead of np.memmap skips
+    memmap's per-slice bookkeeping, which makes reading the metadata about 2.5x faster.
     """
+    global _READER_CLASS
+    if _READER_CLASS is None:
+        from gguf.gguf_reader import GGUFReader
 
-    def __new__(cls, path: str | Path) -> Any:
-        import gguf
-
-        class _Reader(gguf.GGUFReader):
+        class _Reader(GGUFReader):
             @property
             def data(self) -> np.ndarray:
                 return self._nv_data
@@ -227,7 +230,8 @@ class GGUFReader:
             def data(self, value: np.ndarray) -> None:
                 self._nv_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
-        return _Reader(str(path), "r")
+        _READER_CLASS = _Reader
+    return _READER_CLASS(str(path), "r")
 
 
 def _f32(value: Any) -> float:
@@ -314,6 +318,8 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
         cfg["rope_theta"] = _f32(theta)
     elif arch == "llama":
         cfg["rope_theta"] = 10000.0
+    if arch == "qwen2" and head_dim == hidden // heads:
+        del cfg["head_dim"]  # Qwen2's config has no head_dim field
     if arch in ("llama", "qwen3"):
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
@@ -378,11 +384,14 @@ def llama3_rope_from_factors(freqs: np.ndarray, base: float, dim: int) -> dict |
     if np.allclose(freqs, 1.0):
         return None
     factor = float(freqs.max())
-    for orig in [2 ** k for k in range(7, 21)] + [3000, 6000, 12000, 24000]:
-        for low in (1.0, 0.5, 2.0):
-            for high in (4.0, 2.0, 8.0, 16.0, 32.0):
-                if high <= low:
-                    continue
+    # (orig, low, high) and (k*orig, k*low, k*high) give the same factors: prefer low = 1 (every
+    # Llama 3.x release), then the usual high = 4 and original length 8192.
+    origs = [8192] + [2 ** k for k in range(7, 21) if k != 13] + [3000, 6000, 12000, 24000]
+    for low in (1.0, 0.5, 2.0):
+        for high in (4.0, 2.0, 8.0, 16.0, 32.0):
+            if high <= low:
+                continue
+            for orig in origs:
                 cand = llama3_rope_factors(base, dim, factor, low, high, orig)
                 if cand.shape == freqs.shape and np.allclose(cand, freqs, rtol=1e-5, atol=1e-6):
                     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
@@ -608,7 +617,7 @@ def _generation_config(reader: Any) -> dict[str, Any]:
 def _convert(path: Path, out: Path, dtype: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     cfg = gguf_hf_config(reader)  # raises GGUFError before any heavy work
     cfg["dtype"] = dtype
     tokenizer = build_tokenizer(reader, cfg["max_position_embeddings"])
