@@ -39,6 +39,11 @@ class EngineStats:
     last_step_time_s: float
     num_finished: int
     num_chunked_prefills: int = 0
+    # Cumulative wall seconds per phase of step(): where host time goes.
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    postprocess_s: float = 0.0
+    num_decode_steps: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -92,6 +97,8 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.last_step_time = 0.0
+        self.schedule_s = self.execute_s = self.postprocess_s = 0.0
+        self.num_decode_steps = 0
         self._request_counter = 0
 
     # ------------------------------------------------------------------ requests
@@ -160,11 +167,16 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
                 finished.append(seq)
         batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.schedule_s += t1 - t0
         if batch.seqs:
             self.prompt_tokens += sum(
                 n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens
             )
+            self.num_decode_steps += batch.is_decode_only
             tokens, logprobs = self.executor.run(batch)
+            t2 = time.perf_counter()
+            self.execute_s += t2 - t1
             produced = self.scheduler.postprocess(batch, tokens)
             lp_by_seq = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
             for seq in produced:
@@ -175,6 +187,7 @@ class LLMEngine:
                 self._check_stop(seq)
                 if seq.is_finished:
                     finished.append(seq)
+            self.postprocess_s += time.perf_counter() - t2
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
         return [self._finish_output(s) for s in finished]
@@ -236,6 +249,10 @@ class LLMEngine:
             last_step_time_s=self.last_step_time,
             num_finished=self.num_finished,
             num_chunked_prefills=self.scheduler.num_chunked_prefills,
+            schedule_s=self.schedule_s,
+            execute_s=self.execute_s,
+            postprocess_s=self.postprocess_s,
+            num_decode_steps=self.num_decode_steps,
         )
 
     def shutdown(self) -> None:

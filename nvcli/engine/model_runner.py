@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from nvcli.config import ConfigError, EngineConfig
@@ -75,8 +76,7 @@ class ModelRunner:
         self.config = config
         self.hf_config = hf_config
         self.rank = rank
-        self.device = torch.device(config.resolved_device() if rank == 0 or config.resolved_device() == "cpu"
-                                   else f"cuda:{rank}")
+        self.device = torch.device("cpu") if config.resolved_device() == "cpu" else torch.device("cuda", rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = pick_dtype(config, hf_config, self.device.type)
@@ -175,13 +175,15 @@ class ModelRunner:
         seq_len = min(n, self.config.max_model_len or n)
         num_seqs = -(-n // seq_len)
         layer = self.attn_layers[0]
-        dummy = torch.zeros((1, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.kv_dtype(),
+        # Attention must read real blocks; every sequence and layer shares one scratch cache.
+        blocks = -(-seq_len // self.block_size)
+        dummy = torch.zeros((blocks, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.kv_dtype(),
                             device=self.device)
         for attn in self.attn_layers:
             attn.k_cache = attn.v_cache = dummy
         qsl = [min(i * seq_len, n) for i in range(num_seqs + 1)]
         step = StepInput([0] * n, [i % seq_len for i in range(n)], [-1] * n, qsl,
-                         [qsl[i + 1] - qsl[i] for i in range(num_seqs)], [[0]] * num_seqs, False)
+                         [qsl[i + 1] - qsl[i] for i in range(num_seqs)], [list(range(blocks))] * num_seqs, False)
         hidden = self._forward(step)
         logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
         del hidden, logits
@@ -194,13 +196,11 @@ class ModelRunner:
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, pin_memory=pin).to(dev, non_blocking=True)
 
-        width = max(len(b) for b in step.block_tables)
-        tables = [b + [0] * (width - len(b)) for b in step.block_tables]
         meta = AttentionMetadata(
             slot_mapping=t(step.slot_mapping, torch.int64),
             query_start_loc=t(step.query_start_loc, torch.int32),
             seq_lens=t(step.seq_lens, torch.int32),
-            block_tables=t(tables, torch.int32),
+            block_tables=torch.from_numpy(_pad_tables(step.block_tables)).to(dev, non_blocking=True),
             max_query_len=max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])),
             max_seq_len=max(step.seq_lens),
             decode_only=step.decode_only,
@@ -246,9 +246,13 @@ class ModelRunner:
         max_bs = sizes[-1]
         max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
         dev = self.device
-        self.g_input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.g_slots = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.g_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)
+        self.g_i64[2] = -1
+        self.g_input_ids, self.g_positions, self.g_slots = self.g_i64[0], self.g_i64[1], self.g_i64[2]
+        # Pinned host staging buffers: filled through numpy views, copied without a sync.
+        self.stage_i64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=True)
+        self.stage_seq_lens = torch.zeros(max_bs, dtype=torch.int32, pin_memory=True)
+        self.stage_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=True)
         self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.g_block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
@@ -269,22 +273,34 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def _replay_graph(self, step: StepInput) -> torch.Tensor:
+        """Copy the step's inputs into the graph's static buffers (two H2D copies) and replay."""
         bs = len(step.seq_lens)
         graph_bs = next(s for s in self._graph_batch_sizes() if s >= bs)
-        dev = self.device
         width = max(len(b) for b in step.block_tables)
         if width > self.g_max_blocks:
             raise RuntimeError("sequence longer than max_model_len reached the decode graph")
-        tables = torch.zeros(graph_bs, width, dtype=torch.int32, pin_memory=True)
+        ints = self.stage_i64.numpy()  # [3, max_bs]: input ids, positions, slots
+        ints[0, :bs] = step.input_ids
+        ints[1, :bs] = step.positions
+        ints[2, :bs] = step.slot_mapping
+        ints[0, bs:graph_bs] = 0
+        ints[1, bs:graph_bs] = 0
+        ints[2, bs:graph_bs] = -1
+        lens = self.stage_seq_lens.numpy()
+        lens[:bs] = step.seq_lens
+        lens[bs:graph_bs] = 0
+        tables = self.stage_tables.numpy()  # [max_bs, max_blocks]
         for i, b in enumerate(step.block_tables):
-            tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        pad = graph_bs - bs
-        self.g_input_ids[:graph_bs].copy_(torch.tensor(step.input_ids + [0] * pad, pin_memory=True), non_blocking=True)
-        self.g_positions[:graph_bs].copy_(torch.tensor(step.positions + [0] * pad, pin_memory=True), non_blocking=True)
-        self.g_slots[:graph_bs].copy_(torch.tensor(step.slot_mapping + [-1] * pad, pin_memory=True), non_blocking=True)
-        self.g_seq_lens[:graph_bs].copy_(
-            torch.tensor(step.seq_lens + [0] * pad, dtype=torch.int32, pin_memory=True), non_blocking=True
-        )
-        self.g_block_tables[:graph_bs, :width].copy_(tables.to(dev, non_blocking=True))
+            tables[i, : len(b)] = b
+        self.g_i64[:, :graph_bs].copy_(self.stage_i64[:, :graph_bs], non_blocking=True)
+        self.g_seq_lens[:graph_bs].copy_(self.stage_seq_lens[:graph_bs], non_blocking=True)
+        self.g_block_tables[:bs, :width].copy_(self.stage_tables[:bs, :width], non_blocking=True)
         self.graphs[graph_bs].replay()
         return self.g_hidden[:bs]
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
+    for i, b in enumerate(tables):
+        out[i, : len(b)] = b
+    return out

@@ -1,0 +1,206 @@
+"""End-to-end checks and timings on one GPU, in one run (see benchmarks/RESULTS.md).
+
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf]
+
+1. correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU
+   float32 path, GPU bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
+2. throughput: DESIGN.md workload (Nano-vLLM bench.py) on dummy Qwen3-0.6B weights, median of N.
+3. latency: one request, 128 prompt + 512 output tokens, ms per output token; start-up time.
+4. fp8: the same throughput workload with --kv-cache-dtype fp8.
+5. hf: HF transformers' continuous batching (generate_batch) on a slice of the workload, if it runs.
+Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from nvcli import LLM, SamplingParams
+from nvcli.bench import latency, make_workload, throughput
+from nvcli.models.presets import preset_dir
+from nvcli.testing.tiny_models import make_tiny_model
+
+ROWS: list[tuple[str, str]] = []
+FLOOR_TOKS = 25_500  # DESIGN.md §4: H100 floor for the workload
+NANO_VLLM = 13_216
+
+
+def row(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"## {name}: {value}", flush=True)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions equal up to the first divergence, averaged over requests."""
+    rates = []
+    for x, y in zip(a, b):
+        n = 0
+        for s, t in zip(x, y):
+            if s != t:
+                break
+            n += 1
+        rates.append(n / max(len(x), 1))
+    return statistics.mean(rates)
+
+
+def free(llm: LLM | None) -> None:
+    if llm is not None:
+        llm.shutdown()
+        llm.engine.executor = None  # drop the model and KV cache now, not at the next gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def correctness(tmp: Path) -> None:
+    prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for arch in ("qwen3", "llama"):
+        d = str(make_tiny_model(tmp / arch, arch))
+        common = dict(max_model_len=512, max_num_batched_tokens=256)
+        cpu = [o.outputs[0].token_ids for o in LLM(d, device="cpu", num_kvcache_blocks=256, **common).generate(prompts, sp)]
+        for label, kw in [
+            ("gpu fp32 eager", dict(dtype="float32", enforce_eager=True)),
+            ("gpu fp32 graphs", dict(dtype="float32")),
+            ("gpu bf16 graphs", dict(dtype="bfloat16")),
+        ]:
+            llm = LLM(d, device="cuda", num_kvcache_blocks=512, **common, **kw)
+            out = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            if label == "gpu bf16 graphs":
+                ref_eager = LLM(d, device="cuda", num_kvcache_blocks=512, enforce_eager=True, dtype="bfloat16", **common)
+                eager = [o.outputs[0].token_ids for o in ref_eager.generate(prompts, sp)]
+                row(f"{arch} gpu bf16 graphs vs eager", f"agreement {agreement(out, eager):.3f}")
+                free(ref_eager)
+                del ref_eager
+            exact = sum(x == y for x, y in zip(out, cpu))
+            row(f"{arch} {label} vs CPU fp32", f"{exact}/{len(prompts)} identical, agreement {agreement(out, cpu):.3f}")
+            if label == "gpu bf16 graphs":
+                from transformers import AutoModelForCausalLM
+
+                hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda()
+                ref = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=48, min_new_tokens=48,
+                                   do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+                row(f"{arch} gpu bf16 vs HF bf16 on GPU", f"agreement {agreement(out, ref):.3f}")
+                del hf
+            free(llm)
+            del llm
+
+
+def bench_throughput(model_dir: str, repeats: int, kv_cache_dtype: str = "auto", label: str = "bf16") -> None:
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+              kv_cache_dtype=kv_cache_dtype)
+    row(f"start-up ({label}, dummy qwen3-0.6b, graphs captured)", f"{time.perf_counter() - t0:.1f} s, "
+        f"{llm.stats().kv_blocks_total} KV blocks")
+    work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    s0 = llm.stats()
+    res = throughput(llm.engine, work, repeats=repeats)
+    s1 = llm.stats()
+    tps = res["output_tokens_per_second"]
+    row(f"host/device split ({label}, all runs)",
+        f"steps {s1.num_steps - s0.num_steps} (decode-only {s1.num_decode_steps - s0.num_decode_steps}), "
+        f"schedule {s1.schedule_s - s0.schedule_s:.2f} s, execute+sample {s1.execute_s - s0.execute_s:.2f} s, "
+        f"postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s")
+    row(f"throughput {label} KV (median of {repeats})",
+        f"{tps:,.0f} output tok/s, {res['elapsed_time']:.2f} s, runs {[round(t, 2) for t in res['all_elapsed_times']]}, "
+        f"{tps / FLOOR_TOKS:.1%} of floor, {tps / NANO_VLLM:.2f}x Nano-vLLM; preemptions {llm.stats().num_preemptions}")
+    free(llm)
+
+
+def bench_latency(model_dir: str) -> None:
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512)
+    res = latency(llm.engine, 128, 512, repeats=3)
+    row("latency 128+512, one request", f"{res['ms_per_output_token']:.3f} ms/token, TTFT {res['ttft_ms']:.1f} ms, "
+        f"total {res['avg_latency']:.2f} s")
+    free(llm)
+
+
+def profile_steps(model_dir: str, batch: int) -> None:
+    """Where a decode step's time goes: torch.profiler over 20 steps of `batch` running requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512)
+    engine = llm.engine
+    work = make_workload(batch, (500, 500), (400, 400), seed=0)
+    for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+        engine.add_request(p, sp, request_id=f"prof-{i}")
+    for _ in range(30):  # prefill and warm up
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            engine.step()
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / 20
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+    row(f"decode step, batch {batch} (profiled)", f"{dt * 1000:.2f} ms/step")
+    while engine.has_unfinished():
+        engine.step()
+    free(llm)
+
+
+def bench_hf(model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from nvcli.models.presets import PRESETS
+
+    cfg_dict = dict(PRESETS["qwen3-0.6b"])
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa_paged").cuda()
+    work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    gen = GenerationConfig(max_new_tokens=1024, do_sample=True, temperature=0.6, eos_token_id=-1,
+                           pad_token_id=0, num_blocks=4096, block_size=256, max_batch_tokens=8192)
+    out_tokens = 0
+    t0 = time.perf_counter()
+    res = model.generate_batch(inputs=work.prompts, generation_config=gen)
+    dt = time.perf_counter() - t0
+    for r in res.values():
+        out_tokens += len(r.generated_tokens)
+    row("HF generate_batch (sdpa_paged, max_new_tokens 1024 all)", f"{out_tokens / dt:,.0f} output tok/s ({dt:.1f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="correctness,throughput,latency,fp8")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    tmp = Path(tempfile.mkdtemp())
+    model_dir = str(preset_dir("qwen3-0.6b", tmp))
+    row("device", torch.cuda.get_device_name())
+    for name, fn in [
+        ("correctness", lambda: correctness(tmp)),
+        ("throughput", lambda: bench_throughput(model_dir, args.repeats)),
+        ("latency", lambda: bench_latency(model_dir)),
+        ("fp8", lambda: bench_throughput(model_dir, args.repeats, "fp8", "fp8")),
+        ("hf", lambda: bench_hf(model_dir)),
+        ("profile1", lambda: profile_steps(model_dir, 1)),
+        ("profile256", lambda: profile_steps(model_dir, 256)),
+    ]:
+        if name not in sections:
+            continue
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
+            row(name, "FAILED (traceback above)")
+        gc.collect()
+        torch.cuda.empty_cache()
+    print("\n| what | result |\n| --- | --- |")
+    for k, v in ROWS:
+        print(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+    main()
