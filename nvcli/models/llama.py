@@ -50,9 +50,17 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if q.is_cuda:  # one fused kernel: per-head norm (Qwen3) + rotary, in place
+            from nvcli.kernels.rotary import rope_qk_norm_triton
+
+            q_w = self.q_norm.weight if self.qk_norm else None
+            k_w = self.k_norm.weight if self.qk_norm else None
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.flatten(1))
 

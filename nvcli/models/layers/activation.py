@@ -7,5 +7,9 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * d] -> [n, d]
+        if x.is_cuda:
+            from nvcli.kernels.activation import silu_and_mul_triton
+
+            return silu_and_mul_triton(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

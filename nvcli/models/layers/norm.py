@@ -6,6 +6,12 @@ import torch
 from torch import nn
 
 
+def _use_triton() -> bool:
+    import os
+
+    return os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -21,6 +27,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda and _use_triton():
+            from nvcli.kernels.rms_norm import rms_norm_triton
+
+            out, new_residual = rms_norm_triton(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)
         x = (x.float() + residual.float()).to(x.dtype)
