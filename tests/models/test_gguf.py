@@ -614,3 +614,40 @@ def test_llama3_rope_recovery():
         assert got == {"rope_type": "llama3", "factor": params[2], "low_freq_factor": params[3],
                        "high_freq_factor": params[4], "original_max_position_embeddings": params[5]}
     assert nvgguf.llama3_rope_from_factors(np.ones(8), 10000.0, 16) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine on the GGUF file
+
+
+@needs_smol
+def test_llm_on_smollm2_gguf_matches_hf_greedy(smol_dir, smol_reference):
+    """LLM(model=<gguf>) greedy == transformers' greedy (on transformers' own GGUF model), 32 tokens.
+
+    The comparison is by teacher forcing: transformers' argmax at every position of prompt +
+    output must be the engine's next token (token for token, one forward pass per prompt rather
+    than a 32-step transformers generate per prompt on a 2-core CI machine).
+    """
+    if importlib.util.find_spec("nvcli.llm") is None:
+        pytest.skip("nvcli.llm is not there yet")
+    from nvcli.llm import LLM
+    from nvcli.sampling_params import SamplingParams
+
+    llm = LLM(model=str(SMOL), device="cpu", dtype="float32", num_kvcache_blocks=64, max_model_len=512)
+    try:
+        assert Path(llm.engine.model_dir) == smol_dir[0]  # the cached conversion, not a new one
+        questions = ["What is the capital of France?", "Write a short story about a robot.",
+                     "Name three primary colors."]
+        outs = llm.chat([[{"role": "user", "content": q}] for q in questions],
+                        SamplingParams(temperature=0.0, max_tokens=32))
+    finally:
+        llm.shutdown()
+    ref = smol_reference[1]
+    for q, out in zip(questions, outs, strict=True):
+        got = list(out.outputs[0].token_ids)
+        assert 0 < len(got) <= 32
+        # transformers' greedy choice at every position of prompt + output (one forward pass)
+        assert greedy_continuation_of(ref, list(out.prompt_token_ids), got) == got, q
+        assert out.outputs[0].finish_reason == ("length" if len(got) == 32 else "stop")
+    assert "Paris" in outs[0].outputs[0].text
+    assert len(outs[1].outputs[0].token_ids) == 32  # the story runs the full 32 tokens
