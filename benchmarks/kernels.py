@@ -1,6 +1,7 @@
 """Correctness and speed of the Triton KV-cache / attention kernels on the GPU.
 
     PYTHONPATH=. python3 benchmarks/kernels.py            # H100: checks + timings (< 2 min)
+    PYTHONPATH=. python3 benchmarks/kernels.py --sweep    # + more block/warp/stage/split configs
     PYTHONPATH=. python3 benchmarks/kernels.py --smoke    # tiny shapes; on CPU via TRITON_INTERPRET=1
 
 (a) checks every kernel against nvcli/kernels/reference.py on random bf16 inputs of
@@ -152,7 +153,7 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
             r[sl == 0] = 0
             rep.check(f"decode heads {nh}/{nkv} table_width={bt.shape[1]}", out, r, *tol)
     # block sizes other than 16
-    for bs in (32, 64, 128, 256) if not smoke else (64,):
+    for bs in (32, 64, 256) if not smoke else (64,):
         kc, vc, bt = paged_kv(lens, 8 if not smoke else 2, head_dim, bs, dtype, device)
         nh = 16 if not smoke else 4
         q = torch.randn(len(lens), nh, head_dim, device=device).to(dtype)
@@ -276,7 +277,7 @@ def copy_bandwidth(device: str, on_gpu: bool, smoke: bool) -> float:
     return 2 * src.numel() * src.element_size() / t
 
 
-def run_timings(rep: Report, device: str, smoke: bool) -> None:
+def run_timings(rep: Report, device: str, smoke: bool, sweep: bool) -> None:
     from nvcli.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
     from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
@@ -336,19 +337,16 @@ def run_timings(rep: Report, device: str, smoke: bool) -> None:
             decode_case(batch, ctx, True)
 
     if not smoke:
-        # config sweeps at the target shape (B=256, 1000 tokens) and batch 64's split count
-        for bn, nw, ns in [
-            (32, 4, 3),
-            (64, 4, 2),
-            (64, 4, 4),
-            (64, 8, 3),
-            (128, 4, 3),
-            (128, 8, 2),
-            (128, 8, 3),
-        ]:
+        # config sweeps at the target shape (B=256, 1000 tokens) and the split counts
+        configs = [(32, 4, 4), (64, 4, 4), (128, 8, 3)]
+        splits = [(64, 1), (64, 4), (256, 2)]
+        if sweep:
+            configs += [(32, 4, 3), (64, 4, 2), (64, 8, 3), (128, 4, 3), (128, 8, 2)]
+            splits += [(64, 8), (256, 4)]
+        for bn, nw, ns in configs:
             decode_case(256, 1000, False, f" bn={bn} w={nw} st={ns}", block_n=bn, num_warps=nw, num_stages=ns)
-        for batch, splits in ((64, 1), (64, 2), (64, 4), (64, 8), (256, 2), (256, 4)):
-            decode_case(batch, 1000, False, f" splits={splits}", num_splits=splits)
+        for batch, n in splits:
+            decode_case(batch, 1000, False, f" splits={n}", num_splits=n)
 
     # prefill: 8 prompts x 1024 tokens (causal), TFLOP/s, next to torch SDPA (contiguous K/V)
     n_prompts, plen = (8, 1024) if not smoke else (2, 40)
@@ -371,13 +369,10 @@ def run_timings(rep: Report, device: str, smoke: bool) -> None:
     prefill_case("")
     rms_norm_timing(rep, device, dtype, bw, smoke)
     if not smoke:
-        for bm, bn, nw, ns in [
-            (128, 64, 4, 3),
-            (64, 64, 4, 3),
-            (128, 128, 8, 2),
-            (128, 32, 8, 4),
-            (64, 32, 4, 4),
-        ]:
+        configs = [(128, 64, 8, 4), (64, 64, 4, 3)]
+        if sweep:
+            configs += [(128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 4), (64, 32, 4, 4)]
+        for bm, bn, nw, ns in configs:
             prefill_case(
                 f" bm={bm} bn={bn} w={nw} st={ns}", block_m=bm, block_n=bn, num_warps=nw, num_stages=ns
             )
@@ -425,6 +420,7 @@ def main() -> int:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: Triton interpreter)")
     parser.add_argument("--skip-timings", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="more kernel configs (adds ~1 min)")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -439,7 +435,7 @@ def main() -> int:
     rep = Report()
     run_checks(rep, device, args.smoke)
     if not args.skip_timings:
-        run_timings(rep, device, args.smoke)
+        run_timings(rep, device, args.smoke, args.sweep)
 
     print("\n" + "=" * 100)
     failed = [c for c in rep.checks if not c[3]]

@@ -33,7 +33,7 @@ from nvcli.kernels.kv_store import Scale, is_fp8, scale_args
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # block-table width changes every eager step
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -80,7 +80,7 @@ def _prefill_tile(
     return acc, m_new, l_i, blk_next
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # batch shape changes every step: one compile
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

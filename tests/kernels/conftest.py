@@ -1,4 +1,4 @@
-"""Kernel tests run the Triton kernels on CPU tensors through the Triton interpreter.
+"""Kernel tests: on the GPU when there is one, else CPU tensors through the Triton interpreter.
 
 TRITON_INTERPRET is read when `@triton.jit` decorates a kernel, so it must be set before
 the kernel modules are imported; if another test module imported them first (compiled
@@ -7,22 +7,19 @@ mode, unusable without a GPU), they are reloaded here.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import importlib  # noqa: E402
-import sys  # noqa: E402
-
-_KERNEL_MODULES = (
-    "nvcli.kernels.kv_store",
-    "nvcli.kernels.decode_attention",
-    "nvcli.kernels.prefill_attention",
-    "nvcli.kernels.rms_norm",
-)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    for _name in _KERNEL_MODULES:
-        _mod = sys.modules.get(_name)
-        if _mod is not None:
-            importlib.reload(_mod)
+    from triton.runtime.jit import JITFunction
+
+    for _name in sorted(n for n in sys.modules if n.startswith("nvcli.kernels.")):
+        _mod = sys.modules[_name]
+        if any(isinstance(v, JITFunction) for v in vars(_mod).values()):
+            importlib.reload(_mod)  # decorated before the interpreter was switched on

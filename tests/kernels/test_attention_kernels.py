@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import on_device
 
-from nvcli.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
-from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
+from nvcli.kernels import decode_attention, prefill_attention
+from nvcli.kernels.decode_attention import choose_num_splits
 from nvcli.kernels.reference import paged_attention_ref, paged_decode_attention_ref
+
+paged_decode_attention_triton = on_device(decode_attention.paged_decode_attention_triton)
+paged_prefill_attention_triton = on_device(prefill_attention.paged_prefill_attention_triton)
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIM = 32

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import on_device
 
-from nvcli.kernels.kv_store import store_kvcache_triton
+from nvcli.kernels import kv_store
 from nvcli.kernels.reference import store_kvcache_ref
+
+store_kvcache_triton = on_device(kv_store.store_kvcache_triton)
 
 FP8 = torch.float8_e4m3fn
 

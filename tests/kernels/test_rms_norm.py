@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import on_device
 
-from nvcli.kernels.rms_norm import rms_norm_triton
+from nvcli.kernels import rms_norm
+
+rms_norm_triton = on_device(rms_norm.rms_norm_triton)
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

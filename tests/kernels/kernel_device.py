@@ -1,0 +1,40 @@
+"""Run the kernel tests on the GPU when there is one, else on CPU tensors via the Triton interpreter.
+
+Inputs and references are built on the CPU; `on_device` wraps a kernel entry point so its
+tensor arguments travel to DEVICE, in-place results (the KV caches) come back, and so does
+the return value.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _to_cpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, tuple):
+        return tuple(_to_cpu(v) for v in x)
+    return x
+
+
+def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if DEVICE.type == "cpu":
+            return fn(*args, **kwargs)
+        moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+        moved_kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        out = fn(*moved, **moved_kw)
+        for a, m in zip(args, moved):
+            if isinstance(a, torch.Tensor):
+                a.copy_(m.cpu())  # caches are written in place
+        return _to_cpu(out)
+
+    return call
