@@ -79,7 +79,10 @@ def paged_kv(
 
 
 def quantize(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    q = (cache.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    """fp8 cache as store_kvcache_triton writes it, and its dequantisation."""
+    x = cache.float()
+    # tensor / tensor: CUDA turns x / python_float into x * (1 / s), which rounds differently
+    q = (x / torch.full_like(x, scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q, q.float() * scale
 
 

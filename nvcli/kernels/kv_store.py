@@ -103,8 +103,9 @@ def _store_kvcache_kernel(
         else:
             ks = k_scale_val
             vs = v_scale_val
-        kq = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX)
-        vq = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX)
+        # div_rn: IEEE division (plain / is div.full.f32, ~2 ulp), so the result rounds like torch
+        kq = tl.clamp(tl.div_rn(k.to(tl.float32), ks), -FP8_MAX, FP8_MAX)
+        vq = tl.clamp(tl.div_rn(v.to(tl.float32), vs), -FP8_MAX, FP8_MAX)
         tl.store(kc, kq.to(kc.dtype.element_ty), mask=mask)
         tl.store(vc, vq.to(vc.dtype.element_ty), mask=mask)
     else:
