@@ -91,6 +91,7 @@ _LLAMA3_REGEX = (
 SUPPORTED_PRE_TOKENIZERS = ("smollm", "qwen2", "llama-bpe", "gpt-2")
 
 # llama.cpp token types
+_TOKEN_UNKNOWN = 2
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 
@@ -525,37 +526,71 @@ def _byte_level_parts(pre: str) -> tuple[Any, Any, bool]:
                     "tokenizer directory for this model")
 
 
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges for a SentencePiece vocabulary, ranked by the merged piece's score.
+
+    The same construction as transformers' SentencePieceExtractor (used for Llama 2's
+    tokenizer.json); llama.cpp's SPM tokenizer also merges the pair whose result scores best.
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score, ty in zip(tokens, scores, types, strict=True):
+        if ty != 1:
+            continue
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
 def build_tokenizer(reader: Any, model_max_length: int | None = None) -> Any:
-    """A transformers fast tokenizer built from the GGUF tokenizer metadata (BPE/byte-level)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    """A transformers fast tokenizer from the GGUF tokenizer metadata.
+
+    tokenizer.ggml.model "gpt2": byte-level BPE (Llama 3, SmolLM, Qwen2/Qwen3) with the
+    pre-tokenizer of tokenizer.ggml.pre; "llama": SentencePiece BPE with byte fallback
+    (Llama 2, TinyLlama, Mistral), built like Hugging Face's Llama tokenizer.json.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported (tokenizer.ggml.model); nv builds "
-                        "byte-level BPE ('gpt2') tokenizers: Llama 3, SmolLM, Qwen2/Qwen3. Pass --tokenizer "
-                        "with a Hugging Face tokenizer directory for this model")
+                        "'gpt2' (byte-level BPE: Llama 3, SmolLM, Qwen2/Qwen3) and 'llama' (SentencePiece: "
+                        "Llama 2, Mistral) tokenizers")
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []
     if len(types) != len(tokens):
         types = [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFError("GGUF vocabulary has duplicate tokens; cannot build a tokenizer from it")
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
-    normalizer, pre_tokenizer, ignore_merges = _byte_level_parts(pre)
 
-    tok = Tokenizer(models.BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False,
-                               ignore_merges=ignore_merges))
-    if normalizer is not None:
-        tok.normalizer = normalizer
-    tok.pre_tokenizer = pre_tokenizer
-    tok.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+        pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
+        normalizer, pre_tokenizer, ignore_merges = _byte_level_parts(pre)
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=ignore_merges))
+        if normalizer is not None:
+            tok.normalizer = normalizer
+        tok.pre_tokenizer = pre_tokenizer
+        tok.decoder = decoders.ByteLevel()
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+        unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+        tok = Tokenizer(models.BPE(vocab, _spm_merges(tokens, list(scores), types), fuse_unk=True,
+                                   byte_fallback=True, unk_token=tokens[int(unk_id)] if unk_id is not None else None))
+        space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        norms = ([normalizers.Prepend("\u2581")] if space_prefix else []) + [normalizers.Replace(" ", "\u2581")]
+        tok.normalizer = normalizers.Sequence(norms)
+        decs = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(decs + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
     added = []
     for i, (t, ty) in enumerate(zip(tokens, types, strict=True)):
-        if ty in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED):
-            added.append((i, AddedToken(t, special=ty == _TOKEN_CONTROL, normalized=False)))
+        if ty in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED):
+            added.append((i, AddedToken(t, special=ty != _TOKEN_USER_DEFINED, normalized=False)))
     for _, a in sorted(added, key=lambda x: x[0]):
         (tok.add_special_tokens if a.special else tok.add_tokens)([a])
 
@@ -572,7 +607,7 @@ def build_tokenizer(reader: Any, model_max_length: int | None = None) -> Any:
         specials = [(t, vocab[t]) for t in dict.fromkeys(([bos] if add_bos else []) + ([eos] if add_eos else []))]
         tok.post_processor = processors.TemplateProcessing(
             single=[*b, "$A:0", *e], pair=[*b, "$A:0", *e, *b, "$B:1", *e], special_tokens=specials)
-    else:
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
 
     kwargs: dict[str, Any] = {"clean_up_tokenization_spaces": False}

@@ -651,3 +651,31 @@ def test_llm_on_smollm2_gguf_matches_hf_greedy(smol_dir, smol_reference):
         assert out.outputs[0].finish_reason == ("length" if len(got) == 32 else "stop")
     assert "Paris" in outs[0].outputs[0].text
     assert len(outs[1].outputs[0].token_ids) == 32  # the story runs the full 32 tokens
+
+
+def test_sentencepiece_tokenizer_from_gguf(tmp_path):
+    """tokenizer.ggml.model 'llama' (Llama 2 / Mistral GGUFs): SPM-style BPE by piece score, byte fallback."""
+    pieces = ["▁", "h", "e", "l", "o", "i", "▁h", "▁he", "▁hel", "lo", "▁hello", "▁hi"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    scores = [0.0] * 259 + [-1.0, -5.0, -5.0, -5.0, -5.0, -5.0, -3.0, -2.5, -2.0, -1.2, -0.2, -0.5]
+    w = gguf_pkg.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = nvgguf.build_tokenizer(nvgguf.open_gguf(tmp_path / "spm.gguf"))
+    ids = tok("hello hi").input_ids
+    assert tok.convert_ids_to_tokens(ids) == ["<s>", "▁hello", "▁hi"]
+    ids = tok("héllo  x").input_ids
+    assert "<0xC3>" in tok.convert_ids_to_tokens(ids)  # byte fallback for pieces not in the vocab
+    assert tok.decode(ids, skip_special_tokens=True) == "héllo  x"
+    assert (tok.bos_token, tok.eos_token, tok.unk_token) == ("<s>", "</s>", "<unk>")
