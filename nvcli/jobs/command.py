@@ -57,6 +57,9 @@ def generate(args: GenerateArgs) -> int:
     except UsageError as e:
         err(f"error: {e}")
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C before the job loop took over (e.g. while loading the model)
+        err("interrupted")
+        return EXIT_INTERRUPTED
 
 
 def _generate(args: GenerateArgs) -> int:
@@ -159,8 +162,16 @@ def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
         engine = make_engine(EngineConfig(**args.engine))
     except _user_error_types() as e:
         raise UsageError(str(e)) from None
-    name = model or Path(str(getattr(engine, "model_dir", "") or "model")).name
-    return engine, name
+    return engine, model or _default_model_name(engine)
+
+
+def _default_model_name(engine: Any) -> str:
+    try:
+        from nvcli.models.resolve import DEFAULT_MODEL_FILE
+
+        return str(DEFAULT_MODEL_FILE).removesuffix(".gguf")
+    except ImportError:
+        return Path(str(getattr(engine, "model_dir", "") or "model")).name
 
 
 def _sampling_defaults(engine: Any, args: GenerateArgs) -> dict[str, Any]:
@@ -209,7 +220,9 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
         from rich.console import Console
 
         console = Console(stderr=True)
-        reporter = LiveDashboard(console) if console.is_terminal else PlainProgress(sys.stderr)
+        # A live view needs a terminal to itself: not when the JSONL also goes to that terminal.
+        stdout_tty = out_path is None and _isatty(sys.stdout)
+        reporter = LiveDashboard(console) if console.is_terminal and not stdout_tty else PlainProgress(sys.stderr)
         reporter.start(f"generating with {opts.model_name}")
     src: BinaryIO = open(src_path, "rb") if src_path is not None else sys.stdin.buffer  # noqa: SIM115
     dst: BinaryIO = open(out_path, "ab" if args.resume else "wb") if out_path is not None else sys.stdout.buffer  # noqa: SIM115
@@ -234,6 +247,13 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
     elif result.failed or result.counts.skipped_errors:
         err(f"{result.failed + result.counts.skipped_errors} lines failed (their output lines carry an error)")
     return result.exit_code
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _silence_stdout() -> None:

@@ -131,6 +131,8 @@ def parse_line(
 ) -> Request | LineError:
     """Parse one non-blank input line. `line_no` is 0-based; `fallback_shape` is used for lines
     too broken to tell their shape (a file of OpenAI requests keeps OpenAI-shaped errors)."""
+    if line_no == 0 and isinstance(raw, bytes) and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte order mark, as some editors write
     try:
         obj = jsonio.loads(raw)
     except (jsonio.JSONDecodeError, ValueError) as e:

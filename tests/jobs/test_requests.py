@@ -101,3 +101,7 @@ def test_unknown_fields_warn():
 
 def test_integral_floats_accepted():
     assert parse({"prompt": "x", "max_tokens": 10.0}).sampling_params.max_tokens == 10
+
+
+def test_byte_order_mark_on_first_line():
+    assert isinstance(parse(b'\xef\xbb\xbf{"prompt": "x"}', 0), Request)
