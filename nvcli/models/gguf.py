@@ -189,6 +189,7 @@ def convert_gguf_to_hf_dir(path: str | Path, cache_dir: Path | None = None, dtyp
         info.update(source=str(path.resolve()), size=path.stat().st_size, xxh64=digest, dtype=dtype,
                     converter_version=CONVERTER_VERSION, seconds=round(time.perf_counter() - t0, 2))
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, final)
         except OSError:

@@ -679,3 +679,19 @@ def test_sentencepiece_tokenizer_from_gguf(tmp_path):
     assert "<0xC3>" in tok.convert_ids_to_tokens(ids)  # byte fallback for pieces not in the vocab
     assert tok.decode(ids, skip_special_tokens=True) == "héllo  x"
     assert (tok.bos_token, tok.eos_token, tok.unk_token) == ("<s>", "</s>", "<unk>")
+
+
+def test_large_models_are_sharded(tiny_src, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_src("qwen3")
+    path = write_gguf(src, tmp_path / "q3.gguf")
+    monkeypatch.setattr(nvgguf, "SHARD_BYTES", 64 << 10)
+    out = nvgguf.convert_gguf_to_hf_dir(path, cache_dir=tmp_path / "cache")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all((out / f).is_file() for f in files) and not (out / "model.safetensors").exists()
+    assert not list(out.glob("*.tmp"))
+    a = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
