@@ -280,3 +280,24 @@ def test_sigkill_then_resume_then_ctrl_c_then_resume(model, tmp_path):
     assert sorted(x["id"] for x in final) == sorted(f"q{i}" for i in range(n))  # none lost, none twice
     assert all(x["usage"]["completion_tokens"] == 6 for x in final)
     assert final[: len(mid)] == mid  # earlier answers kept as they were
+
+
+def test_ctrl_c_with_stdin_still_open(model, tmp_path):
+    """`producer | nv generate -`: Ctrl-C while nv waits for more input; finished lines are out, exit 130."""
+    proc = subprocess.Popen([*nv_argv(), "generate", "-", "--model", model, *FAST, "--max-tokens", "3"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b'{"id": "a", "prompt": "one"}\n{"id": "b", "prompt": "two"}\n')
+    proc.stdin.flush()
+    got = [json.loads(proc.stdout.readline()) for _ in range(2)]  # answered while the pipe stays open
+    assert [x["id"] for x in got] == ["a", "b"]
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=120)  # stdin stays open meanwhile: nv's reader is blocked reading it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    proc.stdin.close()
+    assert rc == 130, err.decode()
+    assert out == b"" and b"Fatal Python error" not in err and b"Traceback" not in err

@@ -8,15 +8,18 @@ without Typer. `generate(args)` returns the process exit code:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.jobs import jsonio
+from nvcli.jobs.reader import iter_fd_lines
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.resume import ResumeError, scan_output
 from nvcli.jobs.runner import EXIT_INTERRUPTED, EXIT_USAGE, JobOptions, JobResult, LineCounter, run_job
@@ -224,7 +227,7 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
         stdout_tty = out_path is None and _isatty(sys.stdout)
         reporter = LiveDashboard(console) if console.is_terminal and not stdout_tty else PlainProgress(sys.stderr)
         reporter.start(f"generating with {opts.model_name}")
-    src: BinaryIO = open(src_path, "rb") if src_path is not None else sys.stdin.buffer  # noqa: SIM115
+    src: Iterable[bytes] = open(src_path, "rb") if src_path is not None else _stdin_lines()  # noqa: SIM115
     dst: BinaryIO = open(out_path, "ab" if args.resume else "wb") if out_path is not None else sys.stdout.buffer  # noqa: SIM115
     result: JobResult | None = None
     try:
@@ -234,7 +237,7 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
     finally:
         if reporter is not None:
             reporter.stop()
-        if src_path is not None:
+        if isinstance(src, io.IOBase):
             src.close()
         if out_path is not None:
             with contextlib.suppress(OSError):
@@ -247,6 +250,13 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
     elif result.failed or result.counts.skipped_errors:
         err(f"{result.failed + result.counts.skipped_errors} lines failed (their output lines carry an error)")
     return result.exit_code
+
+
+def _stdin_lines() -> Iterable[bytes]:
+    try:
+        return iter_fd_lines(sys.stdin.fileno())
+    except (AttributeError, ValueError, OSError):  # not a real file (e.g. under a test runner)
+        return sys.stdin.buffer
 
 
 def _isatty(stream: Any) -> bool:

@@ -15,10 +15,12 @@ Everything it produces goes to the main thread through `events`:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from nvcli.jobs.formatting import error_line
 from nvcli.jobs.requests import (
@@ -47,7 +49,7 @@ class ReaderCounts:
 class InputReader(threading.Thread):
     def __init__(
         self,
-        stream: BinaryIO,
+        stream: Iterable[bytes],
         engine: Any,
         defaults: Defaults,
         events: queue.Queue,
@@ -183,3 +185,33 @@ def _classify(message: str, req: Request, engine: Any) -> str:
         return PROMPT_TOO_LONG
     return INVALID_REQUEST
 
+
+
+def iter_fd_lines(fd: int, chunk_size: int = 1 << 16) -> Iterator[bytes]:
+    """Lines of a file descriptor, read with os.read: no buffered-reader lock.
+
+    The reader thread is a daemon; if it sits in a read of sys.stdin.buffer when the process
+    exits (Ctrl-C with the pipe still open), the interpreter aborts trying to take that
+    object's lock. os.read holds no such lock. Lines keep their b"\n"; a line may be any length.
+    """
+    pending: list[bytes] = []
+    while True:
+        chunk = os.read(fd, chunk_size)
+        if not chunk:
+            break
+        start = 0
+        while True:
+            i = chunk.find(b"\n", start)
+            if i < 0:
+                if start < len(chunk):
+                    pending.append(chunk[start:])
+                break
+            piece = chunk[start : i + 1]
+            if pending:
+                pending.append(piece)
+                piece = b"".join(pending)
+                pending = []
+            yield piece
+            start = i + 1
+    if pending:
+        yield b"".join(pending)

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -122,7 +123,7 @@ class LineCounter(threading.Thread):
 
 
 class _Job:
-    def __init__(self, engine: Any, src: BinaryIO, dst: BinaryIO, opts: JobOptions,
+    def __init__(self, engine: Any, src: Iterable[bytes], dst: BinaryIO, opts: JobOptions,
                  reporter: Reporter | None, counter: LineCounter | None) -> None:
         self.engine = engine
         self.opts = opts
@@ -295,7 +296,7 @@ def _stats(engine: Any) -> Any:
 
 def run_job(
     engine: Any,
-    src: BinaryIO,
+    src: Iterable[bytes],
     dst: BinaryIO,
     opts: JobOptions | None = None,
     reporter: Reporter | None = None,

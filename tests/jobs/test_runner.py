@@ -260,3 +260,17 @@ def test_sigint_drains_in_flight_then_stops():
     assert [x["id"] for x in lines] == list(range(len(lines)))  # an in-order prefix: --resume continues it
     assert all("text" in x for x in lines)
     assert not engine.has_unfinished() and not engine.aborted
+
+
+def test_iter_fd_lines_splits_like_readline(tmp_path):
+    from nvcli.jobs.reader import iter_fd_lines
+
+    data = b'{"a": 1}\n\n' + b"x" * 200_000 + b"\n" + b"tail without newline"
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = list(iter_fd_lines(fd, chunk_size=7))
+    finally:
+        os.close(fd)
+    assert got == io.BytesIO(data).readlines()
