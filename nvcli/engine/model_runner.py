@@ -7,6 +7,7 @@ scheduler's batch; every rank turns it into tensors and runs the forward; rank 0
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class ModelRunner:
         self.dtype = pick_dtype(config, hf_config, self.device.type)
         self.block_size = config.kvcache_block_size
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.noise_rng = random.Random(config.seed)  # per-step noise seeds of unseeded rows (GPU sampler)
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -108,7 +110,10 @@ class ModelRunner:
         return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * elem
 
     def kv_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.config.kv_cache_dtype.startswith("fp8") else self.dtype
+        name = self.config.kv_cache_dtype
+        if name.startswith("fp8"):
+            return torch.float8_e4m3fn
+        return TORCH_DTYPES.get(name, self.dtype)  # "auto": the model's dtype
 
     def _allocate_kv_cache(self) -> int:
         per_block = self.kv_bytes_per_block()
@@ -136,6 +141,8 @@ class ModelRunner:
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
+            attn.k_scale.fill_(self.config.kv_cache_scale)  # in place: graphs captured later read these
+            attn.v_scale.fill_(self.config.kv_cache_scale)
         return num_blocks
 
     def _blocks_from_free_memory(self, per_block: int) -> int:
@@ -229,7 +236,8 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]:
         params = [s.sampling_params for s in batch.seqs]
         positions = [s.num_completion_tokens for s in batch.seqs]
-        sb = SamplingBatch.build(params, positions, logits.shape[1], self.device)
+        sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
+                                 self.noise_rng if self.device.type == "cuda" else None)
         tokens = sample(logits, sb, self.generator)
         logprobs = gather_logprobs(logits, tokens, sb)
         return tokens.tolist(), logprobs

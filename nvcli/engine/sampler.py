@@ -7,6 +7,7 @@ token i with probability p_i. Rows with a seed draw q from their own generator s
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,17 @@ class SamplingBatch:
     seeds: list[tuple[int, int]]  # (row, seed mixed with the output position) for seeded rows
     all_greedy: bool
     num_logprobs: list[int | None]  # per row; None = not requested
+    philox_seeds: torch.Tensor | None = None  # [num_seqs] int64 for the fused GPU sampler
+    needs_filter: bool = False  # some row uses top-k / top-p / min-p
 
     @staticmethod
-    def build(params: list, positions: list[int], vocab_size: int, device: torch.device) -> SamplingBatch:
-        """`params`: SamplingParams per row; `positions`: index of the token being sampled."""
+    def build(params: list, positions: list[int], vocab_size: int, device: torch.device,
+              rng: random.Random | None = None) -> SamplingBatch:
+        """`params`: SamplingParams per row; `positions`: index of the token being sampled.
+
+        `rng` draws the noise seeds of unseeded rows (the fused GPU sampler); seeded rows mix
+        their seed with the output position instead.
+        """
         temps = [p.temperature for p in params]
         all_greedy = all(t == 0 for t in temps)
         top_k = top_p = min_p = None
@@ -43,15 +51,24 @@ class SamplingBatch:
             if p.seed is not None and p.temperature > 0
         ]
         to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        philox = None
+        if rng is not None and not all_greedy:
+            by_row = dict(seeds)
+            philox = torch.tensor([by_row.get(i, rng.getrandbits(62)) for i in range(len(params))], dtype=torch.int64)
         return SamplingBatch(
             temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
             top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
-            num_logprobs=[p.logprobs for p in params],
+            num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
+            needs_filter=top_k is not None or top_p is not None or min_p is not None,
         )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [num_seqs, vocab] float32 -> token ids [num_seqs] int64."""
+    if logits.is_cuda and batch.philox_seeds is not None and not batch.needs_filter:
+        from nvcli.kernels.sampling import gumbel_sample_triton
+
+        return gumbel_sample_triton(logits, batch.temperatures, batch.philox_seeds)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy
