@@ -252,7 +252,9 @@ def test_sigkill_then_resume_then_ctrl_c_then_resume(model, tmp_path):
             if out.exists() and out.read_bytes().count(b"\n") >= k:
                 return
             time.sleep(0.05)
-        raise AssertionError(f"no {k} lines in time; rc={proc.poll()}")
+        rc = proc.poll()
+        proc.kill()
+        raise AssertionError(f"no {k} lines in time; rc={rc}; stderr: {proc.communicate()[1].decode()[-2000:]}")
 
     # 1. SIGKILL mid-job, then tear the last line as a kill mid-write would
     proc = start("--max-num-seqs", "2", "-q")
@@ -267,7 +269,10 @@ def test_sigkill_then_resume_then_ctrl_c_then_resume(model, tmp_path):
     proc = start("--max-num-seqs", "2", "--max-in-flight", "4", "--resume")
     wait_for_lines(proc, len(done) + 2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
     assert proc.returncode == 130, err.decode()
     assert b"torn last line" in err and b"Traceback" not in err
     mid = jsonl(out.read_text())

@@ -22,7 +22,15 @@ from nvcli.jobs import jsonio
 from nvcli.jobs.reader import iter_fd_lines
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.resume import ResumeError, scan_output
-from nvcli.jobs.runner import EXIT_INTERRUPTED, EXIT_USAGE, JobOptions, JobResult, LineCounter, run_job
+from nvcli.jobs.runner import (
+    EXIT_INTERRUPTED,
+    EXIT_LINE_ERRORS,
+    EXIT_USAGE,
+    JobOptions,
+    JobResult,
+    LineCounter,
+    run_job,
+)
 from nvcli.sampling_params import SamplingParams
 
 
@@ -234,6 +242,14 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
         result = run_job(engine, src, dst, opts, reporter, counter)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except Exception as e:  # the engine died mid-job (a lost TP worker, out of memory, a bug)
+        if reporter is not None:
+            reporter.stop()
+        if os.environ.get("NV_DEBUG"):
+            raise
+        where = f"; the finished lines are in {str(out_path)!r}: rerun with --resume to continue" if out_path else ""
+        err(f"error: the job stopped: {type(e).__name__}: {e}{where} (NV_DEBUG=1 shows the traceback)")
+        return EXIT_LINE_ERRORS
     finally:
         if reporter is not None:
             reporter.stop()

@@ -157,3 +157,19 @@ def test_help_lists_vllm_flags():
                  "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--ignore-eos",
                  "--logprobs", "--chat-template-kwargs", "--no-thinking", "--unordered", "--resume", "--quiet"):
         assert flag in r.stdout, flag
+
+
+def test_engine_failure_mid_job_is_reported_without_traceback(tmp_path, monkeypatch):
+    class Dying(FakeEngine):
+        def step(self):
+            if self.st.num_steps >= 3:
+                raise RuntimeError("tensor-parallel worker 1 died (exit code -9)")
+            return super().step()
+
+    monkeypatch.setattr("nvcli.jobs.command.make_engine", lambda config: Dying(max_num_seqs=1))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "max_tokens": 1} for i in range(10)])
+    out = tmp_path / "out.jsonl"
+    r = nv(src, "-o", out, "-q")
+    assert r.exit_code == 1
+    assert "worker 1 died" in r.stderr and "--resume" in r.stderr and "Traceback" not in r.stderr
+    assert len(read_jsonl(out)) == 3  # what finished before is kept
