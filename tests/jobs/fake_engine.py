@@ -59,6 +59,7 @@ class FakeEngine:
         self.running: list[_Req] = []
         self.st = FakeStats()
         self.added: list[str] = []
+        self.sampling_seen: list = []
         self.max_unfinished_seen = 0
         self.aborted: list[str] = []
         self.shut = False
@@ -78,6 +79,7 @@ class FakeEngine:
         with self.lock:
             self.waiting.append(_Req(request_id, prompt if isinstance(prompt, str) else None, ids, sampling_params))
             self.added.append(request_id)
+            self.sampling_seen.append(sampling_params)
             self.max_unfinished_seen = max(self.max_unfinished_seen, len(self.waiting) + len(self.running))
         return request_id
 

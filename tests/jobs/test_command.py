@@ -173,3 +173,25 @@ def test_engine_failure_mid_job_is_reported_without_traceback(tmp_path, monkeypa
     assert r.exit_code == 1
     assert "worker 1 died" in r.stderr and "--resume" in r.stderr and "Traceback" not in r.stderr
     assert len(read_jsonl(out)) == 3  # what finished before is kept
+
+
+def test_model_generation_config_gives_sampling_defaults(tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    made = []
+
+    def make(config):
+        e = FakeEngine()
+        e.model_dir = model_dir
+        made.append(e)
+        return e
+
+    monkeypatch.setattr("nvcli.jobs.command.make_engine", make)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b", "temperature": 0, "top_k": 5}])
+    r = nv(src, "--top-p", "0.5", "--max-tokens", 1)
+    assert r.exit_code == 0
+    assert "generation_config.json" in r.stderr and "temperature=0.6" in r.stderr
+    a, b = made[0].sampling_seen
+    assert (a.temperature, a.top_p, a.top_k) == (0.6, 0.5, 20)  # the model's, but the flag wins for top_p
+    assert (b.temperature, b.top_p, b.top_k) == (0, 0.5, 5)  # and the line wins over both
