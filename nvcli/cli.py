@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nvcli.config import EngineConfig
+from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 
 app = typer.Typer(
     name="nv",
@@ -24,6 +24,10 @@ _D = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
 ENGINE = "Engine (vLLM names)"
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return " | ".join(values)
 
 
 @app.callback()
@@ -59,12 +63,13 @@ def generate(
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=ENGINE)] = _D["enable_prefix_caching"],
     enable_chunked_prefill: Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts across steps.", rich_help_panel=ENGINE)] = _D["enable_chunked_prefill"],
-    dtype: Annotated[str, typer.Option(help="auto | bfloat16 | float16 | float32.", rich_help_panel=ENGINE)] = _D["dtype"],
-    kv_cache_dtype: Annotated[str, typer.Option(help="auto | fp8 | fp8_e4m3 (fp8 halves KV memory).", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
+    dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
+    kv_cache_dtype: Annotated[str, typer.Option(help=f"{_choices(KV_CACHE_DTYPES)} (fp8 halves KV memory).", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
+    kv_cache_scale: Annotated[float, typer.Option(help="fp8 KV cache: the per-tensor scale of K and V.", rich_help_panel=ENGINE, hidden="kv_cache_scale" not in _D)] = _D.get("kv_cache_scale", 1.0),
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block (a power of two).", rich_help_panel=ENGINE)] = _D["kvcache_block_size"],
     num_kvcache_blocks: Annotated[Optional[int], typer.Option(help="Fix the number of KV blocks (default: sized from free memory).", rich_help_panel=ENGINE)] = None,
-    load_format: Annotated[str, typer.Option(help="auto | safetensors | gguf | dummy (random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
-    device: Annotated[str, typer.Option(help="auto | cuda | cpu.", rich_help_panel=ENGINE)] = _D["device"],
+    load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
+    device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
     seed: Annotated[int, typer.Option(help="Engine random seed (a line's own \"seed\" makes that request reproducible).", rich_help_panel=ENGINE)] = _D["seed"],
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per request (default: until EOS or max-model-len).", rich_help_panel=SAMPLING)] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default: the model's generation_config.json, else 1.0).", rich_help_panel=SAMPLING)] = None,
@@ -113,6 +118,8 @@ def generate(
         device=device,
         seed=seed,
     )
+    if "kv_cache_scale" in _D:  # newer EngineConfig
+        engine["kv_cache_scale"] = kv_cache_scale
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     stop=stop or None, logprobs=logprobs)
     sampling = {k: v for k, v in sampling.items() if v is not None}
