@@ -1,0 +1,320 @@
+"""Bandwidth-bound GEMM for small batches in Triton: y = x @ weight.T (+ bias) with M <= 16.
+
+At decode with a handful of sequences a linear layer is a matrix-vector product: the time
+is the time to stream the weight ([N, K], nn.Linear layout) from HBM once. Each program
+owns BLOCK_N output columns (= weight rows) and walks K in BLOCK_K chunks; every weight
+tile is one ~16 KiB read of BLOCK_N contiguous row segments (16-byte vector loads); the
+few x rows are re-read per tile from L1/L2 (they are tiny); accumulation is fp32.
+
+Two inner products, picked per config:
+
+* FMA (M <= 2): the weight tile times the broadcast x rows on the CUDA cores, accumulated
+  element-wise over K and reduced across K once at the end. Tall-thin tiles (few rows,
+  long K) give enough programs to fill the SMs without splitting K. The loop carries a
+  `tl.range(num_stages=...)` attribute because Triton only software-pipelines loads of a
+  dot-free loop when asked.
+* DOT (M > 2): `tl.dot(w_tile, x_tile.T)` on the tensor cores with x padded to 16 rows
+  (masked, so the padding is never read); the weight is the A operand ("swap AB"), so
+  BLOCK_N = 64 maps to one 64-row MMA and the acc is [BLOCK_N, 16].
+
+When there are too few column blocks to fill the GPU (o_proj / down_proj: N = hidden),
+K is split across programs: each writes an fp32 partial [SPLIT_K, M, N] and a second
+kernel sums the splits in a fixed order, adds the bias and casts (deterministic, no
+atomics).
+
+CUDA-graph safety: the config is a pure function of (M, N, K, element size, SM count),
+cached on the host; no autotuning, no host syncs, the only allocations are the output and
+(for split K) the fp32 partials, both from the caching allocator. M is not specialised,
+so one compile per (config, K) serves every batch size that maps to it.
+
+Entry points: `linear(x, weight, bias)` is F.linear that takes this kernel when
+`use_skinny(x, weight)` (CUDA, bf16/fp16, 1..16 rows, K % 16 == 0, row-major weight);
+NV_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere, for A/B runs).
+The heuristic in `choose_config` was written from first principles, not measured:
+`benchmarks/skinny_gemm.py --sweep` times alternatives on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_M = 16  # rows of x the kernel is meant for (use_skinny's bound); the kernel accepts up to 64
+FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
+TILE_BYTES = 16384  # weight bytes per program per loop iteration
+_ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
+def _skinny_gemm_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (read when HAS_BIAS and SPLIT_K == 1)
+    out_ptr,  # [M, N] in x.dtype (SPLIT_K == 1) or fp32 partials [SPLIT_K, M, N]
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    K: tl.constexpr,
+    K_SPLIT: tl.constexpr,  # K elements per program, a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # SPLIT_K * K_SPLIT == K: no K masks
+    USE_DOT: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot (no tf32)
+    HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamp instead of masking: unmasked 16-byte loads
+    k0 = pid_k * K_SPLIT
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    m_ok = offs_m[:, None] < M
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+            else:
+                k_ok = (k0 + k + offs_k)[None, :] < K
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+            if IEEE:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    elif BLOCK_M == 1:
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs)
+            else:
+                k_ok = (k0 + k + offs_k)[None, :] < K
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc2, axis=1)[None, :]
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+            else:
+                k_ok = (k0 + k + offs_k)[None, :] < K
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc3, axis=2)
+
+    out_mask = m_ok & (offs_n[None, :] < N)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows)[None, :].to(tl.float32)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs, y, mask=out_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,  # [SPLIT_K, M, N] fp32
+    b_ptr,  # [N]
+    out_ptr,  # [M, N]
+    MN,
+    N,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1  # requested splits; the wrapper evens them out so that none is empty
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: pick the H100's configs
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_m_for(m: int, use_dot: bool) -> int:
+    return max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
+
+
+@lru_cache(maxsize=4096)
+def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
+    """Config from shapes only (CUDA-graph safe, deterministic); `elt` is the weight's element size."""
+    kp = max(16, triton.next_power_of_2(k))
+    tile = TILE_BYTES // elt  # weight elements per program per iteration
+    use_dot = m > FMA_MAX_M
+    if use_dot:
+        # BLOCK_N >= 32 keeps the x re-reads (16 padded rows, masked) well below the weight bytes
+        block_n, min_n, num_warps = 64, 32, 4
+    else:
+        # acc is BLOCK_M x tile fp32 values: 64 registers per thread at 4 warps per x row
+        block_n, min_n, num_warps = 64, 1, 4 * block_m_for(m, False)
+    while block_n > min_n and _cdiv(n, block_n) < sms:  # more, thinner column blocks first...
+        block_n //= 2
+    block_k = min(kp, max(16, tile // block_n))
+    n_blocks, k_iters = _cdiv(n, block_n), _cdiv(k, block_k)
+    split = 1
+    if n_blocks < sms // 2:  # ...then split K when fewer than half the SMs would have work
+        split = max(1, min(k_iters, 16, _cdiv(sms, n_blocks)))
+        split = _cdiv(k_iters, _cdiv(k_iters, split))
+    iters = _cdiv(k_iters, split)
+    num_stages = min(4 if use_dot else 3, iters)
+    return SkinnyConfig(block_n, block_k, split, use_dot, num_warps, num_stages)
+
+
+def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Shape/dtype/layout conditions of use_skinny, device aside."""
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    k = weight.shape[1]
+    m = x.numel() // k if k else 0
+    return (
+        1 <= m <= MAX_M
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and k % 16 == 0
+        and weight.stride(1) == 1
+        and weight.stride(0) % 16 == 0
+        and x.stride(-1) == 1
+    )
+
+
+def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_linear_triton should replace F.linear(x, weight, bias) for this call."""
+    return _ENABLED and x.is_cuda and skinny_supported(x, weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through skinny_linear_triton when use_skinny(x, weight)."""
+    if use_skinny(x, weight):
+        return skinny_linear_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def skinny_linear_triton(
+    x: torch.Tensor,  # [..., K], at most MAX_M rows in all
+    weight: torch.Tensor,  # [N, K], row-major
+    bias: Optional[torch.Tensor] = None,  # [N]
+    *,
+    config: Optional[SkinnyConfig] = None,  # overrides choose_config (tests, benchmarks)
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) -> [..., N] in x.dtype, fp32 accumulation."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert weight.dim() == 2 and weight.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
+    assert weight.dtype == x.dtype and weight.stride(1) == 1, "weight: x's dtype, rows contiguous"
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    assert m <= 64, f"skinny_linear_triton is for small batches (M={m})"
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0 or k == 0:
+        if m and n:
+            out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+        return out.view(*x.shape[:-1], n)
+    cfg = config or choose_config(m, n, k, weight.element_size(), num_sms(x.device))
+    block_m = block_m_for(m, cfg.use_dot)
+    if cfg.use_dot:
+        assert cfg.block_n >= 16 and cfg.block_k >= 16, "tl.dot needs 16x16 tiles"
+    k_iters = _cdiv(k, cfg.block_k)
+    iters = _cdiv(k_iters, max(1, min(cfg.split_k, k_iters)))
+    split = _cdiv(k_iters, iters)
+    k_split = iters * cfg.block_k
+    has_bias = bias is not None
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _skinny_gemm_kernel[(_cdiv(n, cfg.block_n), split)](
+        x2,
+        weight,
+        bias if has_bias else weight,
+        dst,
+        m,
+        n,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        K=k,
+        K_SPLIT=k_split,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split,
+        EVEN_K=split * k_split == k,
+        USE_DOT=cfg.use_dot,
+        IEEE=x.dtype == torch.float32,
+        HAS_BIAS=has_bias,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(_cdiv(m * n, block),)](
+            dst,
+            bias if has_bias else dst,
+            out,
+            m * n,
+            n,
+            SPLIT_K=split,
+            BLOCK=block,
+            HAS_BIAS=has_bias,
+            num_warps=4,
+        )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,142 @@
+"""skinny_linear_triton against F.linear (Triton interpreter on CPU, float32 inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_device import on_device
+
+from nvcli.kernels import skinny_gemm
+from nvcli.kernels.skinny_gemm import SkinnyConfig, choose_config, skinny_supported, use_skinny
+
+skinny_linear = on_device(skinny_gemm.skinny_linear_triton)
+
+
+def _inputs(m: int, n: int, k: int, seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    return x, w, b
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    torch.testing.assert_close(y, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_configs(m: int, use_dot: bool, split_k: int, with_bias: bool) -> None:
+    """N = 40, K = 80: neither a multiple of BLOCK_N = 16 nor of BLOCK_K = 32 (masked last tile)."""
+    x, w, b = _inputs(m, 40, 80, seed=m)
+    bias = b if with_bias else None
+    cfg = SkinnyConfig(block_n=16, block_k=32, split_k=split_k, use_dot=use_dot, num_stages=2)
+    _close(skinny_linear(x, w, bias, config=cfg), F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 16])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_even_k(m: int, use_dot: bool) -> None:
+    """K a multiple of BLOCK_K * SPLIT_K: the unmasked loop."""
+    x, w, b = _inputs(m, 32, 128, seed=10 + m)
+    cfg = SkinnyConfig(block_n=16, block_k=32, split_k=2, use_dot=use_dot)
+    _close(skinny_linear(x, w, b, config=cfg), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(12, 48), (20, 160)])
+def test_auto_config(m: int, n: int, k: int) -> None:
+    """The configs choose_config picks for tiny shapes (one row per program at M <= 2; split K)."""
+    x, w, b = _inputs(m, n, k, seed=100 + m + n)
+    _close(skinny_linear(x, w, b), F.linear(x, w, b))
+
+
+def test_split_k_is_deterministic() -> None:
+    x, w, b = _inputs(16, 40, 160, seed=7)
+    cfg = SkinnyConfig(block_n=32, block_k=32, split_k=5, use_dot=True)
+    assert torch.equal(skinny_linear(x, w, b, config=cfg), skinny_linear(x, w, b, config=cfg))
+
+
+def test_leading_dims_and_strided_rows() -> None:
+    x, w, b = _inputs(6, 24, 64, seed=3)
+    x3 = x.view(2, 3, 64)
+    y = skinny_linear(x3, w, b)
+    assert y.shape == (2, 3, 24)
+    _close(y, F.linear(x3, w, b))
+    wide = torch.randn(4, 96)
+    xs = wide[:, 16:80]  # rows 96 apart
+    _close(skinny_linear(xs, w), F.linear(xs, w))
+
+
+def test_float16() -> None:
+    x, w, b = _inputs(3, 40, 64, seed=5, dtype=torch.float16)
+    ref = (x.float() @ w.float().T + b.float()).to(torch.float16)
+    for use_dot in (False, True):
+        cfg = SkinnyConfig(block_n=16, block_k=32, use_dot=use_dot)
+        _close(skinny_linear(x, w, b, config=cfg), ref, tol=2e-3)
+
+
+def test_empty_batch() -> None:
+    x, w, _ = _inputs(1, 24, 32, seed=0)
+    assert skinny_linear(x[:0], w).shape == (0, 24)
+
+
+def test_use_skinny_conditions() -> None:
+    bf16 = torch.bfloat16
+    w = torch.empty(128, 64, dtype=bf16)
+    assert skinny_supported(torch.empty(1, 64, dtype=bf16), w)
+    assert skinny_supported(torch.empty(16, 64, dtype=bf16), w)
+    assert skinny_supported(torch.empty(2, 8, 64, dtype=bf16), w)  # 16 rows in all
+    assert skinny_supported(torch.empty(4, 64, dtype=torch.float16), w.half())
+    assert not skinny_supported(torch.empty(17, 64, dtype=bf16), w)  # prefill-sized: cuBLAS
+    assert not skinny_supported(torch.empty(0, 64, dtype=bf16), w)
+    assert not skinny_supported(torch.empty(4, 64), w.float())  # fp32
+    assert not skinny_supported(torch.empty(4, 64, dtype=bf16), w.half())  # dtype mismatch
+    assert not skinny_supported(torch.empty(4, 72, dtype=bf16), torch.empty(128, 72, dtype=bf16))  # K % 16
+    assert not skinny_supported(torch.empty(4, 64, dtype=bf16), torch.empty(64, 128, dtype=bf16).t())
+    assert not skinny_supported(torch.empty(4, 64, dtype=bf16)[:, ::2], torch.empty(128, 32, dtype=bf16))
+    assert not use_skinny(torch.empty(4, 64, dtype=bf16), w)  # CPU tensors: never
+
+
+def test_linear_dispatch_falls_back_to_torch() -> None:
+    x, w, b = _inputs(2, 24, 32, seed=9)
+    assert torch.equal(skinny_gemm.linear(x, w, b), F.linear(x, w, b))  # CPU: F.linear itself
+
+
+QWEN3 = [  # (N, K): 0.6B qkv, o, gate_up, down, lm_head; 8B qkv, o, gate_up, down
+    (4096, 1024),
+    (1024, 2048),
+    (6144, 1024),
+    (1024, 3072),
+    (151936, 1024),
+    (6144, 4096),
+    (4096, 4096),
+    (24576, 4096),
+    (4096, 12288),
+]
+
+
+@pytest.mark.parametrize("n,k", QWEN3)
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_config_heuristic(m: int, n: int, k: int) -> None:
+    sms = 132
+    cfg = choose_config(m, n, k, 2, sms)
+    assert cfg == choose_config(m, n, k, 2, sms)
+    assert cfg.use_dot == (m > skinny_gemm.FMA_MAX_M)
+    if cfg.use_dot:
+        assert cfg.block_n >= 32 and cfg.block_k >= 16
+    assert cfg.block_n * cfg.block_k * 2 <= skinny_gemm.TILE_BYTES
+    assert cfg.block_k <= triton_next_pow2(k)
+    k_iters = -(-k // cfg.block_k)
+    assert 1 <= cfg.split_k <= min(16, k_iters)
+    assert -(-k_iters // cfg.split_k) * (cfg.split_k - 1) < k_iters  # no empty split
+    assert 1 <= cfg.num_stages <= -(-k_iters // cfg.split_k)
+    assert -(-n // cfg.block_n) * cfg.split_k >= sms // 2  # at least half the SMs get work
+
+
+def triton_next_pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
