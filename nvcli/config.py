@@ -6,10 +6,13 @@ with an actionable message rather than deep inside a CUDA call.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn scaled by kv_cache_scale; the float
+# names store K/V in that dtype whatever the model's (e.g. a bfloat16 cache under a float32 model).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -33,10 +36,17 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    # fp8 KV cache only: one per-tensor scale for K and V, fixed for the engine's life. The cache
+    # holds clamp(x / scale, -448, 448) in e4m3 and attention reads it back times the scale.
+    # 1.0 (vLLM's default without calibration) keeps ~3 mantissa bits for |x| in [2**-6, 448];
+    # set max|K|,|V| / 448 when activations exceed 448 (benchmarks/fp8_quality.py --calibrate
+    # measures it offline). Never derived from data at runtime: cached blocks must stay valid.
+    kv_cache_scale: float = 1.0
     enforce_eager: bool = False
     seed: int = 0
     load_format: str = "auto"
     tokenizer: str | None = None
+    async_scheduling: bool | None = None  # None: on for a single GPU (host work overlaps the device)
     cpu_kvcache_space_gib: float = 4.0  # CPU only: KV bytes to allocate when num_kvcache_blocks is None
 
     def __post_init__(self) -> None:
@@ -68,6 +78,12 @@ class EngineConfig:
         need(self.device in DEVICES, "--device", f"must be one of {DEVICES}")
         need(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", f"must be one of {KV_CACHE_DTYPES}")
+        need(
+            isinstance(self.kv_cache_scale, (int, float)) and not isinstance(self.kv_cache_scale, bool)
+            and math.isfinite(self.kv_cache_scale) and self.kv_cache_scale > 0,
+            "--kv-cache-scale",
+            f"must be a finite number > 0 (got {self.kv_cache_scale!r})",
+        )
         need(self.load_format in LOAD_FORMATS, "--load-format", f"must be one of {LOAD_FORMATS}")
         need(isinstance(self.seed, int), "--seed", "must be an integer")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

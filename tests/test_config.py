@@ -17,6 +17,9 @@ from nvcli.sampling_params import SamplingParams
         (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
         (dict(dtype="float64"), "--dtype"),
         (dict(kv_cache_dtype="int4"), "--kv-cache-dtype"),
+        (dict(kv_cache_scale=0.0), "--kv-cache-scale"),
+        (dict(kv_cache_scale=float("nan")), "--kv-cache-scale"),
+        (dict(kv_cache_scale="1"), "--kv-cache-scale"),
         (dict(load_format="pickle"), "--load-format"),
         (dict(device="tpu"), "--device"),
         (dict(max_model_len=0), "--max-model-len"),
@@ -25,6 +28,11 @@ from nvcli.sampling_params import SamplingParams
 def test_bad_engine_config_names_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(ConfigError, match=flag):
         EngineConfig(model="x", **kwargs)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32"])
+def test_kv_cache_dtype_choices(kv: str) -> None:
+    assert EngineConfig(model="x", kv_cache_dtype=kv, kv_cache_scale=0.5).kv_cache_dtype == kv
 
 
 @pytest.mark.parametrize(

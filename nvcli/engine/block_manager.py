@@ -132,11 +132,14 @@ class BlockManager:
             block.ref_count = 1
             seq.block_table.append(block_id)
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks that became full and computed, so later requests can share them."""
+    def register_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Hash the blocks that are full and whose KV is computed (the first `num_computed`
+        tokens, default all computed ones), so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        num_full = min(num_computed, len(seq.block_table) * self.block_size) // self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else NO_HASH

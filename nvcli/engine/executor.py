@@ -6,28 +6,34 @@ from pathlib import Path
 from typing import Protocol
 
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import ModelRunner, build_step_input
+from nvcli.engine.model_runner import ModelRunner, StepHandle, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
 
 
 class Executor(Protocol):
     num_kvcache_blocks: int
+    supports_async: bool  # launch may run ahead of collect (inputs fed back on the device)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]: ...
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle: ...
+
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]: ...
 
     def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
+    supports_async = True
+
     def __init__(self, config: EngineConfig, hf_config, model_dir: Path) -> None:
         self.runner = ModelRunner(config, hf_config, model_dir)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.block_size = config.kvcache_block_size
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]:
-        logits = self.runner.execute(build_step_input(batch, self.block_size))
-        assert logits is not None
-        return self.runner.sample(logits, batch)
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+        return self.runner.launch(batch, build_step_input(batch, self.block_size), prev)
+
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
+        return self.runner.collect(handle)
 
     def shutdown(self) -> None:
         pass

@@ -100,6 +100,11 @@ class LLMEngine:
         self.schedule_s = self.execute_s = self.postprocess_s = 0.0
         self.num_decode_steps = 0
         self._request_counter = 0
+        self._in_flight = None  # launched step whose tokens are not read yet (async scheduling)
+        wanted = self.config.async_scheduling
+        if wanted is None:  # on by default where there is something to overlap: a GPU
+            wanted = self.config.resolved_device() == "cuda"
+        self.async_scheduling = bool(wanted) and self.executor.supports_async
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:
@@ -151,7 +156,8 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self._inbox) or bool(self._aborts) or self.scheduler.has_unfinished()
+            return (bool(self._inbox) or bool(self._aborts) or self.scheduler.has_unfinished()
+                    or self._in_flight is not None)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -169,44 +175,57 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.schedule_s += t1 - t0
+        handle = None
         if batch.seqs:
             self.prompt_tokens += sum(
-                n for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens
+                n for s, start, n in zip(batch.seqs, batch.start, batch.num_new_tokens) if start < s.num_prompt_tokens
             )
             self.num_decode_steps += batch.is_decode_only
-            tokens, logprobs = self.executor.run(batch)
-            t2 = time.perf_counter()
-            self.execute_s += t2 - t1
-            produced = self.scheduler.postprocess(batch, tokens)
-            lp_by_seq = {s.seq_id: lp for s, lp in zip(batch.seqs, logprobs)}
-            for seq in produced:
-                self.generation_tokens += 1
-                lp = lp_by_seq.get(seq.seq_id)
-                if lp is not None:
-                    seq.logprobs.append(lp)
-                self._check_stop(seq)
-                if seq.is_finished:
-                    finished.append(seq)
-            self.postprocess_s += time.perf_counter() - t2
+            handle = self.executor.launch(batch, self._in_flight)
+        # With async scheduling the device now runs this step while the host reads the previous
+        # one's tokens; otherwise the step just launched is the one to collect.
+        if not self.async_scheduling:
+            self._in_flight, handle = handle, None
+        if self._in_flight is not None:
+            finished.extend(self._collect(self._in_flight))
+        self._in_flight = handle
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
         return [self._finish_output(s) for s in finished]
 
-    def _check_stop(self, seq: Sequence) -> None:
+    def _collect(self, handle) -> list[Sequence]:
+        t1 = time.perf_counter()
+        tokens, logprobs = self.executor.collect(handle)
+        t2 = time.perf_counter()
+        self.execute_s += t2 - t1
+        finished: list[Sequence] = []
+        rows = {s.seq_id: i for i, s in enumerate(handle.batch.seqs)}
+        for seq, index in self.scheduler.postprocess(handle.batch, tokens):
+            self.generation_tokens += 1
+            lp = logprobs[rows[seq.seq_id]]
+            if lp is not None:
+                seq.logprobs.append(lp)
+            self._check_stop(seq, index)
+            if seq.is_finished:
+                finished.append(seq)
+        self.postprocess_s += time.perf_counter() - t2
+        return finished
+
+    def _check_stop(self, seq: Sequence, index: int) -> None:
         sp = seq.sampling_params
         if sp.stop_list:
             detok = self._detok.get(seq.seq_id)
             if detok is None:
                 detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-            new = detok.add(seq.last_token)
-            if new and seq.num_completion_tokens >= sp.min_tokens:
+            new = detok.add(seq.token_ids[index])
+            if new and index + 1 - seq.num_prompt_tokens >= sp.min_tokens:
                 hit = find_stop(detok.text, len(new), sp.stop_list)
                 if hit is not None:
                     i, stop = hit
                     seq.stop_text = detok.text[: i + len(stop)] if sp.include_stop_str_in_output else detok.text[:i]
-                    self.scheduler.finish(seq, "stop", stop)
+                    self.scheduler.finish(seq, "stop", stop, index)
                     return
-        self.scheduler.check_stop(seq, self.eos_token_ids)
+        self.scheduler.check_stop(seq, self.eos_token_ids, index)
 
     def _finish_output(self, seq: Sequence) -> RequestOutput:
         sp = seq.sampling_params

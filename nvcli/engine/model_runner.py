@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
-from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
@@ -38,6 +38,8 @@ class StepInput:
     seq_lens: list[int]
     block_tables: list[list[int]]
     decode_only: bool
+    # Input rows whose token the previous (still running) step samples: (row, seq_id).
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
 
 def build_step_input(batch: ScheduledBatch, block_size: int) -> StepInput:
@@ -46,18 +48,36 @@ def build_step_input(batch: ScheduledBatch, block_size: int) -> StepInput:
     slots: list[int] = []
     qsl = [0]
     seq_lens: list[int] = []
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        start = seq.num_computed_tokens
+    pending: list[tuple[int, int]] = []
+    for seq, start, n in zip(batch.seqs, batch.start, batch.num_new_tokens):
         end = start + n
-        input_ids.extend(seq.token_ids[start:end])
+        tokens = seq.token_ids[start:end]
+        if tokens[-1] == PENDING:
+            pending.append((len(input_ids) + n - 1, seq.seq_id))
+            tokens[-1] = 0
+        input_ids.extend(tokens)
         positions.extend(range(start, end))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         qsl.append(qsl[-1] + n)
         seq_lens.append(end)
     return StepInput(
-        input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], batch.is_decode_only
+        input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], batch.is_decode_only,
+        pending,
     )
+
+
+@dataclass
+class StepHandle:
+    """A launched step: sampled tokens on the device, copied to pinned host memory behind an event."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # [num_seqs] int64 on the device
+    tokens_host: torch.Tensor  # [num_seqs] int64, pinned (or the CPU tensor itself)
+    done: torch.cuda.Event | None
+    row_of: dict[int, int]  # seq_id -> row, for the next step's pending inputs
+    logits: torch.Tensor | None  # kept only when some row asked for logprobs
+    sampling: SamplingBatch | None
 
 
 def pick_dtype(config: EngineConfig, hf_config, device: str) -> torch.dtype:
@@ -214,13 +234,24 @@ class ModelRunner:
         )
         return t(step.input_ids, torch.int64), t(step.positions, torch.int64), meta
 
+    def _feed_back(self, input_ids: torch.Tensor, step: StepInput, prev: StepHandle | None) -> None:
+        """Write the previous step's sampled tokens into this step's inputs, on the device."""
+        if not step.pending:
+            return
+        if prev is None:
+            raise RuntimeError("a step input waits for a token but no step is in flight")
+        dst = torch.tensor([r for r, _ in step.pending], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.tensor([prev.row_of[sid] for _, sid in step.pending], dtype=torch.int64)
+        input_ids[dst] = prev.tokens[src.to(self.device, non_blocking=True)]
+
     @torch.inference_mode()
-    def _forward(self, step: StepInput) -> torch.Tensor:
+    def _forward(self, step: StepInput, prev: StepHandle | None = None) -> torch.Tensor:
         """Hidden states of the last token of each sequence: [num_seqs, hidden]."""
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self._graph_batch_sizes()[-1]:
-            return self._replay_graph(step)
+            return self._replay_graph(step, prev)
         input_ids, positions, meta = self._tensors(step)
+        self._feed_back(input_ids, step, prev)
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
         last = meta.query_start_loc[1:].long() - 1
         return hidden[last]
@@ -233,14 +264,35 @@ class ModelRunner:
         return logits.float() if self.rank == 0 else None
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]:
+    def launch(self, batch: ScheduledBatch, step: StepInput, prev: StepHandle | None = None) -> StepHandle:
+        """Enqueue forward and sampling (rank 0); returns before the device is done."""
+        hidden = self._forward(step, prev)
+        logits = self.model.compute_logits(hidden).float()  # [num_seqs, vocab]
         params = [s.sampling_params for s in batch.seqs]
-        positions = [s.num_completion_tokens for s in batch.seqs]
+        positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
                                  self.noise_rng if self.device.type == "cuda" else None)
         tokens = sample(logits, sb, self.generator)
-        logprobs = gather_logprobs(logits, tokens, sb)
-        return tokens.tolist(), logprobs
+        want_logprobs = any(n is not None for n in sb.num_logprobs)
+        done = None
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host = tokens
+        return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)},
+                          logits if want_logprobs else None, sb if want_logprobs else None)
+
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Wait for a launched step; its tokens (and logprobs where asked)."""
+        if handle.done is not None:
+            handle.done.synchronize()
+        tokens = handle.tokens_host.tolist()
+        if handle.logits is None:
+            return tokens, [None] * len(tokens)
+        return tokens, gather_logprobs(handle.logits, handle.tokens, handle.sampling)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _graph_batch_sizes(self) -> list[int]:
@@ -280,7 +332,7 @@ class ModelRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 
-    def _replay_graph(self, step: StepInput) -> torch.Tensor:
+    def _replay_graph(self, step: StepInput, prev: StepHandle | None = None) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (two H2D copies) and replay."""
         bs = len(step.seq_lens)
         graph_bs = next(s for s in self._graph_batch_sizes() if s >= bs)
@@ -303,6 +355,7 @@ class ModelRunner:
         self.g_i64[:, :graph_bs].copy_(self.stage_i64[:, :graph_bs], non_blocking=True)
         self.g_seq_lens[:graph_bs].copy_(self.stage_seq_lens[:graph_bs], non_blocking=True)
         self.g_block_tables[:bs, :width].copy_(self.stage_tables[:bs, :width], non_blocking=True)
+        self._feed_back(self.g_input_ids, step, prev)
         self.graphs[graph_bs].replay()
         return self.g_hidden[:bs]
 

@@ -11,24 +11,29 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.sequence import Sequence, SequenceStatus
 
+PENDING = -1  # placeholder for a token the device has sampled but the host has not read yet
+
 
 @dataclass
 class ScheduledBatch:
+    """One step's work. Scheduling already advanced each sequence as if the step had run:
+    `num_computed_tokens` counts this step's tokens, and a sequence that samples this step has a
+    PENDING placeholder at `sample_index` that postprocess fills with the real token."""
+
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens computed this step, per sequence
+    start: list[int] = field(default_factory=list)  # first token index computed, per sequence
+    sample_index: list[int] = field(default_factory=list)  # token index sampled, or -1 (prompt chunk)
+    is_decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(self.seqs, self.num_new_tokens))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -76,6 +81,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self._done_pending(seq):
+                i += 1  # its last token is still in flight and ends it: nothing more to compute
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
                 break
@@ -96,6 +104,8 @@ class Scheduler:
         # Admit waiting sequences, unless this step already had to give blocks back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if PENDING in seq.token_ids[-2:]:
+                break  # preempted while its token was in flight: readmit once the token is known
             cached = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             remaining = seq.num_tokens - len(cached) * bm.block_size
             n = min(remaining, budget)
@@ -117,8 +127,32 @@ class Scheduler:
             counts.append(n)
             budget -= n
 
-        self.num_chunked_prefills += sum(1 for s, n in zip(seqs, counts) if n < s.num_uncomputed_tokens)
-        return ScheduledBatch(seqs, counts)
+        return self._advance(seqs, counts)
+
+    def _advance(self, seqs: list[Sequence], counts: list[int]) -> ScheduledBatch:
+        batch = ScheduledBatch(seqs, counts)
+        batch.is_decode_only = bool(seqs) and all(
+            n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(seqs, counts)
+        )
+        for seq, n in zip(seqs, counts):
+            batch.start.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                batch.sample_index.append(seq.num_tokens)
+                seq.token_ids.append(PENDING)
+            else:
+                self.num_chunked_prefills += 1
+                batch.sample_index.append(-1)
+        return batch
+
+    def _done_pending(self, seq: Sequence) -> bool:
+        """The in-flight token is the sequence's last one (max_tokens / max_model_len)."""
+        if seq.token_ids[-1] != PENDING:
+            return False
+        sp = seq.sampling_params
+        return (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -129,41 +163,50 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ after the step
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance computed counts and append sampled tokens; returns the sequences that got a token.
-
-        A prompt chunk that leaves tokens uncomputed produces no token (its sample is dropped).
-        """
-        produced: list[Sequence] = []
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
-            if seq.status != SequenceStatus.RUNNING:
-                continue
-            seq.num_computed_tokens += n
-            self.block_manager.register_computed_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue
-            seq.append_token(token)
-            produced.append(seq)
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Fill each sampled placeholder with its token and share newly full blocks; returns
+        (sequence, token index) for each new token. A prompt chunk that leaves tokens uncomputed
+        samples nothing."""
+        produced: list[tuple[Sequence, int]] = []
+        for seq, start, n, index, token in zip(batch.seqs, batch.start, batch.num_new_tokens, batch.sample_index,
+                                                sampled):
+            if seq.status == SequenceStatus.FINISHED:
+                continue  # finished (stop, abort) while this step was in flight
+            if index >= 0:
+                seq.token_ids[index] = token
+            if seq.status == SequenceStatus.RUNNING and seq.block_table:
+                self.block_manager.register_computed_blocks(seq, start + n)
+            if index >= 0:
+                produced.append((seq, index))
         return produced
 
-    def check_stop(self, seq: Sequence, eos_token_ids: set[int]) -> None:
-        """Finish `seq` if its last token ends it (EOS, stop id, max_tokens or max_model_len)."""
+    def check_stop(self, seq: Sequence, eos_token_ids: set[int], index: int | None = None) -> None:
+        """Finish `seq` if the token at `index` (default: the last) ends it: EOS, stop id,
+        max_tokens or max_model_len. Tokens after it (in flight) are dropped."""
+        if index is None:
+            index = seq.num_tokens - 1
         sp = seq.sampling_params
-        token = seq.last_token
-        n_out = seq.num_completion_tokens
+        token = seq.token_ids[index]
+        n_out = index + 1 - seq.num_prompt_tokens
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and token in eos_token_ids:
-                return self.finish(seq, "stop", token)
+                return self.finish(seq, "stop", token, index)
             if token in sp.stop_token_ids:
-                return self.finish(seq, "stop", token)
+                return self.finish(seq, "stop", token, index)
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
-            return self.finish(seq, "length")
-        if seq.num_tokens >= self.max_model_len:
-            return self.finish(seq, "length")
+            return self.finish(seq, "length", None, index)
+        if index + 1 >= self.max_model_len:
+            return self.finish(seq, "length", None, index)
 
-    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               last_index: int | None = None) -> None:
+        """End `seq`; with `last_index`, tokens after that index (sampled ahead) are dropped."""
         if seq.status == SequenceStatus.FINISHED:
             return
+        if last_index is not None:
+            del seq.token_ids[last_index + 1 :]
+        elif seq.token_ids and seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()  # aborted with a token in flight
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free_blocks(seq)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import ModelRunner, StepInput, build_step_input
+from nvcli.engine.model_runner import ModelRunner, StepHandle, StepInput, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
 
 CMD_STEP, CMD_EXIT = 1, 2
@@ -180,13 +180,17 @@ class TensorParallelExecutor:
                 os._exit(70)
             time.sleep(0.2)
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[dict[int, float] | None]]:
+    supports_async = False  # workers would need the sampled tokens: TP steps run one at a time
+
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         step = build_step_input(batch, self.block_size)
+        assert not step.pending, "tensor-parallel steps are not pipelined"
         pack_step(self.buf, step)
         for e in self.events:
             e.set()
         try:
-            logits = self.runner.execute(step)
+            handle = self.runner.launch(batch, step)
+            self.runner.collect(handle)
         except Exception as e:
             # gloo notices a vanished peer with a connection error; say what happened instead.
             deadline = time.monotonic() + 2.0
@@ -196,8 +200,10 @@ class TensorParallelExecutor:
                 raise
             self._cleanup(kill=True)
             raise WorkerDiedError(msg) from e
-        assert logits is not None
-        return self.runner.sample(logits, batch)
+        return handle
+
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
+        return self.runner.collect(handle)
 
     def _cleanup(self, kill: bool) -> None:
         self._closed = True

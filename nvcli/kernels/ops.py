@@ -1,6 +1,11 @@
 """Kernel entry points used by the model: Triton on CUDA tensors, the torch reference elsewhere.
 
 Setting NV_ATTENTION_BACKEND=torch forces the references on the GPU too (for A/B checks).
+
+k_scale / v_scale are the per-tensor scales of an fp8 KV cache (None = 1.0, a float or a
+1-element float32 tensor; tensors are read on the device, so CUDA graphs may capture them):
+the store writes clamp(x / scale, +-fp8 max) and attention reads cache * scale. Caches of any
+other dtype ignore them.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import os
 import torch
 
 from nvcli.kernels import reference
+from nvcli.kernels.reference import Scale
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -22,13 +28,15 @@ def store_kvcache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> None:
     if _use_triton(key):
         from nvcli.kernels.kv_store import store_kvcache_triton
 
-        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
-        reference.store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+        reference.store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(
@@ -38,12 +46,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     seq_lens: torch.Tensor,  # [num_seqs]
     scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> torch.Tensor:
     if _use_triton(q):
         from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return reference.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+    return reference.paged_decode_attention_ref(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
+    )
 
 
 def paged_prefill_attention(
@@ -56,11 +68,16 @@ def paged_prefill_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> torch.Tensor:
     if _use_triton(q):
         from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
-            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, scale
+            q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, scale,
+            k_scale, v_scale,
         )
-    return reference.paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return reference.paged_attention_ref(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale
+    )

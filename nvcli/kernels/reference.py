@@ -8,11 +8,48 @@ Layouts shared by every implementation:
 - A step's queries are packed: sequence s owns rows query_start_loc[s] : query_start_loc[s+1]
   and its KV length after this step is seq_lens[s], so query row j of s sits at position
   seq_lens[s] - q_len + j and attends causally to KV positions [0, that position].
+- fp8 caches (`torch.float8_e4m3fn` / `float8_e5m2`) hold `clamp(x / scale, -max, max)` cast with
+  round-to-nearest, one scale per tensor (k_scale, v_scale: None = 1.0, a float or a 1-element
+  tensor); attention reads `cache.float() * scale`. Other caches ignore the scales: the store
+  casts to the cache dtype and attention upcasts to float32.
 """
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
+
+Scale = Union[float, torch.Tensor, None]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scale(s: Scale) -> float | torch.Tensor:
+    """A per-tensor scale as something that broadcasts against a float32 tensor."""
+    if s is None:
+        return 1.0
+    if isinstance(s, torch.Tensor):
+        assert s.numel() == 1, "per-tensor scale must have one element"
+        return s.reshape(()).float()
+    return float(s)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: Scale = None) -> torch.Tensor:
+    """x as stored in a cache of `dtype`: fp8 saturates x / scale (float32 division), else a cast."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / _scale(scale)).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: Scale = None) -> torch.Tensor:
+    """Cache contents as float32: fp8 times its scale, anything else upcast."""
+    if not is_fp8(x.dtype):
+        return x.float()
+    return x.float() * _scale(scale)
 
 
 def store_kvcache_ref(
@@ -21,12 +58,14 @@ def store_kvcache_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> None:
     nb, bs, h, d = k_cache.shape
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache.view(nb * bs, h, d)[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(nb * bs, h, d)[slots] = value[valid].to(v_cache.dtype)
+    k_cache.view(nb * bs, h, d)[slots] = quantize_kv(key[valid], k_cache.dtype, k_scale)
+    v_cache.view(nb * bs, h, d)[slots] = quantize_kv(value[valid], v_cache.dtype, v_scale)
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -44,8 +83,10 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> torch.Tensor:
-    """Causal attention of packed queries over the paged cache; float32 math."""
+    """Causal attention of packed queries over the paged cache; float32 math (fp8 dequantised)."""
     out = torch.empty_like(q)
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -57,8 +98,8 @@ def paged_attention_ref(
         q_len = q_s.shape[0]
         if q_len == 0:
             continue
-        k = _gather_kv(k_cache, block_tables[s], seq_len).float()  # [seq_len, num_kv_heads, head_dim]
-        v = _gather_kv(v_cache, block_tables[s], seq_len).float()
+        k = dequantize_kv(_gather_kv(k_cache, block_tables[s], seq_len), k_scale)  # [seq_len, kv_heads, dim]
+        v = dequantize_kv(_gather_kv(v_cache, block_tables[s], seq_len), v_scale)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale  # [num_heads, q_len, seq_len]
@@ -77,6 +118,8 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> torch.Tensor:
     qsl = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale)
+    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, k_scale, v_scale)

@@ -50,10 +50,21 @@ REGIMES = {
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_greedy_matches_hf(tiny_model_dir, arch: str, regime: str) -> None:
+    check_greedy(tiny_model_dir, arch, regime, async_scheduling=False)
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_greedy_matches_hf_with_async_scheduling(tiny_model_dir, regime: str) -> None:
+    """Scheduling one step ahead (tokens fed back on the device) changes no output."""
+    check_greedy(tiny_model_dir, "qwen3", regime, async_scheduling=True)
+
+
+def check_greedy(tiny_model_dir, arch: str, regime: str, async_scheduling: bool) -> None:
     model_dir = tiny_model_dir(arch)
-    kwargs = dict(max_model_len=256, device="cpu")
+    kwargs = dict(max_model_len=256, device="cpu", async_scheduling=async_scheduling)
     kwargs.update(REGIMES[regime])
     llm = LLM(str(model_dir), **kwargs)
+    assert llm.engine.async_scheduling == async_scheduling
     outs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outs):
         assert out.prompt_token_ids == prompt
@@ -91,8 +102,10 @@ def test_freed_blocks_are_reused_across_many_requests(tiny_model_dir) -> None:
     assert_all_blocks_free(llm)
 
 
-def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir) -> None:
-    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=256)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir, async_scheduling: bool) -> None:
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=256,
+              async_scheduling=async_scheduling)
     target = list(range(600, 620))
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([target], sp)[0].outputs[0].token_ids
@@ -109,9 +122,11 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir) -> None:
     assert_all_blocks_free(llm)
 
 
-def test_stop_strings_stop_ids_min_tokens_and_logprobs(tiny_model_dir) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_strings_stop_ids_min_tokens_and_logprobs(tiny_model_dir, async_scheduling: bool) -> None:
     model_dir = tiny_model_dir("qwen3")
-    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256)
+    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256,
+              async_scheduling=async_scheduling)
     prompt = list(range(1000, 1005))
     ref = hf_greedy(model_dir, prompt)
     tok = llm.get_tokenizer()

@@ -30,8 +30,8 @@ def run_to_end(sched: Scheduler, max_steps: int = 10_000) -> int:
         batch = sched.schedule()
         assert batch.seqs, "no progress: scheduler deadlocked"
         produced = sched.postprocess(batch, [7] * len(batch.seqs))
-        for s in produced:
-            sched.check_stop(s, eos_token_ids=set())
+        for s, index in produced:
+            sched.check_stop(s, eos_token_ids=set(), index=index)
         steps += 1
         assert steps < max_steps
     return steps
@@ -69,8 +69,8 @@ def test_chunked_prefill_respects_budget_and_lets_decodes_run() -> None:
         assert batch.num_tokens <= 8
         assert a in batch.seqs or a.is_finished
         seen.append(dict(zip([s.seq_id for s in batch.seqs], batch.num_new_tokens)).get(long.seq_id))
-        for s in sched.postprocess(batch, [1] * len(batch.seqs)):
-            sched.check_stop(s, set())
+        for s, index in sched.postprocess(batch, [1] * len(batch.seqs)):
+            sched.check_stop(s, set(), index)
     assert sched.num_chunked_prefills >= 2
     assert long.num_completion_tokens == 1  # only the final chunk produced a token
     run_to_end(sched)
@@ -119,8 +119,8 @@ def test_eos_and_stop_ids_respect_min_tokens() -> None:
     sched.add(s)
     for token in (9, 5, 9):
         produced = sched.postprocess(sched.schedule(), [token])
-        for p in produced:
-            sched.check_stop(p, eos_token_ids={42})
+        for p, index in produced:
+            sched.check_stop(p, eos_token_ids={42}, index=index)
     assert s.finish_reason == "stop" and s.stop_reason == 9 and s.completion_token_ids == [9, 5, 9]
 
 

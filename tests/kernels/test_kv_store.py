@@ -84,3 +84,9 @@ def test_store_fp8(scale_kind: str) -> None:
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     assert k_cache.float().abs().max().item() == 448.0
+    # the reference store quantises the same way when given the scales itself
+    k_ref.zero_()
+    v_ref.zero_()
+    store_kvcache_ref(k, v, k_ref, v_ref, slots, ks, torch.tensor([vs]))
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))

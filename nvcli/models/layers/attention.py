@@ -16,6 +16,11 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated: [num_blocks, block_size, num_kv_heads, head_dim]
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # Per-tensor scales of an fp8 cache (ignored by other dtypes): stored = clamp(x / scale), read
+        # back as stored * scale. 1-element float32 buffers on the model's device, set once by the model
+        # runner (fill_, never reassigned) so kernels and captured CUDA graphs read them in place.
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -24,10 +29,13 @@ class Attention(nn.Module):
         v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.decode_only:
-            return ops.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            return ops.paged_decode_attention(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                self.k_scale, self.v_scale,
+            )
         return ops.paged_prefill_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, meta.max_seq_len, self.scale,
+            meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale,
         )
