@@ -38,7 +38,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the selected rows; with TP the vocab shards are gathered on every rank."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
-        logits = F.linear(x, self.weight)
+        from nvcli.models.layers.linear import linear
+
+        logits = linear(x, self.weight, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

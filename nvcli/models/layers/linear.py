@@ -14,6 +14,15 @@ from torch import nn
 from nvcli.distributed import all_reduce, tp_rank, tp_size
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cuBLAS, or on the GPU for a few rows (decode of small batches) a weight-streaming Triton GEMM."""
+    if x.is_cuda:
+        from nvcli.kernels.skinny_gemm import linear as skinny_or_cublas
+
+        return skinny_or_cublas(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _divide(a: int, b: int, what: str) -> int:
     if a % b:
         raise ValueError(f"{what}={a} is not divisible by tensor_parallel_size={b}; choose another --tp")
@@ -40,7 +49,7 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -97,4 +106,4 @@ class RowParallelLinear(LinearBase):
         super().weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight, self.bias))
+        return all_reduce(linear(x, self.weight, self.bias))
