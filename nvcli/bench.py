@@ -128,3 +128,76 @@ def summary_lines(result: dict) -> list[str]:
 
 def write_json(path: Path, result: dict) -> None:
     Path(path).write_text(json.dumps(result, indent=2))
+
+
+class _Progress:
+    """Feeds the generate dashboard from the engine while a benchmark runs (at most 4 frames/s)."""
+
+    def __init__(self, engine, reporter, total: int, model_name: str) -> None:
+        self.engine, self.reporter, self.total, self.model_name = engine, reporter, total, model_name
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.base_finished = engine.stats().num_finished
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self.last < 0.25:
+            return
+        self.last = now
+        from nvcli.jobs.runner import JobProgress
+
+        s = self.engine.stats()
+        done = s.num_finished - self.base_finished
+        self.reporter.update(JobProgress(
+            elapsed_s=now - self.t0, written=done, failed=0, skipped=0, read=self.total,
+            in_flight=s.num_running + s.num_waiting, buffered=0, total=self.total,
+            prompt_tokens=s.prompt_tokens, completion_tokens=s.generation_tokens, stats=s,
+            model_name=self.model_name,
+        ))
+
+
+def run_bench(config, *, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
+              temperature: float, repeats: int, latency_mode: bool, latency_input_len: int,
+              latency_output_len: int, output_json: str | None, quiet: bool) -> dict:
+    """Build the engine from `config`, run the throughput (or latency) benchmark, print vLLM's lines."""
+    import sys
+
+    from rich.console import Console
+
+    from nvcli.engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    startup = time.perf_counter() - t0
+    err = Console(stderr=True)
+    if not quiet:
+        err.print(f"[dim]nv bench: engine ready in {startup:.1f} s ({engine.stats().kv_blocks_total} KV blocks)[/]")
+    try:
+        if latency_mode:
+            result = latency(engine, latency_input_len, latency_output_len, repeats=max(repeats, 3))
+            lines = [f"Avg latency: {result['avg_latency']:.4f} seconds",
+                     f"Time per output token: {result['ms_per_output_token']:.3f} ms (TTFT {result['ttft_ms']:.1f} ms)"]
+        else:
+            work = make_workload(num_prompts, input_len, output_len, seed=seed, temperature=temperature)
+            reporter = None
+            if not quiet:
+                from nvcli.dashboard import LiveDashboard, PlainProgress
+
+                reporter = LiveDashboard(err) if err.is_terminal else PlainProgress(sys.stderr)
+                reporter.start("nv bench: warming up")
+            progress = _Progress(engine, reporter, num_prompts, str(config.model)) if reporter else None
+            try:
+                result = throughput(engine, work, repeats=repeats, on_step=progress)
+            finally:
+                if reporter is not None:
+                    reporter.stop()
+            lines = summary_lines(result)
+        result["startup_s"] = startup
+        result["kv_blocks"] = engine.stats().kv_blocks_total
+        for line in lines:
+            print(line, flush=True)
+        if output_json:
+            write_json(Path(output_json), result)
+        return result
+    finally:
+        engine.shutdown()

@@ -144,3 +144,60 @@ def generate(
 
 if __name__ == "__main__":
     app(prog_name="nv")
+
+
+@app.command()
+def bench(
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id, or with --load-format dummy a built-in shape: qwen3-0.6b, qwen3-8b, llama-3-8b.", rich_help_panel=ENGINE)] = None,
+    load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights of the real shape).", rich_help_panel=ENGINE)] = _D["load_format"],
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs.", rich_help_panel=ENGINE)] = 1,
+    max_model_len: Annotated[int, typer.Option(help="Longest prompt + completion.", rich_help_panel=ENGINE)] = 4096,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = 512,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step.", rich_help_panel=ENGINE)] = 16384,
+    gpu_memory_utilization: Annotated[float, typer.Option(rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
+    enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", rich_help_panel=ENGINE)] = True,
+    dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
+    kv_cache_dtype: Annotated[str, typer.Option(help=f"{_choices(KV_CACHE_DTYPES)}.", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
+    block_size: Annotated[int, typer.Option(rich_help_panel=ENGINE)] = _D["kvcache_block_size"],
+    num_kvcache_blocks: Annotated[Optional[int], typer.Option(rich_help_panel=ENGINE)] = None,
+    device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
+    num_prompts: Annotated[int, typer.Option(min=1, help="Requests in the workload.", rich_help_panel=JOB)] = 256,
+    input_len: Annotated[str, typer.Option(help="Prompt length N or MIN-MAX (random token ids).", rich_help_panel=JOB)] = "100-1024",
+    output_len: Annotated[str, typer.Option(help="max_tokens N or MIN-MAX (ignore_eos).", rich_help_panel=JOB)] = "100-1024",
+    seed: Annotated[int, typer.Option(help="Workload and engine seed.", rich_help_panel=JOB)] = 0,
+    temperature: Annotated[float, typer.Option(rich_help_panel=JOB)] = 0.6,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs after one warm-up; the median is reported.", rich_help_panel=JOB)] = 1,
+    latency: Annotated[bool, typer.Option("--latency", help="Single-request latency instead of throughput.", rich_help_panel=JOB)] = False,
+    latency_input_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 128,
+    latency_output_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 512,
+    output_json: Annotated[Optional[str], typer.Option(help="Write the results as JSON (vLLM's keys).", rich_help_panel=JOB)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard on stderr.", rich_help_panel=JOB)] = False,
+) -> None:
+    """Throughput on Nano-vLLM's benchmark workload (vLLM's summary lines), or one request's latency."""
+    import tempfile
+
+    from nvcli.bench import parse_range, run_bench
+    from nvcli.config import ConfigError
+    from nvcli.models.presets import PRESETS, preset_dir
+
+    err = typer.echo
+    try:
+        in_range = parse_range(input_len, "--input-len")
+        out_range = parse_range(output_len, "--output-len")
+        if load_format == "dummy" and (model is None or model in PRESETS):
+            model = str(preset_dir(model or "qwen3-0.6b", tempfile.mkdtemp(prefix="nv-preset-")))
+        config = EngineConfig(
+            model=model, load_format=load_format, tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+            kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
+        )
+        run_bench(config, num_prompts=num_prompts, input_len=in_range, output_len=out_range, seed=seed,
+                  temperature=temperature, repeats=repeats, latency_mode=latency,
+                  latency_input_len=latency_input_len, latency_output_len=latency_output_len,
+                  output_json=output_json, quiet=quiet)
+    except (ConfigError, ValueError) as e:
+        err(f"nv bench: error: {e}", err=True)
+        raise typer.Exit(2) from None

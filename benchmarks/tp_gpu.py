@@ -1,0 +1,109 @@
+"""Tensor parallelism on 2+ GPUs, in one run (see benchmarks/RESULTS.md).
+
+    PYTHONPATH=. python3 benchmarks/tp_gpu.py [--tp 2] [--skip-bench]
+
+1. Greedy TP=N vs TP=1 on tiny random Qwen3 / Llama models: float32 (expect identical) and bf16
+   (report the agreement rate).
+2. `nv bench` on dummy Qwen3-8B weights with the DESIGN.md workload at TP=1 and TP=N, each in its
+   own process; throughput and the scaling ratio.
+Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROWS: list[tuple[str, str]] = []
+
+
+def row(name: str, value: str) -> None:
+    ROWS.append((name, value))
+    print(f"## {name}: {value}", flush=True)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    rates = []
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
+        rates.append(n / max(1, len(x)))
+    return sum(rates) / len(rates)
+
+
+def correctness(tp: int, tmp: Path) -> None:
+    import gc
+
+    import torch
+
+    from nvcli import LLM, SamplingParams
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for arch in ("qwen3", "llama"):
+        d = str(make_tiny_model(tmp / arch, arch, num_attention_heads=8, num_key_value_heads=4))
+        for dtype in ("float32", "bfloat16"):
+            outs = {}
+            for size in (1, tp):
+                llm = LLM(d, device="cuda", dtype=dtype, tensor_parallel_size=size, num_kvcache_blocks=512,
+                          max_model_len=512, max_num_batched_tokens=256)
+                outs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+                llm.shutdown()
+                del llm
+                gc.collect()
+                torch.cuda.empty_cache()
+            same = sum(x == y for x, y in zip(outs[1], outs[tp]))
+            row(f"{arch} {dtype} TP={tp} vs TP=1 greedy", f"{same}/{len(prompts)} identical, "
+                f"agreement {agreement(outs[1], outs[tp]):.3f}")
+
+
+def bench(tp: int, out_dir: Path) -> float | None:
+    out = out_dir / f"tp{tp}.json"
+    cmd = [sys.executable, "-m", "nvcli", "bench", "--model", "qwen3-8b", "--load-format", "dummy", "--tp", str(tp),
+           "--output-json", str(out), "--quiet"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, text=True, capture_output=True, env=os.environ.copy())
+    print(proc.stdout, proc.stderr[-3000:], flush=True)
+    if proc.returncode != 0:
+        row(f"nv bench qwen3-8b TP={tp}", f"FAILED (exit {proc.returncode})")
+        return None
+    data = json.loads(out.read_text())
+    tps = data["output_tokens_per_second"]
+    row(f"nv bench qwen3-8b TP={tp}", f"{tps:,.0f} output tok/s, {data['elapsed_time']:.2f} s, "
+        f"start-up {data['startup_s']:.1f} s, {data['kv_blocks']} KV blocks")
+    return tps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--skip-bench", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    row("devices", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
+    tmp = Path(tempfile.mkdtemp())
+    try:
+        correctness(args.tp, tmp)
+    except Exception as e:  # keep going to the benchmark
+        import traceback
+
+        traceback.print_exc()
+        row("correctness", f"FAILED: {e}")
+    if not args.skip_bench:
+        one = bench(1, tmp)
+        many = bench(args.tp, tmp)
+        if one and many:
+            row(f"scaling TP={args.tp} / TP=1", f"{many / one:.2f}x")
+    print("\n| what | result |\n| --- | --- |")
+    for k, v in ROWS:
+        print(f"| {k} | {v} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""`nv bench` on CPU with a tiny model: vLLM's summary lines, its JSON keys, the workload, bad flags."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from nvcli.bench import make_workload
+from nvcli.cli import app
+
+
+def test_workload_is_nano_vllm_bench() -> None:
+    work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    assert (work.prompt_tokens, work.output_tokens) == (142_827, 133_966)  # DESIGN.md §4
+    assert all(p.ignore_eos and p.temperature == 0.6 for p in work.params)
+
+
+def test_bench_prints_vllm_lines_and_json(tiny_model_dir, tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(tiny_model_dir("qwen3")), "--device", "cpu", "--num-prompts", "4",
+        "--input-len", "8-16", "--output-len", "4", "--max-model-len", "128", "--num-kvcache-blocks", "64",
+        "--output-json", str(out), "--quiet",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "Throughput: " in result.stdout and "output tokens/s" in result.stdout
+    assert "Total num output tokens:  16" in result.stdout
+    data = json.loads(out.read_text())
+    for key in ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second"):
+        assert key in data
+    assert data["num_requests"] == 4 and data["total_num_output_tokens"] == 16
+
+
+def test_bench_latency_mode(tiny_model_dir) -> None:
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(tiny_model_dir("qwen3")), "--device", "cpu", "--latency",
+        "--latency-input-len", "16", "--latency-output-len", "8", "--max-model-len", "128",
+        "--num-kvcache-blocks", "64", "--quiet",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "Time per output token:" in result.stdout
+
+
+def test_bench_rejects_a_bad_range() -> None:
+    result = CliRunner().invoke(app, ["bench", "--input-len", "50-10", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "--input-len" in result.output
