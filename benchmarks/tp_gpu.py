@@ -35,7 +35,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(rates) / len(rates)
 
 
-def correctness(tp: int, tmp: Path) -> None:
+def correctness(tp: int, tmp: Path, eager: bool = False) -> None:
     import gc
 
     import torch
@@ -45,13 +45,14 @@ def correctness(tp: int, tmp: Path) -> None:
 
     prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    for arch in ("qwen3", "llama"):
+    for arch in ("qwen3", "llama")[: 1 if eager else 2]:
         d = str(make_tiny_model(tmp / arch, arch, num_attention_heads=8, num_key_value_heads=4))
         for dtype in ("float32", "bfloat16"):
             outs = {}
             for size in (1, tp):
+                print(f"-- {arch} {dtype} TP={size} eager={eager}", flush=True)
                 llm = LLM(d, device="cuda", dtype=dtype, tensor_parallel_size=size, num_kvcache_blocks=512,
-                          max_model_len=512, max_num_batched_tokens=256)
+                          max_model_len=512, max_num_batched_tokens=256, enforce_eager=eager, max_num_seqs=16)
                 outs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
                 llm.shutdown()
                 del llm
@@ -62,10 +63,10 @@ def correctness(tp: int, tmp: Path) -> None:
                 f"agreement {agreement(outs[1], outs[tp]):.3f}")
 
 
-def bench(tp: int, out_dir: Path) -> float | None:
+def bench(tp: int, out_dir: Path, extra: list[str]) -> float | None:
     out = out_dir / f"tp{tp}.json"
     cmd = [sys.executable, "-m", "nvcli", "bench", "--model", "qwen3-8b", "--load-format", "dummy", "--tp", str(tp),
-           "--output-json", str(out), "--quiet"]
+           "--output-json", str(out), "--quiet", *extra]
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, text=True, capture_output=True, env=os.environ.copy())
     print(proc.stdout, proc.stderr[-3000:], flush=True)
@@ -83,21 +84,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs in the correctness runs")
+    ap.add_argument("--stacks-after", type=float, default=0, help="dump all stacks after this many seconds")
     args = ap.parse_args()
+    if args.stacks_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stacks_after, exit=True)
+        os.environ["NV_DEBUG_STACKS_AFTER_S"] = str(args.stacks_after - 5)
     import torch
 
     row("devices", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
     tmp = Path(tempfile.mkdtemp())
     try:
-        correctness(args.tp, tmp)
+        correctness(args.tp, tmp, args.eager)
     except Exception as e:  # keep going to the benchmark
         import traceback
 
         traceback.print_exc()
         row("correctness", f"FAILED: {e}")
     if not args.skip_bench:
-        one = bench(1, tmp)
-        many = bench(args.tp, tmp)
+        extra = ["--enforce-eager"] if args.eager else []
+        one = bench(1, tmp, extra)
+        many = bench(args.tp, tmp, extra)
         if one and many:
             row(f"scaling TP={args.tp} / TP=1", f"{many / one:.2f}x")
     print("\n| what | result |\n| --- | --- |")

@@ -103,6 +103,10 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
             time.sleep(0.5)
 
     threading.Thread(target=watch_parent, daemon=True).start()
+    if os.environ.get("NV_DEBUG_STACKS_AFTER_S"):  # diagnosing a hang: print this worker's stacks
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["NV_DEBUG_STACKS_AFTER_S"]), exit=False)
     from transformers import AutoConfig
 
     _init_dist(config, rank, port)
