@@ -332,6 +332,12 @@ class ModelRunner:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 
+    def release_cuda_graphs(self) -> None:
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            self.graphs.clear()
+            torch.cuda.empty_cache()
+
     def _replay_graph(self, step: StepInput, prev: StepHandle | None = None) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (two H2D copies) and replay."""
         bs = len(step.seq_lens)

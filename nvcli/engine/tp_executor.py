@@ -126,6 +126,7 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
     finally:
         del buf
         shm.close()
+        runner.release_cuda_graphs()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -233,9 +234,15 @@ class TensorParallelExecutor:
         self.buf[:_HEADER] = (CMD_EXIT, 0, 0, 0, 0, 0, 0, 0)
         for e in self.events:
             e.set()
+        # Graphs that captured NCCL collectives must go before the communicator: on two H200s,
+        # destroy_process_group hung with them alive (eager mode shut down cleanly).
+        self.runner.release_cuda_graphs()
         self._cleanup(kill=False)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            # Never let a stuck communicator turn a finished job into a hang.
+            t = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            t.start()
+            t.join(timeout=15)
 
 
 def _check_divisible(hf_config, world: int) -> None:
