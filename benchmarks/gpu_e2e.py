@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import tempfile
 import time
 import traceback
@@ -39,16 +38,10 @@ def row(name: str, value: str) -> None:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Fraction of positions equal up to the first divergence, averaged over requests."""
-    rates = []
-    for x, y in zip(a, b):
-        n = 0
-        for s, t in zip(x, y):
-            if s != t:
-                break
-            n += 1
-        rates.append(n / max(len(x), 1))
-    return statistics.mean(rates)
+    """Fraction of tokens equal before the first divergence, averaged over requests."""
+    from nvcli.testing.kv_quality import greedy_agreement
+
+    return greedy_agreement(a, b).prefix_frac
 
 
 def free(llm: LLM | None) -> None:

@@ -28,11 +28,10 @@ def row(name: str, value: str) -> None:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    rates = []
-    for x, y in zip(a, b):
-        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
-        rates.append(n / max(1, len(x)))
-    return sum(rates) / len(rates)
+    """Fraction of tokens equal before the first divergence, averaged over requests."""
+    from nvcli.testing.kv_quality import greedy_agreement
+
+    return greedy_agreement(a, b).prefix_frac
 
 
 def correctness(tp: int, tmp: Path, eager: bool = False) -> None:
