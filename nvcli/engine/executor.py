@@ -30,7 +30,8 @@ class LocalExecutor:
         self.block_size = config.kvcache_block_size
 
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
-        return self.runner.launch(batch, build_step_input(batch, self.block_size), prev)
+        step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
+        return self.runner.launch(batch, step)
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
         return self.runner.collect(handle)

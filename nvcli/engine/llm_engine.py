@@ -64,7 +64,11 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ConfigError(f"--max-model-len={config.max_model_len} exceeds the model's {max_pos} positions")
         explicit_len = config.max_model_len is not None
-        self.config = dataclasses.replace(config, max_model_len=config.max_model_len or max_pos)
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:  # on where there is something to overlap: a GPU
+            async_scheduling = config.resolved_device() == "cuda"
+        self.config = dataclasses.replace(config, max_model_len=config.max_model_len or max_pos,
+                                          async_scheduling=async_scheduling)
         self.executor = make_executor(self.config, self.hf_config, self.model_dir)
         num_blocks = self.executor.num_kvcache_blocks
         capacity = num_blocks * self.config.kvcache_block_size
@@ -101,10 +105,7 @@ class LLMEngine:
         self.num_decode_steps = 0
         self._request_counter = 0
         self._in_flight = None  # launched step whose tokens are not read yet (async scheduling)
-        wanted = self.config.async_scheduling
-        if wanted is None:  # on by default where there is something to overlap: a GPU
-            wanted = self.config.resolved_device() == "cuda"
-        self.async_scheduling = bool(wanted) and self.executor.supports_async
+        self.async_scheduling = bool(self.config.async_scheduling) and self.executor.supports_async
 
     # ------------------------------------------------------------------ requests
     def encode(self, prompt: str) -> list[int]:

@@ -38,11 +38,12 @@ class StepInput:
     seq_lens: list[int]
     block_tables: list[list[int]]
     decode_only: bool
-    # Input rows whose token the previous (still running) step samples: (row, seq_id).
+    # Input rows whose token the previous (still running) step samples: (input row, that step's row).
     pending: list[tuple[int, int]] = field(default_factory=list)
 
 
-def build_step_input(batch: ScheduledBatch, block_size: int) -> StepInput:
+def build_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int, int] | None = None) -> StepInput:
+    """`prev_rows`: seq_id -> row of the step in flight, whose sampled tokens feed PENDING inputs."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -53,7 +54,9 @@ def build_step_input(batch: ScheduledBatch, block_size: int) -> StepInput:
         end = start + n
         tokens = seq.token_ids[start:end]
         if tokens[-1] == PENDING:
-            pending.append((len(input_ids) + n - 1, seq.seq_id))
+            if prev_rows is None:
+                raise RuntimeError("a step input waits for a token but no step is in flight")
+            pending.append((len(input_ids) + n - 1, prev_rows[seq.seq_id]))
             tokens[-1] = 0
         input_ids.extend(tokens)
         positions.extend(range(start, end))
@@ -104,6 +107,9 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.noise_rng = random.Random(config.seed)  # per-step noise seeds of unseeded rows (GPU sampler)
+        self.prev_tokens = torch.zeros(0, dtype=torch.int64)  # the last step's sampled tokens (device)
+        # Pipelined tensor parallelism: workers need rank 0's tokens to fill pending inputs.
+        self.broadcast_tokens = bool(config.async_scheduling) and config.tensor_parallel_size > 1
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -234,45 +240,47 @@ class ModelRunner:
         )
         return t(step.input_ids, torch.int64), t(step.positions, torch.int64), meta
 
-    def _feed_back(self, input_ids: torch.Tensor, step: StepInput, prev: StepHandle | None) -> None:
+    def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens into this step's inputs, on the device."""
         if not step.pending:
             return
-        if prev is None:
-            raise RuntimeError("a step input waits for a token but no step is in flight")
-        dst = torch.tensor([r for r, _ in step.pending], dtype=torch.int64).to(self.device, non_blocking=True)
-        src = torch.tensor([prev.row_of[sid] for _, sid in step.pending], dtype=torch.int64)
-        input_ids[dst] = prev.tokens[src.to(self.device, non_blocking=True)]
+        rows = torch.tensor(step.pending, dtype=torch.int64).to(self.device, non_blocking=True)  # [n, 2]
+        input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     @torch.inference_mode()
-    def _forward(self, step: StepInput, prev: StepHandle | None = None) -> torch.Tensor:
+    def _forward(self, step: StepInput) -> torch.Tensor:
         """Hidden states of the last token of each sequence: [num_seqs, hidden]."""
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self._graph_batch_sizes()[-1]:
-            return self._replay_graph(step, prev)
+            return self._replay_graph(step)
         input_ids, positions, meta = self._tensors(step)
-        self._feed_back(input_ids, step, prev)
+        self._feed_back(input_ids, step)
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
         last = meta.query_start_loc[1:].long() - 1
         return hidden[last]
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor | None:
-        """Forward on this rank; returns logits [num_seqs, vocab] (float32) on rank 0."""
+    def execute(self, step: StepInput) -> None:
+        """A tensor-parallel worker's share of a step (rank 0 runs `launch`)."""
         hidden = self._forward(step)
-        logits = self.model.compute_logits(hidden)
-        return logits.float() if self.rank == 0 else None
+        self.model.compute_logits(hidden)
+        if self.broadcast_tokens:  # rank 0's sampled tokens, for the next step's pending inputs
+            self.prev_tokens = torch.empty(len(step.seq_lens), dtype=torch.int64, device=self.device)
+            torch.distributed.broadcast(self.prev_tokens, src=0)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, step: StepInput, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, batch: ScheduledBatch, step: StepInput) -> StepHandle:
         """Enqueue forward and sampling (rank 0); returns before the device is done."""
-        hidden = self._forward(step, prev)
+        hidden = self._forward(step)
         logits = self.model.compute_logits(hidden).float()  # [num_seqs, vocab]
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
                                  self.noise_rng if self.device.type == "cuda" else None)
         tokens = sample(logits, sb, self.generator)
+        self.prev_tokens = tokens
+        if self.broadcast_tokens:
+            torch.distributed.broadcast(tokens, src=0)
         want_logprobs = any(n is not None for n in sb.num_logprobs)
         done = None
         if self.device.type == "cuda":
@@ -338,7 +346,7 @@ class ModelRunner:
             self.graphs.clear()
             torch.cuda.empty_cache()
 
-    def _replay_graph(self, step: StepInput, prev: StepHandle | None = None) -> torch.Tensor:
+    def _replay_graph(self, step: StepInput) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (two H2D copies) and replay."""
         bs = len(step.seq_lens)
         graph_bs = next(s for s in self._graph_batch_sizes() if s >= bs)
@@ -361,7 +369,7 @@ class ModelRunner:
         self.g_i64[:, :graph_bs].copy_(self.stage_i64[:, :graph_bs], non_blocking=True)
         self.g_seq_lens[:graph_bs].copy_(self.stage_seq_lens[:graph_bs], non_blocking=True)
         self.g_block_tables[:bs, :width].copy_(self.stage_tables[:bs, :width], non_blocking=True)
-        self._feed_back(self.g_input_ids, step, prev)
+        self._feed_back(self.g_input_ids, step)
         self.graphs[graph_bs].replay()
         return self.g_hidden[:bs]
 

@@ -48,13 +48,13 @@ def channel_words(config: EngineConfig) -> int:
     max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
     max_blocks = -(-(config.max_model_len or 0) // config.kvcache_block_size) + 1
     seqs = config.max_num_seqs
-    return _HEADER + 3 * max_tokens + 2 * seqs + 1 + seqs * max_blocks
+    return _HEADER + 3 * max_tokens + 2 * seqs + 1 + seqs * max_blocks + 2 * seqs
 
 
 def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     n, s = len(step.input_ids), len(step.seq_lens)
     width = max(len(b) for b in step.block_tables)
-    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, 0, 0, 0)
+    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, len(step.pending), 0, 0)
     o = _HEADER
     for arr in (step.input_ids, step.positions, step.slot_mapping):
         buf[o : o + n] = arr
@@ -67,10 +67,13 @@ def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     for i, b in enumerate(step.block_tables):
         tables[i, : len(b)] = b
         tables[i, len(b) :] = 0
+    o += s * width
+    if step.pending:
+        buf[o : o + 2 * len(step.pending)] = [x for pair in step.pending for x in pair]
 
 
 def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
-    cmd, decode_only, n, s, width = (int(x) for x in buf[:5])
+    cmd, decode_only, n, s, width, num_pending = (int(x) for x in buf[:6])
     if cmd != CMD_STEP:
         return cmd, None
     o = _HEADER
@@ -81,7 +84,10 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
     seq_lens = buf[o : o + s].tolist()
     o += s
     tables = buf[o : o + s * width].reshape(s, width).tolist()
-    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only))
+    o += s * width
+    flat = buf[o : o + 2 * num_pending].tolist()
+    pending = list(zip(flat[0::2], flat[1::2]))
+    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only), pending)
 
 
 def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
@@ -92,7 +98,7 @@ def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
     )
 
 
-def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_name: str, event,
+def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_name: str, event, ack,
                 parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 coordinates shutdown on Ctrl-C
 
@@ -119,6 +125,7 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
             event.wait()
             event.clear()
             cmd, step = unpack_step(buf)
+            ack.set()  # the channel is free for the next step while this one runs
             if cmd == CMD_EXIT:
                 break
             assert step is not None
@@ -147,9 +154,13 @@ class TensorParallelExecutor:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.events = [ctx.Event() for _ in range(1, world)]
+        self.acks = [ctx.Event() for _ in range(1, world)]
+        for a in self.acks:
+            a.set()
         self.procs = [
             ctx.Process(target=worker_main, name=f"nv-tp-worker-{r}",
-                        args=(config, str(model_dir), r, port, self.shm.name, self.events[r - 1], os.getpid()),
+                        args=(config, str(model_dir), r, port, self.shm.name, self.events[r - 1],
+                              self.acks[r - 1], os.getpid()),
                         daemon=True)
             for r in range(1, world)
         ]
@@ -185,30 +196,40 @@ class TensorParallelExecutor:
                 os._exit(70)
             time.sleep(0.2)
 
-    supports_async = False  # workers would need the sampled tokens: TP steps run one at a time
+    supports_async = True  # rank 0 broadcasts each step's tokens; workers fill pending inputs from them
 
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
-        step = build_step_input(batch, self.block_size)
-        assert not step.pending, "tensor-parallel steps are not pipelined"
+        step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
+        for a in self.acks:  # every worker has read the previous step out of the channel
+            while not a.wait(timeout=1.0):
+                if self._dead_worker() is not None:
+                    self._worker_died(None)
+            a.clear()
         pack_step(self.buf, step)
         for e in self.events:
             e.set()
         try:
-            handle = self.runner.launch(batch, step)
-            self.runner.collect(handle)
+            return self.runner.launch(batch, step)
         except Exception as e:
-            # gloo notices a vanished peer with a connection error; say what happened instead.
-            deadline = time.monotonic() + 2.0
-            while (msg := self._dead_worker()) is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if msg is None:
-                raise
-            self._cleanup(kill=True)
-            raise WorkerDiedError(msg) from e
-        return handle
+            self._worker_died(e)
+            raise
 
     def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
-        return self.runner.collect(handle)
+        try:
+            return self.runner.collect(handle)
+        except Exception as e:
+            self._worker_died(e)
+            raise
+
+    def _worker_died(self, cause: Exception | None) -> None:
+        """Raise WorkerDiedError if a worker is gone (gloo reports it as a connection error)."""
+        deadline = time.monotonic() + 2.0
+        while (msg := self._dead_worker()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if msg is None:
+            return
+        self._cleanup(kill=True)
+        raise WorkerDiedError(msg) from cause
 
     def _cleanup(self, kill: bool) -> None:
         self._closed = True
@@ -231,6 +252,8 @@ class TensorParallelExecutor:
     def shutdown(self) -> None:
         if self._closed:
             return
+        for a in self.acks:  # do not overwrite a step a worker has not read yet
+            a.wait(timeout=5.0)
         self.buf[:_HEADER] = (CMD_EXIT, 0, 0, 0, 0, 0, 0, 0)
         for e in self.events:
             e.set()

@@ -24,12 +24,13 @@ def shm_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("nv-*")} if Path("/dev/shm").exists() else set()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_tp2_matches_tp1(tiny_model_dir, arch: str) -> None:
+@pytest.mark.parametrize("arch, async_scheduling", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_tp2_matches_tp1(tiny_model_dir, arch: str, async_scheduling: bool) -> None:
     model = str(tiny_model_dir(arch))
     before = shm_segments()
     ref = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
-    llm = LLM(model, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(model, tensor_parallel_size=2, async_scheduling=async_scheduling, **ENGINE)
+    assert llm.engine.async_scheduling == async_scheduling
     procs = list(llm.engine.executor.procs)
     out = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
@@ -79,3 +80,17 @@ def test_worker_death_ends_the_job_quickly_without_orphans(tiny_model_dir, tmp_p
     assert "leaked shared_memory" not in err
     alive = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
     assert alive == [], "orphan processes left behind"
+
+
+def test_tp2_async_with_preemption_and_chunked_prefill(tiny_model_dir) -> None:
+    model = str(tiny_model_dir("qwen3"))
+    tight = dict(device="cpu", num_kvcache_blocks=8, max_model_len=128, max_num_batched_tokens=16)
+    prompts = PROMPTS + [list(range(4000, 4070))]
+    ref = LLM(model, **tight).generate(prompts, GREEDY)
+    llm = LLM(model, tensor_parallel_size=2, async_scheduling=True, **tight)
+    out = llm.generate(prompts, GREEDY)
+    stats = llm.stats()
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0
+    assert stats.kv_blocks_used == 0
