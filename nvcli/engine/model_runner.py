@@ -260,10 +260,14 @@ class ModelRunner:
         return hidden[last]
 
     @torch.inference_mode()
+    def forward_logits(self, step: StepInput) -> torch.Tensor:
+        """Logits [num_seqs, vocab] (float32) of each sequence's last token; no sampling."""
+        return self.model.compute_logits(self._forward(step)).float()
+
+    @torch.inference_mode()
     def execute(self, step: StepInput) -> None:
         """A tensor-parallel worker's share of a step (rank 0 runs `launch`)."""
-        hidden = self._forward(step)
-        self.model.compute_logits(hidden)
+        self.forward_logits(step)
         if self.broadcast_tokens:  # rank 0's sampled tokens, for the next step's pending inputs
             self.prev_tokens = torch.empty(len(step.seq_lens), dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(self.prev_tokens, src=0)

@@ -42,16 +42,14 @@ def teacher_forced_logits(runner: ModelRunner, prompts: list[list[int]],
         positions += range(len(p))
         slots += [slot(s, i) for i in range(len(p))]
         qsl.append(qsl[-1] + len(p))
-    logits = runner.execute(StepInput(ids, positions, slots, qsl, [len(p) for p in prompts], tables, False))
-    assert logits is not None
+    logits = runner.forward_logits(StepInput(ids, positions, slots, qsl, [len(p) for p in prompts], tables, False))
     out: list[list[torch.Tensor]] = [[row.cpu()] for row in logits]
     for j in range(max(len(c) for c in continuations) - 1):
         live = [s for s, c in enumerate(continuations) if j + 1 < len(c)]
         pos = [len(prompts[s]) + j for s in live]
         step = StepInput([continuations[s][j] for s in live], pos, [slot(s, q) for s, q in zip(live, pos)],
                          list(range(len(live) + 1)), [q + 1 for q in pos], [tables[s] for s in live], True)
-        logits = runner.execute(step)
-        assert logits is not None
+        logits = runner.forward_logits(step)
         for s, row in zip(live, logits):
             out[s].append(row.cpu())
     return [torch.stack(rows) for rows in out]
