@@ -99,7 +99,6 @@ class BlockManager:
         """Give `seq` (with no blocks yet) the cached blocks; they count as computed."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         self.prefix_query_tokens += seq.num_tokens
-        parent = NO_HASH
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -107,8 +106,6 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-            parent = block.hash
-        del parent
         n = len(cached) * self.block_size
         seq.num_computed_tokens = n
         seq.num_cached_tokens = n

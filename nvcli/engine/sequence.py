@@ -49,7 +49,6 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] = []
-        self.arrival_index = self.seq_id
 
     def __len__(self) -> int:
         return len(self.token_ids)
