@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nvcli.kernels.ops import use_triton
+
 _MASK = float("-inf")
 
 
@@ -65,7 +67,7 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [num_seqs, vocab] float32 -> token ids [num_seqs] int64."""
-    if logits.is_cuda and batch.philox_seeds is not None and not batch.needs_filter:
+    if use_triton(logits) and batch.philox_seeds is not None and not batch.needs_filter:
         from nvcli.kernels.sampling import gumbel_sample_triton
 
         return gumbel_sample_triton(logits, batch.temperatures, batch.philox_seeds)

@@ -1,6 +1,7 @@
 """Kernel entry points used by the model: Triton on CUDA tensors, the torch reference elsewhere.
 
-Setting NV_ATTENTION_BACKEND=torch forces the references on the GPU too (for A/B checks).
+Setting NV_ATTENTION_BACKEND=torch forces the references on the GPU too (for A/B checks); the
+model layers and the sampler ask `use_triton` as well, so the switch covers every kernel.
 
 k_scale / v_scale are the per-tensor scales of an fp8 KV cache (None = 1.0, a float or a
 1-element float32 tensor; tensors are read on the device, so CUDA graphs may capture them):
@@ -18,7 +19,8 @@ from nvcli.kernels import reference
 from nvcli.kernels.reference import Scale
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether `t`'s computation goes to a Triton kernel: on CUDA, unless NV_ATTENTION_BACKEND=torch."""
     return t.is_cuda and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
 
 
@@ -31,7 +33,7 @@ def store_kvcache(
     k_scale: Scale = None,
     v_scale: Scale = None,
 ) -> None:
-    if _use_triton(key):
+    if use_triton(key):
         from nvcli.kernels.kv_store import store_kvcache_triton
 
         store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
@@ -49,7 +51,7 @@ def paged_decode_attention(
     k_scale: Scale = None,
     v_scale: Scale = None,
 ) -> torch.Tensor:
-    if _use_triton(q):
+    if use_triton(q):
         from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
@@ -71,7 +73,7 @@ def paged_prefill_attention(
     k_scale: Scale = None,
     v_scale: Scale = None,
 ) -> torch.Tensor:
-    if _use_triton(q):
+    if use_triton(q):
         from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(

@@ -12,6 +12,7 @@ from torch import nn
 
 from nvcli.distributed import tp_size
 from nvcli.engine.attention_metadata import AttentionMetadata
+from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
 from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -50,7 +51,7 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda:  # one fused kernel: per-head norm (Qwen3) + rotary, in place
+        if use_triton(q):  # one fused kernel: per-head norm (Qwen3) + rotary, in place
             from nvcli.kernels.rotary import rope_qk_norm_triton
 
             q_w = self.q_norm.weight if self.qk_norm else None

@@ -4,10 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nvcli.kernels.ops import use_triton
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * d] -> [n, d]
-        if x.is_cuda:
+        if use_triton(x):
             from nvcli.kernels.activation import silu_and_mul_triton
 
             return silu_and_mul_triton(x)

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.distributed import all_reduce, tp_rank, tp_size
+from nvcli.kernels.ops import use_triton
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """cuBLAS, or on the GPU for a few rows (decode of small batches) a weight-streaming Triton GEMM."""
-    if x.is_cuda:
+    if use_triton(x):
         from nvcli.kernels.skinny_gemm import linear as skinny_or_cublas
 
         return skinny_or_cublas(x, weight, bias)

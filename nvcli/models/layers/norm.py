@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def _use_triton() -> bool:
-    import os
-
-    return os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
+from nvcli.kernels.ops import use_triton
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +23,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda and _use_triton():
+        if use_triton(x):
             from nvcli.kernels.rms_norm import rms_norm_triton
 
             out, new_residual = rms_norm_triton(x, self.weight, self.eps, residual)
