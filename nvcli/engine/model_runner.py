@@ -83,6 +83,13 @@ class StepHandle:
     sampling: SamplingBatch | None
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a CUDA graph; a step replays the smallest one that fits."""
+    top = min(max_num_seqs, 512)
+    sizes = [1, 2, 4, 8] + list(range(16, top + 1, 16))
+    return sorted({s for s in sizes if s <= top} | {top})
+
+
 def pick_dtype(config: EngineConfig, hf_config, device: str) -> torch.dtype:
     if config.dtype != "auto":
         dtype = TORCH_DTYPES[config.dtype]
@@ -105,6 +112,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = pick_dtype(config, hf_config, self.device.type)
         self.block_size = config.kvcache_block_size
+        self.graph_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.noise_rng = random.Random(config.seed)  # per-step noise seeds of unseeded rows (GPU sampler)
         self.prev_tokens = torch.zeros(0, dtype=torch.int64)  # the last step's sampled tokens (device)
@@ -196,7 +204,7 @@ class ModelRunner:
         return num_blocks
 
     def _decode_activation_bytes(self) -> int:
-        bs = self._graph_batch_sizes()[-1]
+        bs = self.graph_batch_sizes[-1]
         hidden = self.hf_config.hidden_size
         inter = self.hf_config.intermediate_size // max(1, self.model.tp_size)
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -251,7 +259,7 @@ class ModelRunner:
     def _forward(self, step: StepInput) -> torch.Tensor:
         """Hidden states of the last token of each sequence: [num_seqs, hidden]."""
         bs = len(step.seq_lens)
-        if step.decode_only and self.graphs and bs <= self._graph_batch_sizes()[-1]:
+        if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step)
         input_ids, positions, meta = self._tensors(step)
         self._feed_back(input_ids, step)
@@ -307,14 +315,9 @@ class ModelRunner:
         return tokens, gather_logprobs(handle.logits, handle.tokens, handle.sampling)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _graph_batch_sizes(self) -> list[int]:
-        top = min(self.config.max_num_seqs, 512)
-        sizes = [1, 2, 4, 8] + list(range(16, top + 1, 16))
-        return sorted({s for s in sizes if s <= top} | {top})
-
     @torch.inference_mode()
     def _capture_cuda_graphs(self) -> None:
-        sizes = self._graph_batch_sizes()
+        sizes = self.graph_batch_sizes
         max_bs = sizes[-1]
         max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
         dev = self.device
@@ -353,7 +356,7 @@ class ModelRunner:
     def _replay_graph(self, step: StepInput) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (two H2D copies) and replay."""
         bs = len(step.seq_lens)
-        graph_bs = next(s for s in self._graph_batch_sizes() if s >= bs)
+        graph_bs = next(s for s in self.graph_batch_sizes if s >= bs)
         width = max(len(b) for b in step.block_tables)
         if width > self.g_max_blocks:
             raise RuntimeError("sequence longer than max_model_len reached the decode graph")

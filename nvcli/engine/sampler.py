@@ -108,13 +108,14 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
     out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
     if not rows:
         return out
+    token_ids = tokens.tolist()  # one device read, not one per row
     idx = torch.tensor(rows, device=logits.device)
     logp = torch.log_softmax(logits[idx].float(), dim=-1)
     chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
     max_n = max(batch.num_logprobs[i] or 0 for i in rows)
     top_vals, top_ids = (logp.topk(max_n, dim=-1) if max_n else (None, None))
     for j, i in enumerate(rows):
-        entry = {int(tokens[i]): chosen[j]}
+        entry = {token_ids[i]: chosen[j]}
         n = batch.num_logprobs[i] or 0
         if n:
             for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()):
