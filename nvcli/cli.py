@@ -65,7 +65,7 @@ def generate(
     enable_chunked_prefill: Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts across steps.", rich_help_panel=ENGINE)] = _D["enable_chunked_prefill"],
     dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
     kv_cache_dtype: Annotated[str, typer.Option(help=f"{_choices(KV_CACHE_DTYPES)} (fp8 halves KV memory).", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
-    kv_cache_scale: Annotated[float, typer.Option(help="fp8 KV cache: the per-tensor scale of K and V.", rich_help_panel=ENGINE, hidden="kv_cache_scale" not in _D)] = _D.get("kv_cache_scale", 1.0),
+    kv_cache_scale: Annotated[float, typer.Option(help="fp8 KV cache: the per-tensor scale of K and V.", rich_help_panel=ENGINE)] = _D["kv_cache_scale"],
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block (a power of two).", rich_help_panel=ENGINE)] = _D["kvcache_block_size"],
     num_kvcache_blocks: Annotated[Optional[int], typer.Option(help="Fix the number of KV blocks (default: sized from free memory).", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
@@ -117,9 +117,8 @@ def generate(
         load_format=load_format,
         device=device,
         seed=seed,
+        kv_cache_scale=kv_cache_scale,
     )
-    if "kv_cache_scale" in _D:  # newer EngineConfig
-        engine["kv_cache_scale"] = kv_cache_scale
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     stop=stop or None, logprobs=logprobs)
     sampling = {k: v for k, v in sampling.items() if v is not None}
