@@ -10,7 +10,7 @@ timeline: the DESIGN.md workload once after a warm-up, each engine step timed; t
   the launched batch's size (prefill-carrying steps apart), so the cost of the shrinking tail
   and of prefill is visible next to the big-batch decode steps.
 sweep: the decode-attention kernel at B=256 / B=64 with 1000-token contexts and at B=256 with
-  lengths spread over 100-2000 (the workload's mix), over block_n / warps / stages, bf16 and fp8.
+  lengths spread over 100-2000 (the workload's mix), over block_n/warps/stages(/fp16 dots), bf16 and fp8.
 """
 
 from __future__ import annotations
@@ -94,15 +94,10 @@ def steps_section(model_dir: str, batches: list[int], kv_cache_dtype: str) -> li
     return out
 
 
-def timeline_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
-              kv_cache_dtype=kv_cache_dtype)
-    engine = llm.engine
-    run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))
-    work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, int, bool]]]:
     records: list[tuple[float, int, bool]] = []  # (step seconds, launched batch size, decode-only)
     for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
-        engine.add_request(p, sp, request_id=f"tl-{i}")
+        engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
     t_start = time.perf_counter()
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -110,27 +105,49 @@ def timeline_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
         h = engine._in_flight
         bs, dec = (len(h.batch.seqs), h.batch.is_decode_only) if h is not None else (0, True)
         records.append((time.perf_counter() - t0, bs, dec))
-    total = time.perf_counter() - t_start
-    buckets = [(0, 0), (1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 512)]
-    out = [f"timeline ({kv_cache_dtype}): {total:.2f} s, {len(records)} steps, "
-           f"{work.output_tokens / total:,.0f} output tok/s"]
-    pre = [r for r in records if not r[2]]
-    out.append(f"  steps carrying prefill: {len(pre)}, {sum(r[0] for r in pre):.3f} s")
-    for lo, hi in buckets:
-        rs = [r for r in records if r[2] and lo <= r[1] <= hi]
-        if rs:
-            s = sum(r[0] for r in rs)
-            out.append(f"  decode batch {lo:3d}-{hi:3d}: {len(rs):5d} steps, {s:6.3f} s ({s / total:5.1%}), "
-                       f"{1000 * s / len(rs):6.3f} ms/step, {sum(r[1] for r in rs):7d} tokens")
+    return time.perf_counter() - t_start, records
+
+
+def timeline_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+              kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))
+    work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    out = []
+    for run in (1, 2):
+        s0 = engine.stats()
+        total, records = _timed_run(engine, work, str(run))
+        s1 = engine.stats()
+        buckets = [(0, 0), (1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 512)]
+        out.append(f"timeline ({kv_cache_dtype}, run {run}): {total:.2f} s, {len(records)} steps, "
+                   f"{work.output_tokens / total:,.0f} output tok/s; host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, "
+                   f"wait+sample {s1.execute_s - s0.execute_s:.2f} s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s")
+        pre = [r for r in records if not r[2]]
+        out.append(f"  steps carrying prefill: {len(pre)}, {sum(r[0] for r in pre):.3f} s")
+        for lo, hi in buckets:
+            rs = [r for r in records if r[2] and lo <= r[1] <= hi]
+            if rs:
+                s = sum(r[0] for r in rs)
+                out.append(f"  decode batch {lo:3d}-{hi:3d}: {len(rs):5d} steps, {s:6.3f} s ({s / total:5.1%}), "
+                           f"{1000 * s / len(rs):6.3f} ms/step, {sum(r[1] for r in rs):7d} tokens")
+        slow = sorted(records, key=lambda r: -r[0])[:12]
+        out.append("  slowest steps (ms, batch, decode-only): "
+                   + ", ".join(f"{1000 * r[0]:.1f}/{r[1]}/{int(r[2])}" for r in slow))
+        out.append("  last 40 steps (ms/batch): " + " ".join(f"{1000 * r[0]:.1f}/{r[1]}" for r in records[-40:]))
     print("\n".join(out))
     llm.shutdown()
     return out
 
 
+def _time_decode(kb, q, kc, vc, bt, sl, ks, vs, **kw) -> float:
+    from nvcli.kernels.decode_attention import paged_decode_attention_triton
+
+    return kb.bench(lambda: paged_decode_attention_triton(q, kc, vc, bt, sl, 128**-0.5, ks, vs, **kw), True)
+
+
 def sweep_section() -> list[str]:
     import kernels as kb
-
-    from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
     out = []
     torch.manual_seed(0)
@@ -139,8 +156,12 @@ def sweep_section() -> list[str]:
     out.append(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     cases = [("B=256 ctx=1000", [1000] * 256), ("B=64 ctx=1000", [1000] * 64),
              ("B=256 ctx 100-2000", [100 + (1900 * i) // 255 for i in range(256)])]
-    configs = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     for fp8 in (False, True):
+        if fp8:
+            configs = [dict(block_n=bn, num_warps=w, num_stages=st, f16_dot=f16)
+                       for bn in (64, 128) for w in (4, 8) for st in (2, 3) for f16 in (False, True)]
+        else:
+            configs = [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)]
         for label, lens in cases:
             kc, vc, bt = kb.paged_kv(lens, 8, 128, 16, torch.bfloat16, dev, table_width=256)
             ks = vs = None
@@ -153,21 +174,19 @@ def sweep_section() -> list[str]:
             q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
             sl = kb.i32(lens, dev)
             nbytes = 2 * sum(lens) * 8 * 128 * elt
-            default = kb.bench(lambda: paged_decode_attention_triton(q, kc, vc, bt, sl, 128**-0.5, ks, vs), True)
+            _time_decode(kb, q, kc, vc, bt, sl, ks, vs)  # warm-up (compile, clocks)
+            default = _time_decode(kb, q, kc, vc, bt, sl, ks, vs)
             results = []
-            for bn, w, st in configs:
+            for cfg in configs:
                 try:
-                    t = kb.bench(lambda: paged_decode_attention_triton(
-                        q, kc, vc, bt, sl, 128**-0.5, ks, vs, block_n=bn, num_warps=w, num_stages=st), True)
+                    results.append((_time_decode(kb, q, kc, vc, bt, sl, ks, vs, **cfg), cfg))
                 except Exception as e:  # out of shared memory etc.
-                    print(f"  bn={bn} w={w} st={st}: {type(e).__name__}")
-                    continue
-                results.append((t, bn, w, st))
-            results.sort()
+                    print(f"  {cfg}: {type(e).__name__}")
+            results.sort(key=lambda r: r[0])
             name = f"{'fp8' if fp8 else 'bf16'} {label}"
             line = (f"{name}: default {default * 1e6:.0f} us ({nbytes / default / bw:.0%} copy); best "
-                    + ", ".join(f"bn={bn} w={w} st={st} {t * 1e6:.0f} us ({nbytes / t / bw:.0%})"
-                                for t, bn, w, st in results[:4]))
+                    + ", ".join(f"{'/'.join(str(v) for v in cfg.values())} {t * 1e6:.0f} us ({nbytes / t / bw:.0%})"
+                                for t, cfg in results[:4]))
             print(line, flush=True)
             out.append(line)
     return out

@@ -21,6 +21,7 @@ from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
+from nvcli.sampling_params import SamplingParams
 
 log = logging.getLogger("nvcli")
 
@@ -136,6 +137,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
+        if self.device.type == "cuda":
+            self._warm_up_kernels()
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -229,6 +232,39 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
         del hidden, logits
 
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Compile, at start-up, the Triton variants a job would otherwise compile mid-run.
+
+        Triton specializes integer arguments (== 1, multiples of 16) and our kernels pick configs by
+        row count, so the first prefill of an odd length, or the LM head and sampler at 1, 2 or a few
+        rows once a job's batch drains, each cost a compile (up to a second) in the middle of the
+        job. Every step here writes nothing to the KV cache (slot -1) and its outputs are dropped.
+        """
+        if self.num_kvcache_blocks * self.block_size < 32 or (self.config.max_model_len or 32) < 32:
+            return  # the shapes below need 32 tokens of cache to read from
+        blocks = [list(range(-(-32 // self.block_size)))]
+        for lens in ([17, 14], [16, 32], [1]):  # prefill: odd / multiple-of-16 token counts; eager decode
+            qsl = [0]
+            for n in lens:
+                qsl.append(qsl[-1] + n)
+            step = StepInput([0] * qsl[-1], [p for n in lens for p in range(n)], [-1] * qsl[-1], qsl, lens,
+                             blocks * len(lens), False)
+            self._forward(step)
+        for rows in (1, 2, 3, 17):  # LM head: skinny FMA (1, 2 rows), skinny tensor-core, cuBLAS
+            step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
+                             blocks * rows, True)
+            hidden = self._forward(step)
+            if self.rank == 0:
+                logits = self.model.compute_logits(hidden)
+                for temperature in (0.0, 0.7):  # argmax, fused Gumbel sampler
+                    params = [SamplingParams(temperature=temperature)] * rows
+                    sample(logits, SamplingBatch.build(params, [0] * rows, logits.shape[1], self.device, random.Random(0)),
+                           torch.Generator(device=self.device).manual_seed(0))  # leaves the job's RNG alone
+            else:
+                self.model.compute_logits(hidden)
+        torch.cuda.synchronize(self.device)
+
     # ------------------------------------------------------------------ forward
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         dev = self.device
@@ -252,7 +288,8 @@ class ModelRunner:
         """Write the previous step's sampled tokens into this step's inputs, on the device."""
         if not step.pending:
             return
-        rows = torch.tensor(step.pending, dtype=torch.int64).to(self.device, non_blocking=True)  # [n, 2]
+        pin = self.device.type == "cuda"  # a pageable source could make the copy wait for the device
+        rows = torch.tensor(step.pending, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)  # [n, 2]
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     @torch.inference_mode()
@@ -275,7 +312,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> None:
         """A tensor-parallel worker's share of a step (rank 0 runs `launch`)."""
-        self.forward_logits(step)
+        self.model.compute_logits(self._forward(step))  # the vocab-parallel gather needs every rank
         if self.broadcast_tokens:  # rank 0's sampled tokens, for the next step's pending inputs
             self.prev_tokens = torch.empty(len(step.seq_lens), dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(self.prev_tokens, src=0)
@@ -284,7 +321,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, step: StepInput) -> StepHandle:
         """Enqueue forward and sampling (rank 0); returns before the device is done."""
         hidden = self._forward(step)
-        logits = self.model.compute_logits(hidden).float()  # [num_seqs, vocab]
+        logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] in the model dtype; the sampler upcasts
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
@@ -324,10 +361,16 @@ class ModelRunner:
         self.g_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)
         self.g_i64[2] = -1
         self.g_input_ids, self.g_positions, self.g_slots = self.g_i64[0], self.g_i64[1], self.g_i64[2]
-        # Pinned host staging buffers: filled through numpy views, copied without a sync.
-        self.stage_i64 = torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=True)
-        self.stage_seq_lens = torch.zeros(max_bs, dtype=torch.int32, pin_memory=True)
-        self.stage_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=True)
+        # Pinned host staging buffers, filled through numpy views and copied without a sync. Two sets,
+        # used in turn: with async scheduling step N+1 is staged while step N's copies may still be
+        # queued behind step N-1 on the device; step N-1 has completed by then, so its set is free.
+        self.stages = [
+            (torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=True),
+             torch.zeros(max_bs, dtype=torch.int32, pin_memory=True),
+             torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=True))
+            for _ in range(2)
+        ]
+        self.num_replays = 0
         self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
         self.g_block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
@@ -360,22 +403,24 @@ class ModelRunner:
         width = max(len(b) for b in step.block_tables)
         if width > self.g_max_blocks:
             raise RuntimeError("sequence longer than max_model_len reached the decode graph")
-        ints = self.stage_i64.numpy()  # [3, max_bs]: input ids, positions, slots
+        stage_i64, stage_seq_lens, stage_tables = self.stages[self.num_replays % 2]
+        self.num_replays += 1
+        ints = stage_i64.numpy()  # [3, max_bs]: input ids, positions, slots
         ints[0, :bs] = step.input_ids
         ints[1, :bs] = step.positions
         ints[2, :bs] = step.slot_mapping
         ints[0, bs:graph_bs] = 0
         ints[1, bs:graph_bs] = 0
         ints[2, bs:graph_bs] = -1
-        lens = self.stage_seq_lens.numpy()
+        lens = stage_seq_lens.numpy()
         lens[:bs] = step.seq_lens
         lens[bs:graph_bs] = 0
-        tables = self.stage_tables.numpy()  # [max_bs, max_blocks]
+        tables = stage_tables.numpy()  # [max_bs, max_blocks]
         for i, b in enumerate(step.block_tables):
             tables[i, : len(b)] = b
-        self.g_i64[:, :graph_bs].copy_(self.stage_i64[:, :graph_bs], non_blocking=True)
-        self.g_seq_lens[:graph_bs].copy_(self.stage_seq_lens[:graph_bs], non_blocking=True)
-        self.g_block_tables[:bs, :width].copy_(self.stage_tables[:bs, :width], non_blocking=True)
+        self.g_i64[:, :graph_bs].copy_(stage_i64[:, :graph_bs], non_blocking=True)
+        self.g_seq_lens[:graph_bs].copy_(stage_seq_lens[:graph_bs], non_blocking=True)
+        self.g_block_tables[:bs, :width].copy_(stage_tables[:bs, :width], non_blocking=True)
         self._feed_back(self.g_input_ids, step)
         self.graphs[graph_bs].replay()
         return self.g_hidden[:bs]

@@ -52,13 +52,19 @@ class SamplingBatch:
             for i, (p, pos) in enumerate(zip(params, positions))
             if p.seed is not None and p.temperature > 0
         ]
-        to = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        pin = device.type == "cuda"
+
+        def to(t: torch.Tensor | None) -> torch.Tensor | None:  # pinned: the copy never waits for the device
+            if t is None:
+                return None
+            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+
         philox = None
         if rng is not None and not all_greedy:
             by_row = dict(seeds)
             philox = torch.tensor([by_row.get(i, rng.getrandbits(62)) for i in range(len(params))], dtype=torch.int64)
         return SamplingBatch(
-            temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
+            temperatures=to(torch.tensor(temps, dtype=torch.float32)),
             top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
             num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
             needs_filter=top_k is not None or top_p is not None or min_p is not None,
@@ -66,14 +72,15 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [num_seqs, vocab] float32 -> token ids [num_seqs] int64."""
+    """logits [num_seqs, vocab] (any float dtype; the fused kernel reads it as is) -> token ids [num_seqs] int64."""
     if use_triton(logits) and batch.philox_seeds is not None and not batch.needs_filter:
         from nvcli.kernels.sampling import gumbel_sample_triton
 
         return gumbel_sample_triton(logits, batch.temperatures, batch.philox_seeds)
-    greedy = logits.argmax(dim=-1)
+    greedy = logits.argmax(dim=-1)  # exact in any dtype
     if batch.all_greedy:
         return greedy
+    logits = logits.float()
     temps = batch.temperatures
     scaled = logits / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
     if batch.top_k is not None or batch.top_p is not None:

@@ -67,6 +67,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # one split: write the final output, no partials
     SCALE_IS_PTR: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    F16_DOT: tl.constexpr,  # fp8 cache: convert tiles to fp16 (one cvt per pair) and run the dots in fp16
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -87,6 +88,8 @@ def _decode_split_kernel(
 
     q_ptrs = q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    if F16_DOT:
+        q = q.to(tl.float16)
 
     if SCALE_IS_PTR:
         k_scale = tl.load(k_scale_ptr)
@@ -213,6 +216,7 @@ def paged_decode_attention_triton(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    f16_dot: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
@@ -232,19 +236,23 @@ def paged_decode_attention_triton(
     if num_seqs == 0:
         return out
 
-    if not is_fp8(k_cache.dtype):
+    fp8 = is_fp8(k_cache.dtype)
+    if not fp8:
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
     if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+        # fp8 tiles are half the bytes: twice the tokens per tile once the batch fills the GPU
+        block_n = (128 if fp8 and num_seqs >= 128 else 64) if head_dim <= 128 else 32
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * page
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_kv_len, block_n, _sm_count(q.device))
     if num_warps is None:
         num_warps = 4
     if num_stages is None:
-        num_stages = 3
+        num_stages = 3 if not fp8 else 2
+    if f16_dot is None:
+        f16_dot = fp8 and q.dtype != torch.float32
 
     if num_splits > 1:
         mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -284,6 +292,7 @@ def paged_decode_attention_triton(
         DIRECT=num_splits == 1,
         SCALE_IS_PTR=scale_is_ptr,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOT=f16_dot,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,8 +1,10 @@
-"""Fused per-head RMSNorm (Qwen3's q/k norm, optional) + rotary embedding, in place on q and k.
+"""Fused per-head RMSNorm (Qwen3's q/k norm, optional) + rotary embedding + KV-cache store.
 
-One program per (token, head) over q's heads then k's heads: load the head vector once, normalize
-it in fp32, rotate it (neox layout: first half / second half), store it back. On the decode path
-this replaces about a dozen small torch kernels per layer with one.
+One program per (token, KV head): it loads that KV head's query heads (GQA group), its key
+head and (when storing) its value head once, normalizes q and k per head in fp32, rotates them
+(neox layout: first half / second half), writes q back in place and writes k and v straight
+into the paged cache slot (quantized for an fp8 cache, as `kv_store` does). On the decode path
+this replaces the torch norm/rotary ops and the separate KV-store kernel with one launch.
 """
 
 from __future__ import annotations
@@ -11,76 +13,168 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, scale_args
+
 
 @triton.jit
-def _rope_kernel(
+def _rope_store_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim] (row stride may be the fused qkv width)
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim] (read when STORE)
     pos_ptr,  # [num_tokens] int64
     cos_sin_ptr,  # [max_position, head_dim]: cos in the first half, sin in the second (fp32)
     qw_ptr,  # [head_dim] q norm weight
     kw_ptr,  # [head_dim] k norm weight
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (written when STORE)
+    v_cache_ptr,
+    slot_ptr,  # [num_tokens], -1 = padding (not stored)
+    k_scale_ptr,
+    v_scale_ptr,
+    k_scale_val,
+    v_scale_val,
     eps,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
-    NUM_HEADS: tl.constexpr,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,
     HALF: tl.constexpr,
+    PAGE: tl.constexpr,
     NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    is_q = h < NUM_HEADS
-    offs = tl.arange(0, HALF)
-    if is_q:
-        base = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
-        w_ptr = qw_ptr
-    else:
-        base = k_ptr + t.to(tl.int64) * stride_kt + (h - NUM_HEADS) * stride_kh
-        w_ptr = kw_ptr
-    x1 = tl.load(base + offs)
-    x2 = tl.load(base + HALF + offs)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    if NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + offs).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)
-        # Round like the torch path: normalized value in the model dtype, then times the weight.
-        x1 = (x1 * rstd).to(dtype).to(tl.float32) * w1
-        x2 = (x2 * rstd).to(dtype).to(tl.float32) * w2
-        x1 = x1.to(dtype).to(tl.float32)
-        x2 = x2.to(dtype).to(tl.float32)
+    t = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    offs = tl.arange(0, HALF)  # [HALF]
+    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
+    g_mask = (offs_g < GROUP)[:, None]
+
     pos = tl.load(pos_ptr + t)
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)  # [HALF] fp32
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs)
-    tl.store(base + offs, (x1 * cos - x2 * sin).to(dtype))
-    tl.store(base + HALF + offs, (x2 * cos + x1 * sin).to(dtype))
+
+    # queries of this KV head's group: [GROUP_PAD, HALF] halves
+    q_base = q_ptr + t * stride_qt + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs[None, :]
+    q1 = tl.load(q_base, mask=g_mask, other=0.0)
+    q2 = tl.load(q_base + HALF, mask=g_mask, other=0.0)
+    dtype = q1.dtype
+    q1 = q1.to(tl.float32)
+    q2 = q2.to(tl.float32)
+    k_base = k_ptr + t * stride_kt + kvh * stride_kh + offs
+    k1 = tl.load(k_base).to(tl.float32)  # [HALF]
+    k2 = tl.load(k_base + HALF).to(tl.float32)
+    if NORM:
+        # Round like the torch path: normalized value in the model dtype, then times the weight.
+        q_rstd = tl.rsqrt((tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)) / (2 * HALF) + eps)[:, None]
+        qw1 = tl.load(qw_ptr + offs).to(tl.float32)[None, :]
+        qw2 = tl.load(qw_ptr + HALF + offs).to(tl.float32)[None, :]
+        q1 = ((q1 * q_rstd).to(dtype).to(tl.float32) * qw1).to(dtype).to(tl.float32)
+        q2 = ((q2 * q_rstd).to(dtype).to(tl.float32) * qw2).to(dtype).to(tl.float32)
+        k_rstd = tl.rsqrt((tl.sum(k1 * k1, axis=0) + tl.sum(k2 * k2, axis=0)) / (2 * HALF) + eps)
+        kw1 = tl.load(kw_ptr + offs).to(tl.float32)
+        kw2 = tl.load(kw_ptr + HALF + offs).to(tl.float32)
+        k1 = ((k1 * k_rstd).to(dtype).to(tl.float32) * kw1).to(dtype).to(tl.float32)
+        k2 = ((k2 * k_rstd).to(dtype).to(tl.float32) * kw2).to(dtype).to(tl.float32)
+    tl.store(q_base, (q1 * cos[None, :] - q2 * sin[None, :]).to(dtype), mask=g_mask)
+    tl.store(q_base + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(dtype), mask=g_mask)
+    # the rotated key, rounded to the model dtype (what a separate store would read back)
+    kr1 = (k1 * cos - k2 * sin).to(dtype)
+    kr2 = (k2 * cos + k1 * sin).to(dtype)
+    if not STORE:
+        tl.store(k_base, kr1)
+        tl.store(k_base + HALF, kr2)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            v_base = v_ptr + t * stride_vt + kvh * stride_vh + offs
+            v1 = tl.load(v_base)
+            v2 = tl.load(v_base + HALF)
+            blk = slot // PAGE
+            off = slot % PAGE
+            kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs
+            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs
+            if QUANT:
+                if SCALE_IS_PTR:
+                    ks = tl.load(k_scale_ptr)
+                    vs = tl.load(v_scale_ptr)
+                else:
+                    ks = k_scale_val
+                    vs = v_scale_val
+                # div_rn: IEEE division, so the result rounds like torch (see kv_store)
+                tl.store(kc, tl.clamp(tl.div_rn(kr1.to(tl.float32), ks), -FP8_MAX, FP8_MAX).to(kc.dtype.element_ty))
+                tl.store(kc + HALF, tl.clamp(tl.div_rn(kr2.to(tl.float32), ks), -FP8_MAX, FP8_MAX)
+                         .to(kc.dtype.element_ty))
+                tl.store(vc, tl.clamp(tl.div_rn(v1.to(tl.float32), vs), -FP8_MAX, FP8_MAX).to(vc.dtype.element_ty))
+                tl.store(vc + HALF, tl.clamp(tl.div_rn(v2.to(tl.float32), vs), -FP8_MAX, FP8_MAX)
+                         .to(vc.dtype.element_ty))
+            else:
+                tl.store(kc, kr1.to(kc.dtype.element_ty))
+                tl.store(kc + HALF, kr2.to(kc.dtype.element_ty))
+                tl.store(vc, v1.to(vc.dtype.element_ty))
+                tl.store(vc + HALF, v2.to(vc.dtype.element_ty))
 
 
 def rope_qk_norm_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous; modified in place
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]; modified in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]; rotated in place unless stored
     positions: torch.Tensor,  # [num_tokens] int64
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] fp32
     q_weight: torch.Tensor | None = None,  # [head_dim]; with k_weight: apply the per-head RMSNorm first
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    *,
+    v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: with the caches, store k and v
+    k_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
+    k_scale: Scale = None,
+    v_scale: Scale = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim % 2 == 0 and (head_dim // 2) & (head_dim // 2 - 1) == 0, "head_dim/2 must be a power of two"
     if num_tokens == 0:
         return q, k
     norm = q_weight is not None
-    _rope_kernel[(num_tokens, num_heads + num_kv_heads)](
-        q, k, positions, cos_sin_cache,
+    store = k_cache is not None
+    if store:
+        assert v is not None and v_cache is not None and slot_mapping is not None
+        assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape[0] == num_tokens
+        assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions
+    quant = store and is_fp8(k_cache.dtype)
+    if not quant:
+        k_scale = v_scale = None
+    ks_ptr, vs_ptr, ks_val, vs_val, scale_is_ptr = scale_args(k_scale, v_scale, positions)
+    group = num_heads // num_kv_heads
+    _rope_store_kernel[(num_tokens, num_kv_heads)](
+        q, k, v, positions, cos_sin_cache,
         q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
+        k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        NUM_HEADS=num_heads, HALF=head_dim // 2, NORM=norm, num_warps=1,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1) if k_cache.dim() > 1 else 0, k_cache.stride(2) if k_cache.dim() > 2 else 0,
+        v_cache.stride(0), v_cache.stride(1) if v_cache.dim() > 1 else 0, v_cache.stride(2) if v_cache.dim() > 2 else 0,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head_dim // 2,
+        PAGE=k_cache.shape[1] if store else 1, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
+        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
+        num_warps=1 if group * head_dim <= 512 else 2,
     )
     return q, k

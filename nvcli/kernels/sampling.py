@@ -26,21 +26,42 @@ def _sample_chunk_kernel(
     num_chunks,
     CHUNK: tl.constexpr,
 ):
+    # The chunk is four slabs of CHUNK // 4 columns: one Philox call (tl.rand4x) yields the
+    # noise of the same position in all four, a quarter of the RNG work of one call per column.
+    QUARTER: tl.constexpr = CHUNK // 4
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < vocab
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    offs = tl.arange(0, QUARTER)
+    cols0 = chunk * CHUNK + offs
+    cols1 = cols0 + QUARTER
+    cols2 = cols1 + QUARTER
+    cols3 = cols2 + QUARTER
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    x0 = tl.load(base + cols0, mask=cols0 < vocab, other=float("-inf")).to(tl.float32)
+    x1 = tl.load(base + cols1, mask=cols1 < vocab, other=float("-inf")).to(tl.float32)
+    x2 = tl.load(base + cols2, mask=cols2 < vocab, other=float("-inf")).to(tl.float32)
+    x3 = tl.load(base + cols3, mask=cols3 < vocab, other=float("-inf")).to(tl.float32)
     temp = tl.load(temps_ptr + row)
     if temp > 0:
         seed = tl.load(seeds_ptr + row)
-        u = tl.rand(seed, cols)  # uniform [0, 1), a function of (seed, column) only
-        u = tl.maximum(u, 1e-20)
-        x = x / temp - tl.log(-tl.log(u))
-    x = tl.where(mask, x, float("-inf"))
-    best = tl.max(x, axis=0)
+        # uniform [0, 1) noise, a function of (seed, column) only
+        u0, u1, u2, u3 = tl.rand4x(seed, chunk * QUARTER + offs)
+        x0 = x0 / temp - tl.log(-tl.log(tl.maximum(u0, 1e-20)))
+        x1 = x1 / temp - tl.log(-tl.log(tl.maximum(u1, 1e-20)))
+        x2 = x2 / temp - tl.log(-tl.log(tl.maximum(u2, 1e-20)))
+        x3 = x3 / temp - tl.log(-tl.log(tl.maximum(u3, 1e-20)))
+    x0 = tl.where(cols0 < vocab, x0, float("-inf"))
+    x1 = tl.where(cols1 < vocab, x1, float("-inf"))
+    x2 = tl.where(cols2 < vocab, x2, float("-inf"))
+    x3 = tl.where(cols3 < vocab, x3, float("-inf"))
+    best = tl.maximum(tl.maximum(tl.max(x0, axis=0), tl.max(x1, axis=0)),
+                      tl.maximum(tl.max(x2, axis=0), tl.max(x3, axis=0)))
     # first column holding the max (argmax tie rule)
-    idx = tl.min(tl.where(x == best, cols, 2147483647), axis=0)
+    none = 2147483647
+    idx = tl.minimum(tl.minimum(tl.min(tl.where(x0 == best, cols0, none), axis=0),
+                                tl.min(tl.where(x1 == best, cols1, none), axis=0)),
+                     tl.minimum(tl.min(tl.where(x2 == best, cols2, none), axis=0),
+                                tl.min(tl.where(x3 == best, cols3, none), axis=0)))
     tl.store(max_ptr + row * num_chunks + chunk, best)
     tl.store(idx_ptr + row * num_chunks + chunk, idx)
 

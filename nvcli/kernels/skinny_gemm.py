@@ -52,6 +52,25 @@ TILE_BYTES = 16384  # weight bytes per program per loop iteration
 _ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
 
 
+@triton.jit
+def _load_x(x_ptrs, mask, K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """An x tile; with SILU_MUL x is the [M, 2K] gate_up output and the tile is SiLU(gate) * up,
+    rounded exactly as the separate SiLU-and-mul kernel (activation.py) would store it."""
+    if mask is None:
+        gate = tl.load(x_ptrs)
+    else:
+        gate = tl.load(x_ptrs, mask=mask, other=0.0)
+    if SILU_MUL:
+        if mask is None:
+            up = tl.load(x_ptrs + K)
+        else:
+            up = tl.load(x_ptrs + K, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+        gate = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return gate
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
@@ -74,6 +93,7 @@ def _skinny_gemm_kernel(
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot (no tf32)
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # x is [M, 2K] gate_up: multiply by SiLU(gate) * up (fused activation)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -91,11 +111,11 @@ def _skinny_gemm_kernel(
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+                x = _load_x(x_ptrs, m_ok, K, SILU_MUL)
             else:
                 k_ok = (k0 + k + offs_k)[None, :] < K
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+                x = _load_x(x_ptrs, m_ok & k_ok, K, SILU_MUL)
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
@@ -108,11 +128,11 @@ def _skinny_gemm_kernel(
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs)
+                x = _load_x(x_ptrs, None, K, SILU_MUL)
             else:
                 k_ok = (k0 + k + offs_k)[None, :] < K
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                x = _load_x(x_ptrs, k_ok, K, SILU_MUL)
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -122,11 +142,11 @@ def _skinny_gemm_kernel(
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+                x = _load_x(x_ptrs, m_ok, K, SILU_MUL)
             else:
                 k_ok = (k0 + k + offs_k)[None, :] < K
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+                x = _load_x(x_ptrs, m_ok & k_ok, K, SILU_MUL)
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -247,12 +267,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return F.linear(x, weight, bias)
 
 
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(SiLU(gate) * up, weight, bias) for gate_up = [..., 2K]: one fused kernel for a few rows,
+    else the SiLU-and-mul kernel and then cuBLAS."""
+    k = gate_up.shape[-1] // 2
+    x = gate_up[..., :k]  # the gate half: the shape and strides the kernel's x pointers walk
+    if use_skinny(x, weight) and gate_up.stride(-1) == 1:
+        return skinny_linear_triton(x, weight, bias, silu_mul=True)
+    from nvcli.kernels.activation import silu_and_mul_triton
+
+    return F.linear(silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k), weight, bias)
+
+
 def skinny_linear_triton(
     x: torch.Tensor,  # [..., K], at most MAX_M rows in all
     weight: torch.Tensor,  # [N, K], row-major
     bias: Optional[torch.Tensor] = None,  # [N]
     *,
     config: Optional[SkinnyConfig] = None,  # overrides choose_config (tests, benchmarks)
+    silu_mul: bool = False,  # x is the gate half of a [..., 2K] gate_up row: use SiLU(gate) * up as x
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) -> [..., N] in x.dtype, fp32 accumulation."""
     k = x.shape[-1]
@@ -260,8 +293,9 @@ def skinny_linear_triton(
     assert weight.dim() == 2 and weight.shape[1] == k, (tuple(x.shape), tuple(weight.shape))
     assert weight.dtype == x.dtype and weight.stride(1) == 1, "weight: x's dtype, rows contiguous"
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, k)  # a view for a row slice of gate_up (rows stride 2K): the up half stays reachable
     if x2.stride(-1) != 1:
+        assert not silu_mul, "gate_up must have contiguous rows"
         x2 = x2.contiguous()
     m = x2.shape[0]
     assert m <= 64, f"skinny_linear_triton is for small batches (M={m})"
@@ -301,6 +335,7 @@ def skinny_linear_triton(
         IEEE=x.dtype == torch.float32,
         HAS_BIAS=has_bias,
         NUM_STAGES=cfg.num_stages,
+        SILU_MUL=silu_mul,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

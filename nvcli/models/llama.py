@@ -51,18 +51,22 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if use_triton(q):  # one fused kernel: per-head norm (Qwen3) + rotary, in place
+        if use_triton(q):  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
             from nvcli.kernels.rotary import rope_qk_norm_triton
 
             q_w = self.q_norm.weight if self.qk_norm else None
             k_w = self.k_norm.weight if self.qk_norm else None
             eps = self.q_norm.eps if self.qk_norm else 0.0
-            q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps)
+            attn = self.attn
+            q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
+                                       k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=meta.slot_mapping,
+                                       k_scale=attn.k_scale, v_scale=attn.v_scale)
+            o = attn(q, k, v, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+            o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.flatten(1))
 
 
@@ -74,7 +78,10 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate / tp]
+        if use_triton(gate_up):
+            return self.down_proj.forward_silu_mul(gate_up)
+        return self.down_proj(self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -46,6 +46,58 @@ def test_rope_qk_norm_matches_torch(norm: bool, head_dim: int) -> None:
     torch.testing.assert_close(qkv_d[:, (H + KH) * head_dim :].cpu(), qkv[:, (H + KH) * head_dim :])
 
 
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rope_with_cache_store_matches_rope_then_store(group: int, fp8: bool) -> None:
+    """The fused path (norm + rotary + KV-cache store in one kernel) writes the cache exactly as the
+    separate rotary and store would, skips slot -1, and leaves q as the unfused kernel does."""
+    from nvcli.kernels.kv_store import store_kvcache_triton
+    from nvcli.kernels.rotary import rope_qk_norm_triton
+
+    torch.manual_seed(1)
+    T, KH, D, page, nb = 6, 2, 32, 4, 5
+    H = KH * group
+    qkv = torch.randn(T, (H + 2 * KH) * D)
+    q, k, v = qkv.split([H * D, KH * D, KH * D], dim=-1)
+    q, k, v = q.view(T, H, D), k.view(T, KH, D), v.view(T, KH, D)
+    positions = torch.tensor([0, 1, 5, 9, 33, 200])
+    slots = torch.tensor([3, -1, 0, 17, 8, 19])
+    rope = RotaryEmbedding(D, 256, 10000.0, None)
+    qw, kw = 1 + 0.1 * torch.randn(D), 1 + 0.1 * torch.randn(D)
+    # reference: the kernel without a cache rotates q and k in place, then the separate store
+    ref_q = torch.empty_like(q)
+    ref_k = torch.empty_like(k)
+    qd, kd = q.clone().to(DEVICE), k.clone().to(DEVICE)
+    rope_qk_norm_triton(qd, kd, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), qw.to(DEVICE), kw.to(DEVICE),
+                        1e-6)
+    ref_q.copy_(qd.cpu())
+    ref_k.copy_(kd.cpu())
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    scale = torch.tensor([0.05]) if fp8 else None
+    kc_ref = torch.zeros(nb, page, KH, D, dtype=cache_dtype, device=DEVICE)
+    vc_ref = torch.zeros_like(kc_ref)
+    # the separate store kernel (the interpreter's fp8 cast truncates, so compare kernel with kernel)
+    store_kvcache_triton(ref_k.to(DEVICE), v.to(DEVICE), kc_ref, vc_ref, slots.to(DEVICE),
+                         k_scale=None if scale is None else scale.to(DEVICE),
+                         v_scale=None if scale is None else scale.to(DEVICE))
+    kc_ref, vc_ref = kc_ref.cpu(), vc_ref.cpu()
+
+    qkv_d = qkv.clone().to(DEVICE)
+    q2, k2, v2 = qkv_d.split([H * D, KH * D, KH * D], dim=-1)
+    q2, k2, v2 = q2.view(T, H, D), k2.view(T, KH, D), v2.view(T, KH, D)
+    kc = torch.zeros(nb, page, KH, D, dtype=cache_dtype, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    sc = None if scale is None else scale.to(DEVICE)
+    rope_qk_norm_triton(q2, k2, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), qw.to(DEVICE), kw.to(DEVICE),
+                        1e-6, v=v2, k_cache=kc, v_cache=vc, slot_mapping=slots.to(DEVICE), k_scale=sc, v_scale=sc)
+    torch.testing.assert_close(q2.cpu(), ref_q, atol=0, rtol=0)
+    assert torch.equal(kc.cpu().view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(vc.cpu().view(torch.uint8), vc_ref.view(torch.uint8))
+    # padding slot (-1) wrote nothing: exactly the 5 real slots are non-zero
+    written = (kc.cpu().float().abs().sum(dim=(2, 3)) > 0).sum()
+    assert int(written) == 5
+
+
 def test_silu_and_mul_matches_torch() -> None:
     from nvcli.kernels.activation import silu_and_mul_triton
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_device import on_device
+from kernel_device import DEVICE, on_device
 
 from nvcli.kernels import skinny_gemm
 from nvcli.kernels.skinny_gemm import SkinnyConfig, choose_config, skinny_supported, use_skinny
@@ -140,3 +140,21 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
 
 def triton_next_pow2(v: int) -> int:
     return 1 << (v - 1).bit_length()
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("k", [64, 80])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fused_silu_mul_prologue(m: int, k: int, split_k: int) -> None:
+    """down_proj(SiLU(gate) * up) straight from the gate_up rows equals the activation then the GEMM,
+    across the FMA (M <= 2) and tensor-core paths, masked and even K, split K."""
+    gen = torch.Generator().manual_seed(m + k)
+    gate_up = torch.randn(m, 2 * k, generator=gen)
+    w = torch.randn(24, k, generator=gen) * k**-0.5
+    b = torch.randn(24, generator=gen)
+    ref = F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w, b)
+    for use_dot in (False, True):
+        cfg = SkinnyConfig(block_n=16, block_k=32, split_k=split_k, use_dot=use_dot, num_stages=2)
+        gu = gate_up.to(DEVICE)
+        y = skinny_gemm.skinny_linear_triton(gu[:, :k], w.to(DEVICE), b.to(DEVICE), config=cfg, silu_mul=True)
+        _close(y.cpu(), ref)

@@ -28,8 +28,10 @@ class Attention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,  # the caller's fused rotary kernel already wrote k and v to the cache
     ) -> torch.Tensor:
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not kv_stored:
+            ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.decode_only:
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,

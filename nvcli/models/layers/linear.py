@@ -108,3 +108,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(linear(x, self.weight, self.bias))
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
+        for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two."""
+        from nvcli.kernels.skinny_gemm import silu_mul_linear
+
+        return all_reduce(silu_mul_linear(gate_up, self.weight, self.bias))
