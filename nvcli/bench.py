@@ -68,7 +68,10 @@ def run_workload(engine, work: Workload, on_step: Callable[[], None] | None = No
 def throughput(engine, work: Workload, repeats: int = 1, on_step: Callable[[], None] | None = None) -> dict:
     warm = make_workload(1, (16, 16), (8, 8), seed=1)
     run_workload(engine, warm)
-    times = [run_workload(engine, work, on_step) for _ in range(repeats)]
+    times = []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()  # a repeat must not reuse the previous run's prompts from the cache
+        times.append(run_workload(engine, work, on_step))
     elapsed = statistics.median(times)
     n = len(work.prompts)
     total = work.prompt_tokens + work.output_tokens

@@ -111,6 +111,20 @@ class BlockManager:
         seq.num_cached_tokens = n
         self.prefix_hit_tokens += n
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody reads (benchmarks: each timed run starts cold).
+        Blocks in use keep their hashes. Returns the number of blocks forgotten."""
+        forgotten = 0
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = NO_HASH
+                block.token_ids = []
+                forgotten += 1
+        return forgotten
+
     # ------------------------------------------------------------------ allocation
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room in `seq`'s block table for its next `num_new_tokens` tokens."""

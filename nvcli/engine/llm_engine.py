@@ -253,6 +253,11 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ introspection
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prefixes of finished requests; returns how many blocks were forgotten.
+        Call it from the thread that steps the engine (the block manager is not locked)."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

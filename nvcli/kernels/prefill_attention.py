@@ -115,6 +115,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     SCALE_IS_PTR: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     kvh = tl.program_id(0)
     # Flattened (sequence, query block) index: sequence s owns the ids starting at
@@ -156,6 +157,8 @@ def _prefill_kernel(
         mask=row_mask[:, None],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM]
+    if F16_DOT:
+        q = q.to(tl.float16)  # fp8 tiles then convert straight to fp16 (one cvt per pair) for the dots
 
     if SCALE_IS_PTR:
         k_scale = tl.load(k_scale_ptr)
@@ -237,7 +240,8 @@ def paged_prefill_attention_triton(
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
 
-    if not is_fp8(k_cache.dtype):
+    fp8 = is_fp8(k_cache.dtype)
+    if not fp8:
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
@@ -292,6 +296,7 @@ def paged_prefill_attention_triton(
         BLOCK_N=block_n,
         SCALE_IS_PTR=scale_is_ptr,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        F16_DOT=fp8 and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -120,3 +120,17 @@ def test_can_allocate_counts_revived_blocks() -> None:
     assert len(cached) == 2
     assert not bm.can_allocate(b, b.num_tokens - 8, cached)
     assert bm.can_allocate(b, 4, cached)
+
+
+def test_reset_prefix_cache_forgets_free_blocks_but_keeps_live_ones() -> None:
+    """`nv bench` repeats call this so a timed run cannot reuse the previous run's prompts."""
+    bm = BlockManager(16, BS)
+    done = seq(list(range(12)) + [1])
+    run_prefill(bm, done)
+    bm.free_blocks(done)
+    live = seq([500 + i for i in range(12)] + [2])
+    run_prefill(bm, live)
+    assert bm.reset_prefix_cache() == 3
+    assert bm.find_cached_prefix(seq(list(range(12)) + [3])) == []
+    assert len(bm.find_cached_prefix(seq([500 + i for i in range(12)] + [4]))) == 3  # still in use: kept
+    assert bm.num_free_blocks == 16 - len(live.block_table)
