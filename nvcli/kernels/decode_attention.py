@@ -27,8 +27,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.kv_store import Scale, is_fp8, scale_args
+from nvcli.kernels.pdl import launch_kwargs, use_pdl
 
 LOG2E = 1.4426950408889634
 
@@ -68,7 +70,11 @@ def _decode_split_kernel(
     SCALE_IS_PTR: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: convert tiles to fp16 (one cvt per pair) and run the dots in fp16
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -156,7 +162,11 @@ def _decode_reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -257,6 +267,7 @@ def paged_decode_attention_triton(
     if f16_dot is None:
         f16_dot = fp8 and q.dtype != torch.float32
 
+    pdl = use_pdl(q, num_seqs)
     if num_splits > 1:
         mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -296,8 +307,10 @@ def paged_decode_attention_triton(
         SCALE_IS_PTR=scale_is_ptr,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_kwargs(pdl),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -309,6 +322,8 @@ def paged_decode_attention_triton(
             num_splits,
             HEAD_DIM=head_dim,
             SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
+            PDL=pdl,
             num_warps=4 if head_dim >= 128 else 2,
+            **launch_kwargs(pdl),
         )
     return out

@@ -15,6 +15,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nvcli.kernels.pdl import launch_kwargs, use_pdl
 
 
 @triton.jit
@@ -33,7 +36,11 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner
     sub = row % inner
@@ -87,6 +94,7 @@ def rms_norm_triton(
     else:
         sr0 = sr1 = 0
     block = triton.next_power_of_2(n)
+    pdl = use_pdl(x, rows)
     num_warps = 1 if block <= 256 else (4 if block <= 2048 else (8 if block <= 8192 else 16))
     _rms_norm_kernel[(rows,)](
         x,
@@ -103,6 +111,8 @@ def rms_norm_triton(
         N=n,
         BLOCK=block,
         HAS_RES=residual is not None,
+        PDL=pdl,
         num_warps=num_warps,
+        **launch_kwargs(pdl),
     )
     return out, new_res

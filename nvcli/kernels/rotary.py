@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, scale_args
+from nvcli.kernels.pdl import launch_kwargs, use_pdl
 
 
 @triton.jit
@@ -54,7 +56,11 @@ def _rope_store_kernel(
     QUANT: tl.constexpr,
     SCALE_IS_PTR: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     offs = tl.arange(0, HALF)  # [HALF]
@@ -164,6 +170,7 @@ def rope_qk_norm_triton(
         k_scale = v_scale = None
     ks_ptr, vs_ptr, ks_val, vs_val, scale_is_ptr = scale_args(k_scale, v_scale, positions)
     group = num_heads // num_kv_heads
+    pdl = use_pdl(q, num_tokens)
     _rope_store_kernel[(num_tokens, num_kv_heads)](
         q, k, v, positions, cos_sin_cache,
         q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
@@ -175,6 +182,8 @@ def rope_qk_norm_triton(
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head_dim // 2,
         PAGE=k_cache.shape[1] if store else 1, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
+        PDL=pdl,
         num_warps=1 if group * head_dim <= 512 else 2,
+        **launch_kwargs(pdl),
     )
     return q, k

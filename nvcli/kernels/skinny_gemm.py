@@ -45,6 +45,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nvcli.kernels.pdl import launch_kwargs, use_pdl
 
 MAX_M = 16  # rows of x the kernel is meant for (use_skinny's bound); the kernel accepts up to 64
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
@@ -94,7 +97,14 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [M, 2K] gate_up: multiply by SiLU(gate) * up (fused activation)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
+    PREFETCH: tl.constexpr,  # PDL, one row, even K: load the first weight tile before waiting
+    K_START: tl.constexpr,  # BLOCK_K with PREFETCH (the peeled first iteration), else 0
 ):
+    if PDL:
+        gdc_launch_dependents()
+        if not PREFETCH:
+            gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +135,14 @@ def _skinny_gemm_kernel(
         y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        if PREFETCH:  # the weights do not depend on the previous kernel: stream them while it finishes
+            w = tl.load(w_ptrs)
+            gdc_wait()
+            x = _load_x(x_ptrs, None, K, SILU_MUL)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        for k in tl.range(K_START, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
                 x = _load_x(x_ptrs, None, K, SILU_MUL)
@@ -173,7 +190,11 @@ def _splitk_reduce_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -313,6 +334,9 @@ def skinny_linear_triton(
     split = _cdiv(k_iters, iters)
     k_split = iters * cfg.block_k
     has_bias = bias is not None
+    pdl = use_pdl(x, m)
+    even_k = split * k_split == k
+    prefetch = pdl and block_m == 1 and not cfg.use_dot and even_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(_cdiv(n, cfg.block_n), split)](
         x2,
@@ -330,14 +354,18 @@ def skinny_linear_triton(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=split,
-        EVEN_K=split * k_split == k,
+        EVEN_K=even_k,
         USE_DOT=cfg.use_dot,
         IEEE=x.dtype == torch.float32,
         HAS_BIAS=has_bias,
         NUM_STAGES=cfg.num_stages,
         SILU_MUL=silu_mul,
+        PDL=pdl,
+        PREFETCH=prefetch,
+        K_START=cfg.block_k if prefetch else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_kwargs(pdl),
     )
     if split > 1:
         block = 1024
@@ -350,6 +378,8 @@ def skinny_linear_triton(
             SPLIT_K=split,
             BLOCK=block,
             HAS_BIAS=has_bias,
+            PDL=pdl,
             num_warps=4,
+            **launch_kwargs(pdl),
         )
     return out.view(*x.shape[:-1], n)

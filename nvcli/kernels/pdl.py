@@ -1,0 +1,43 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the small-batch decode chain.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running:
+its programs become resident, do what does not depend on that kernel (the skinny GEMM loads its
+first weight tile) and then block in `griddepcontrol.wait` until the previous kernel has finished
+and its writes are visible. Decoding a handful of sequences runs ~10 kernels of a few microseconds
+per layer, so the launch and memory latency hidden this way is a large share of a token's time.
+
+Every PDL kernel keeps two rules: before the wait it reads nothing an earlier kernel of the step
+writes (only weights, rotary tables and the step's copied-in inputs) and stores nothing. It also
+signals `launch_dependents` first thing, so the next kernel can be scheduled early. A kernel that
+is not PDL-aware (cuBLAS, torch) simply ends the overlap: the next launch waits for it as usual.
+
+Only launches with at most MAX_ROWS rows use it (a decision from shapes, so CUDA graphs capture
+it); NV_PDL=0 in the environment turns it off for A/B runs.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+MAX_ROWS = 16
+_ENABLED = os.environ.get("NV_PDL", "1") != "0"
+
+
+@cache
+def _hopper_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor, rows: int) -> bool:
+    """Whether a kernel over `rows` rows of `t` should be launched with PDL."""
+    if not (_ENABLED and t.is_cuda and rows <= MAX_ROWS):
+        return False
+    return _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(pdl: bool) -> dict:
+    """Extra launch options for a Triton kernel (none unless PDL: the interpreter knows no such option)."""
+    return {"launch_pdl": True} if pdl else {}
