@@ -56,9 +56,11 @@ _ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuB
 
 
 @triton.jit
-def _load_x(x_ptrs, mask, K: tl.constexpr, SILU_MUL: tl.constexpr):
-    """An x tile; with SILU_MUL x is the [M, 2K] gate_up output and the tile is SiLU(gate) * up,
-    rounded exactly as the separate SiLU-and-mul kernel (activation.py) would store it."""
+def _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, mask, K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+            HAS_RES: tl.constexpr):
+    """An x tile. SILU_MUL: x is the [M, 2K] gate_up output and the tile is SiLU(gate) * up, rounded as
+    the separate SiLU-and-mul kernel (activation.py) stores it. NORM: the tile is RMSNorm(x + residual)
+    with the row's `rstd`, rounded as the separate add+RMSNorm kernel (rms_norm.py) stores it."""
     if mask is None:
         gate = tl.load(x_ptrs)
     else:
@@ -71,12 +73,51 @@ def _load_x(x_ptrs, mask, K: tl.constexpr, SILU_MUL: tl.constexpr):
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
         gate = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    if NORM:
+        if HAS_RES:
+            if mask is None:
+                r = tl.load(r_ptrs)
+            else:
+                r = tl.load(r_ptrs, mask=mask, other=0.0)
+            gate = (gate.to(tl.float32) + r.to(tl.float32)).to(gate.dtype)
+        if mask is None:
+            nw = tl.load(nw_ptrs)
+        else:
+            nw = tl.load(nw_ptrs, mask=mask, other=0.0)
+        normed = (gate.to(tl.float32) * rstd[:, None]).to(gate.dtype).to(tl.float32)
+        gate = (normed * nw.to(tl.float32)).to(gate.dtype)
     return gate
+
+
+@triton.jit
+def _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps, write_res,
+              K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr):
+    """1 / RMS of each row of x (+ residual) over all K columns; the program with `write_res` also
+    stores x + residual (the layer's new residual, [M, K] contiguous)."""
+    offs = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for kk in range(0, K, BLOCK_K):
+        cols = kk + offs
+        mask = m_ok & (cols[None, :] < K)
+        xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        if HAS_RES:
+            rv = tl.load(r_ptr + offs_m[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
+            if write_res:
+                tl.store(new_r_ptr + offs_m[:, None] * K + cols[None, :], xv, mask=mask)
+        xf = xv.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return tl.rsqrt(ss / K + eps)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every batch size of a config
 def _skinny_gemm_kernel(
     x_ptr,  # [M, K]
+    r_ptr,  # [M, K] residual added to x before the norm (NORM and HAS_RES)
+    nw_ptr,  # [K] RMSNorm weight (NORM)
+    new_r_ptr,  # [M, K] x + residual, written by program (0, 0) (NORM and HAS_RES)
+    eps,
+    stride_rm,
     w_ptr,  # [N, K]
     b_ptr,  # [N] (read when HAS_BIAS and SPLIT_K == 1)
     out_ptr,  # [M, N] in x.dtype (SPLIT_K == 1) or fp32 partials [SPLIT_K, M, N]
@@ -100,6 +141,8 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
     PREFETCH: tl.constexpr,  # PDL, one row, even K: load the first weight tile before waiting
     K_START: tl.constexpr,  # BLOCK_K with PREFETCH (the peeled first iteration), else 0
+    NORM: tl.constexpr,  # x is pre-norm: the GEMM input is RMSNorm(x + residual) (fused add+RMSNorm)
+    HAS_RES: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
@@ -114,59 +157,74 @@ def _skinny_gemm_kernel(
     k0 = pid_k * K_SPLIT
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + (k0 + offs_k)[None, :]
+    nw_ptrs = nw_ptr + (k0 + offs_k)[None, :]
     m_ok = offs_m[:, None] < M
+    if PREFETCH:  # the weights do not depend on the previous kernel: stream them while it finishes
+        w_first = tl.load(w_ptrs)
+        gdc_wait()
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps,
+                         (pid_n == 0) & (pid_k == 0), K, BLOCK_K, BLOCK_M, HAS_RES)
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, m_ok, K, SILU_MUL)
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, K, SILU_MUL, NORM, HAS_RES)
             else:
                 k_ok = (k0 + k + offs_k)[None, :] < K
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = _load_x(x_ptrs, m_ok & k_ok, K, SILU_MUL)
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok & k_ok, K, SILU_MUL, NORM, HAS_RES)
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
         y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     elif BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if PREFETCH:  # the weights do not depend on the previous kernel: stream them while it finishes
-            w = tl.load(w_ptrs)
-            gdc_wait()
-            x = _load_x(x_ptrs, None, K, SILU_MUL)
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        if PREFETCH:  # the peeled first iteration, on the tile loaded before the wait
+            x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, None, K, SILU_MUL, NORM, HAS_RES)
+            acc2 += w_first.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
         for k in tl.range(K_START, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, None, K, SILU_MUL)
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, None, K, SILU_MUL, NORM, HAS_RES)
             else:
                 k_ok = (k0 + k + offs_k)[None, :] < K
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = _load_x(x_ptrs, k_ok, K, SILU_MUL)
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, k_ok, K, SILU_MUL, NORM, HAS_RES)
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
         y = tl.sum(acc2, axis=1)[None, :]
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             if EVEN_K:
                 w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, m_ok, K, SILU_MUL)
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, K, SILU_MUL, NORM, HAS_RES)
             else:
                 k_ok = (k0 + k + offs_k)[None, :] < K
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = _load_x(x_ptrs, m_ok & k_ok, K, SILU_MUL)
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok & k_ok, K, SILU_MUL, NORM, HAS_RES)
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
         y = tl.sum(acc3, axis=2)
 
     out_mask = m_ok & (offs_n[None, :] < N)
@@ -300,6 +358,27 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return F.linear(silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k), weight, bias)
 
 
+def norm_linear(
+    x: torch.Tensor,  # [rows, K] hidden states before the norm
+    residual: Optional[torch.Tensor],  # [rows, K] or None (first layer: no add)
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(RMSNorm(x + residual), weight, bias), x + residual): for a few rows one kernel, the norm
+    computed in the GEMM's prologue; otherwise the add+RMSNorm kernel and then the GEMM."""
+    if use_skinny(x, weight) and x.dim() == 2 and (residual is None or residual.stride(-1) == 1):
+        new_residual = torch.empty_like(x) if residual is not None else x
+        y = skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps,
+                                 new_residual=new_residual)
+        return y, new_residual
+    from nvcli.kernels.rms_norm import rms_norm_triton
+
+    normed, new_residual = rms_norm_triton(x, norm_weight, eps, residual)
+    return linear(normed, weight, bias), new_residual
+
+
 def skinny_linear_triton(
     x: torch.Tensor,  # [..., K], at most MAX_M rows in all
     weight: torch.Tensor,  # [N, K], row-major
@@ -307,6 +386,10 @@ def skinny_linear_triton(
     *,
     config: Optional[SkinnyConfig] = None,  # overrides choose_config (tests, benchmarks)
     silu_mul: bool = False,  # x is the gate half of a [..., 2K] gate_up row: use SiLU(gate) * up as x
+    norm_weight: Optional[torch.Tensor] = None,  # [K]: use RMSNorm(x + residual) as x (fused add+norm)
+    residual: Optional[torch.Tensor] = None,  # [M, K], with norm_weight; None: no add
+    eps: float = 1e-6,
+    new_residual: Optional[torch.Tensor] = None,  # [M, K] contiguous: receives x + residual
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) -> [..., N] in x.dtype, fp32 accumulation."""
     k = x.shape[-1]
@@ -338,8 +421,20 @@ def skinny_linear_triton(
     even_k = split * k_split == k
     prefetch = pdl and block_m == 1 and not cfg.use_dot and even_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    norm = norm_weight is not None
+    has_res = norm and residual is not None
+    if norm:
+        assert not silu_mul and norm_weight.shape == (k,) and norm_weight.is_contiguous()
+        if has_res:
+            assert residual.shape == x2.shape and residual.stride(-1) == 1
+            assert new_residual is not None and new_residual.shape == x2.shape and new_residual.is_contiguous()
     _skinny_gemm_kernel[(_cdiv(n, cfg.block_n), split)](
         x2,
+        residual if has_res else x2,
+        norm_weight if norm else weight,
+        new_residual if has_res else x2,
+        eps,
+        residual.stride(0) if has_res else 0,
         weight,
         bias if has_bias else weight,
         dst,
@@ -363,6 +458,8 @@ def skinny_linear_triton(
         PDL=pdl,
         PREFETCH=prefetch,
         K_START=cfg.block_k if prefetch else 0,
+        NORM=norm,
+        HAS_RES=has_res,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(pdl),

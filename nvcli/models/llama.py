@@ -45,7 +45,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        return self.attend(positions, self.qkv_proj(x), meta)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -95,6 +98,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):  # add+RMSNorm fused into the next projection (one kernel for a few rows)
+            from nvcli.kernels.skinny_gemm import norm_linear
+
+            norm, proj = self.input_layernorm, self.self_attn.qkv_proj
+            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+            x = self.self_attn.attend(positions, qkv, meta)
+            norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
+            gate_up, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+            return self.mlp.down_proj.forward_silu_mul(gate_up), residual
         if residual is None:
             residual = x
             x = self.input_layernorm(x)

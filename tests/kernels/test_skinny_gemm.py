@@ -158,3 +158,32 @@ def test_fused_silu_mul_prologue(m: int, k: int, split_k: int) -> None:
         gu = gate_up.to(DEVICE)
         y = skinny_gemm.skinny_linear_triton(gu[:, :k], w.to(DEVICE), b.to(DEVICE), config=cfg, silu_mul=True)
         _close(y.cpu(), ref)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k", [64, 80])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_add_rmsnorm_prologue(m: int, k: int, split_k: int, with_residual: bool) -> None:
+    """qkv_proj(RMSNorm(x + residual)) in one kernel equals the norm layer then the GEMM, and the
+    new residual (x + residual) comes back exactly, for every path and split."""
+    from nvcli.models.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(7 * m + k)
+    x = torch.randn(m, k, generator=gen)
+    r = torch.randn(m, k, generator=gen) if with_residual else None
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(k, generator=gen)
+    w = torch.randn(24, k, generator=gen) * k**-0.5
+    b = torch.randn(24, generator=gen)
+    normed, ref_res = norm(x, r) if with_residual else (norm(x), x)
+    ref = F.linear(normed, w, b)
+    for use_dot in (False, True):
+        cfg = SkinnyConfig(block_n=16, block_k=32, split_k=split_k, use_dot=use_dot, num_stages=2)
+        new_res = torch.full((m, k), float("nan"), device=DEVICE)
+        y = skinny_gemm.skinny_linear_triton(
+            x.to(DEVICE), w.to(DEVICE), b.to(DEVICE), config=cfg, norm_weight=norm.weight.to(DEVICE),
+            residual=None if r is None else r.to(DEVICE), eps=1e-6, new_residual=new_res)
+        _close(y.cpu(), ref)
+        if with_residual:
+            torch.testing.assert_close(new_res.cpu(), ref_res, atol=0, rtol=0)
