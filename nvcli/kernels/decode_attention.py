@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nvcli.kernels.kv_store import Scale, is_fp8, scale_args
+from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 from nvcli.kernels.pdl import launch_kwargs, use_pdl
 
 LOG2E = 1.4426950408889634
@@ -97,12 +97,7 @@ def _decode_split_kernel(
     if F16_DOT:
         q = q.to(tl.float16)
 
-    if SCALE_IS_PTR:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        k_scale = k_scale_val
-        v_scale = v_scale_val
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     score_scale = qk_scale * k_scale
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)

@@ -51,6 +51,17 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR: tl.constexpr):
+    """The (k, v) per-tensor scales inside a kernel: from device memory or by value (see scale_args)."""
+    ks = k_scale_val
+    vs = v_scale_val
+    if SCALE_IS_PTR:
+        ks = tl.load(k_scale_ptr)
+        vs = tl.load(v_scale_ptr)
+    return ks, vs
+
+
+@triton.jit
 def _store_kvcache_kernel(
     key_ptr,
     value_ptr,
@@ -97,12 +108,7 @@ def _store_kvcache_kernel(
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h * stride_kch + offs_d
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h * stride_vch + offs_d
     if QUANT:
-        if SCALE_IS_PTR:
-            ks = tl.load(k_scale_ptr)
-            vs = tl.load(v_scale_ptr)
-        else:
-            ks = k_scale_val
-            vs = v_scale_val
+        ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
         # div_rn: IEEE division (plain / is div.full.f32, ~2 ulp), so the result rounds like torch
         kq = tl.clamp(tl.div_rn(k.to(tl.float32), ks), -FP8_MAX, FP8_MAX)
         vq = tl.clamp(tl.div_rn(v.to(tl.float32), vs), -FP8_MAX, FP8_MAX)

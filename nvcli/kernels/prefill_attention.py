@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_store import Scale, is_fp8, scale_args
+from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 
 LOG2E = 1.4426950408889634
 
@@ -160,12 +160,7 @@ def _prefill_kernel(
     if F16_DOT:
         q = q.to(tl.float16)  # fp8 tiles then convert straight to fp16 (one cvt per pair) for the dots
 
-    if SCALE_IS_PTR:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    else:
-        k_scale = k_scale_val
-        v_scale = v_scale_val
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     score_scale = qk_scale * k_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, scale_args
+from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
 from nvcli.kernels.pdl import launch_kwargs, use_pdl
 
 
@@ -112,12 +112,7 @@ def _rope_store_kernel(
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs
             vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs
             if QUANT:
-                if SCALE_IS_PTR:
-                    ks = tl.load(k_scale_ptr)
-                    vs = tl.load(v_scale_ptr)
-                else:
-                    ks = k_scale_val
-                    vs = v_scale_val
+                ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
                 # div_rn: IEEE division, so the result rounds like torch (see kv_store)
                 tl.store(kc, tl.clamp(tl.div_rn(kr1.to(tl.float32), ks), -FP8_MAX, FP8_MAX).to(kc.dtype.element_ty))
                 tl.store(kc + HALF, tl.clamp(tl.div_rn(kr2.to(tl.float32), ks), -FP8_MAX, FP8_MAX)
