@@ -27,10 +27,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
-from nvcli.kernels.pdl import launch_kwargs, use_pdl
+from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 LOG2E = 1.4426950408889634
 
@@ -72,9 +71,7 @@ def _decode_split_kernel(
     F16_DOT: tl.constexpr,  # fp8 cache: convert tiles to fp16 (one cvt per pair) and run the dots in fp16
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(PDL)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,9 +156,7 @@ def _decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)

@@ -62,6 +62,18 @@ def load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR
 
 
 @triton.jit
+def store_to_cache(ptrs, x, scale, mask, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Write x into cache slots: an fp8 cache gets x / scale saturated to +-FP8_MAX (div_rn: IEEE
+    division, so it rounds like torch; plain / is div.full.f32, ~2 ulp), others x in their dtype."""
+    if QUANT:
+        x = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+    if mask is None:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty))
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kvcache_kernel(
     key_ptr,
     value_ptr,
@@ -107,16 +119,9 @@ def _store_kvcache_kernel(
     v = tl.load(value_ptr + tok64 * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h * stride_kch + offs_d
     vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h * stride_vch + offs_d
-    if QUANT:
-        ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
-        # div_rn: IEEE division (plain / is div.full.f32, ~2 ulp), so the result rounds like torch
-        kq = tl.clamp(tl.div_rn(k.to(tl.float32), ks), -FP8_MAX, FP8_MAX)
-        vq = tl.clamp(tl.div_rn(v.to(tl.float32), vs), -FP8_MAX, FP8_MAX)
-        tl.store(kc, kq.to(kc.dtype.element_ty), mask=mask)
-        tl.store(vc, vq.to(vc.dtype.element_ty), mask=mask)
-    else:
-        tl.store(kc, k.to(kc.dtype.element_ty), mask=mask)
-        tl.store(vc, v.to(vc.dtype.element_ty), mask=mask)
+    ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
+    store_to_cache(kc, k, ks, mask, QUANT, FP8_MAX)
+    store_to_cache(vc, v, vs, mask, QUANT, FP8_MAX)
 
 
 def store_kvcache_triton(

@@ -21,6 +21,9 @@ import os
 from functools import cache
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 16
 _ENABLED = os.environ.get("NV_PDL", "1") != "0"
@@ -41,3 +44,12 @@ def use_pdl(t: torch.Tensor, rows: int) -> bool:
 def launch_kwargs(pdl: bool) -> dict:
     """Extra launch options for a Triton kernel (none unless PDL: the interpreter knows no such option)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First thing in a PDL kernel that reads its inputs at once: let the next kernel launch, then
+    wait for the previous one (both are no-ops when PDL is off)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

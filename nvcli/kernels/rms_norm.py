@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nvcli.kernels.pdl import launch_kwargs, use_pdl
+from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
 @triton.jit
@@ -38,9 +37,7 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner
     sub = row % inner

@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
-from nvcli.kernels.pdl import launch_kwargs, use_pdl
+from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args, store_to_cache
+from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
 @triton.jit
@@ -58,9 +57,7 @@ def _rope_store_kernel(
     FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     offs = tl.arange(0, HALF)  # [HALF]
@@ -111,20 +108,11 @@ def _rope_store_kernel(
             off = slot % PAGE
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs
             vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs
-            if QUANT:
-                ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
-                # div_rn: IEEE division, so the result rounds like torch (see kv_store)
-                tl.store(kc, tl.clamp(tl.div_rn(kr1.to(tl.float32), ks), -FP8_MAX, FP8_MAX).to(kc.dtype.element_ty))
-                tl.store(kc + HALF, tl.clamp(tl.div_rn(kr2.to(tl.float32), ks), -FP8_MAX, FP8_MAX)
-                         .to(kc.dtype.element_ty))
-                tl.store(vc, tl.clamp(tl.div_rn(v1.to(tl.float32), vs), -FP8_MAX, FP8_MAX).to(vc.dtype.element_ty))
-                tl.store(vc + HALF, tl.clamp(tl.div_rn(v2.to(tl.float32), vs), -FP8_MAX, FP8_MAX)
-                         .to(vc.dtype.element_ty))
-            else:
-                tl.store(kc, kr1.to(kc.dtype.element_ty))
-                tl.store(kc + HALF, kr2.to(kc.dtype.element_ty))
-                tl.store(vc, v1.to(vc.dtype.element_ty))
-                tl.store(vc + HALF, v2.to(vc.dtype.element_ty))
+            ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
+            store_to_cache(kc, kr1, ks, None, QUANT, FP8_MAX)
+            store_to_cache(kc + HALF, kr2, ks, None, QUANT, FP8_MAX)
+            store_to_cache(vc, v1, vs, None, QUANT, FP8_MAX)
+            store_to_cache(vc + HALF, v2, vs, None, QUANT, FP8_MAX)
 
 
 def rope_qk_norm_triton(

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nvcli.kernels.pdl import launch_kwargs, use_pdl
+from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 MAX_M = 16  # rows of x the kernel is meant for (use_skinny's bound); the kernel accepts up to 64
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
@@ -250,9 +250,7 @@ def _splitk_reduce_kernel(
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_start(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
