@@ -3,14 +3,17 @@ benchmark workload, and decode-attention config sweeps (bf16 and fp8 caches).
 
     PYTHONPATH=. python3 benchmarks/profile_gpu.py [--sections steps,timeline,sweep] [--kv-cache-dtype fp8]
 
-steps: torch.profiler over 10 decode steps (CUDA graphs) at batch 1/32/128/256 with ~600-token
-  contexts: per-step kernel count, GPU busy time (sum of kernel durations), wall time, and the
-  kernels that take the most time per step.
+steps: torch.profiler over 10 decode steps (CUDA graphs) at the --batches sizes (each with its
+  prompt length, default 600): per-step kernel count, GPU busy time (sum of kernel durations),
+  wall time, and the kernels that take the most time per step.
 timeline: the DESIGN.md workload once after a warm-up, each engine step timed; time grouped by
-  the launched batch's size (prefill-carrying steps apart), so the cost of the shrinking tail
-  and of prefill is visible next to the big-batch decode steps.
-sweep: the decode-attention kernel at B=256 / B=64 with 1000-token contexts and at B=256 with
-  lengths spread over 100-2000 (the workload's mix), over block_n/warps/stages(/fp16 dots), bf16 and fp8.
+  the launched batch's size (prefill-carrying steps apart), each bucket with the time its KV and
+  weight reads take at the measured copy bandwidth (its floor) and what is left per step, so the
+  cost of the shrinking tail and of prefill is visible next to the big-batch decode steps.
+sweep: the decode-attention kernel at the workload's (batch, context) shapes as it shrinks
+  (256 x 800 ... 8 x 1600, and 256 sequences of 100-2000 tokens), over block_n / warps / stages /
+  splits / grid order, bf16 and fp8; also the default with the split-reduce kernel instead of the
+  in-kernel merge.
 """
 
 from __future__ import annotations
@@ -57,15 +60,16 @@ def kernel_table(prof, steps: int) -> tuple[int, float, list[tuple[str, float, f
     return int(count), busy, rows
 
 
-def steps_section(model_dir: str, batches: list[int], kv_cache_dtype: str) -> list[str]:
+def steps_section(model_dir: str, batches: list[tuple[int, int]], kv_cache_dtype: str) -> list[str]:
+    """batches: (batch size, prompt length) pairs."""
     from torch.profiler import ProfilerActivity, profile
 
     out = []
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
               kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
-    for batch in batches:
-        work = make_workload(batch, (600, 600), (200, 200), seed=0)
+    for batch, prompt_len in batches:
+        work = make_workload(batch, (prompt_len, prompt_len), (200, 200), seed=0)
         for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
             engine.add_request(p, sp, request_id=f"prof-{batch}-{i}")
         for _ in range(40):  # prefill, then decode steps only
@@ -82,7 +86,7 @@ def steps_section(model_dir: str, batches: list[int], kv_cache_dtype: str) -> li
                 engine.step()
             torch.cuda.synchronize()
         count, busy, rows = kernel_table(prof, n)
-        line = (f"batch {batch} ({kv_cache_dtype}): wall {wall:.0f} us/step (unprofiled), GPU busy {busy:.0f} us/step, "
+        line = (f"batch {batch}, ~{prompt_len + 40}-token contexts ({kv_cache_dtype}): wall {wall:.0f} us/step (unprofiled), GPU busy {busy:.0f} us/step, "
                 f"{count} kernels/step")
         print(line)
         for name, calls, us in rows[:14]:
@@ -94,8 +98,13 @@ def steps_section(model_dir: str, batches: list[int], kv_cache_dtype: str) -> li
     return out
 
 
-def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, int, bool]]]:
-    records: list[tuple[float, int, bool]] = []  # (step seconds, launched batch size, decode-only)
+KV_BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B, bf16 (DESIGN.md §4)
+WEIGHT_BYTES = 1.19e9
+
+
+def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, int, bool, int]]]:
+    # (step seconds, launched batch size, decode-only, context tokens the step's attention reads)
+    records: list[tuple[float, int, bool, int]] = []
     for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
         engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
     t_start = time.perf_counter()
@@ -103,12 +112,17 @@ def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, int, bo
         t0 = time.perf_counter()
         engine.step()
         h = engine._in_flight
-        bs, dec = (len(h.batch.seqs), h.batch.is_decode_only) if h is not None else (0, True)
-        records.append((time.perf_counter() - t0, bs, dec))
+        if h is not None:
+            records.append((time.perf_counter() - t0, len(h.batch.seqs), h.batch.is_decode_only,
+                            sum(len(s) for s in h.batch.seqs)))
+        else:
+            records.append((time.perf_counter() - t0, 0, True, 0))
     return time.perf_counter() - t_start, records
 
 
-def timeline_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
+def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> list[str]:
+    """copy_bw: the device's copy bandwidth (bytes/s): each bucket's floor is its KV and weight reads at it."""
+    kv_bytes = KV_BYTES_PER_TOKEN // (2 if kv_cache_dtype == "fp8" else 1)
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
               kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
@@ -129,8 +143,11 @@ def timeline_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
             rs = [r for r in records if r[2] and lo <= r[1] <= hi]
             if rs:
                 s = sum(r[0] for r in rs)
+                kv = sum(r[3] for r in rs) * kv_bytes / copy_bw
+                floor = kv + len(rs) * WEIGHT_BYTES / copy_bw
                 out.append(f"  decode batch {lo:3d}-{hi:3d}: {len(rs):5d} steps, {s:6.3f} s ({s / total:5.1%}), "
-                           f"{1000 * s / len(rs):6.3f} ms/step, {sum(r[1] for r in rs):7d} tokens")
+                           f"{1000 * s / len(rs):6.3f} ms/step, {sum(r[1] for r in rs):7d} tokens; KV reads {kv:.3f} s "
+                           f"+ weights = floor {floor:.3f} s ({floor / s:.0%}), rest {1000 * (s - kv) / len(rs):.2f} ms/step")
         slow = sorted(records, key=lambda r: -r[0])[:12]
         out.append("  slowest steps (ms, batch, decode-only): "
                    + ", ".join(f"{1000 * r[0]:.1f}/{r[1]}/{int(r[2])}" for r in slow))
@@ -149,19 +166,18 @@ def _time_decode(kb, q, kc, vc, bt, sl, ks, vs, **kw) -> float:
 def sweep_section() -> list[str]:
     import kernels as kb
 
+    from nvcli.kernels.decode_attention import choose_num_splits
+
     out = []
     torch.manual_seed(0)
     dev = "cuda"
     bw = kb.copy_bandwidth(dev, True, False)
     out.append(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    cases = [("B=256 ctx=1000", [1000] * 256), ("B=64 ctx=1000", [1000] * 64),
+    # the workload's shapes as its batch shrinks: big batches of short contexts, small batches of long ones
+    cases = [("B=256 ctx=800", [800] * 256), ("B=128 ctx=1200", [1200] * 128), ("B=64 ctx=1400", [1400] * 64),
+             ("B=32 ctx=1500", [1500] * 32), ("B=8 ctx=1600", [1600] * 8),
              ("B=256 ctx 100-2000", [100 + (1900 * i) // 255 for i in range(256)])]
     for fp8 in (False, True):
-        if fp8:
-            configs = [dict(block_n=bn, num_warps=w, num_stages=st, f16_dot=f16)
-                       for bn in (64, 128) for w in (4, 8) for st in (2, 3) for f16 in (False, True)]
-        else:
-            configs = [dict(block_n=bn, num_warps=4, num_stages=st) for bn in (64, 128) for st in (2, 3, 4)]
         for label, lens in cases:
             kc, vc, bt = kb.paged_kv(lens, 8, 128, 16, torch.bfloat16, dev, table_width=256)
             ks = vs = None
@@ -174,8 +190,19 @@ def sweep_section() -> list[str]:
             q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
             sl = kb.i32(lens, dev)
             nbytes = 2 * sum(lens) * 8 * 128 * elt
+            configs = []
+            for bn in (64, 128):
+                auto_splits = choose_num_splits(len(lens), 8, 4096, bn, 132)
+                for splits in sorted({auto_splits, 2 * auto_splits} if auto_splits > 1 or len(lens) < 128
+                                     else {1}):
+                    for w in (4, 8):
+                        for st in (2, 3):
+                            for kvh_major in (False, True):
+                                configs.append(dict(block_n=bn, num_warps=w, num_stages=st, num_splits=splits,
+                                                    kvh_major=kvh_major))
             _time_decode(kb, q, kc, vc, bt, sl, ks, vs)  # warm-up (compile, clocks)
             default = _time_decode(kb, q, kc, vc, bt, sl, ks, vs)
+            unfused = _time_decode(kb, q, kc, vc, bt, sl, ks, vs, fused_reduce=False)
             results = []
             for cfg in configs:
                 try:
@@ -184,11 +211,14 @@ def sweep_section() -> list[str]:
                     print(f"  {cfg}: {type(e).__name__}")
             results.sort(key=lambda r: r[0])
             name = f"{'fp8' if fp8 else 'bf16'} {label}"
-            line = (f"{name}: default {default * 1e6:.0f} us ({nbytes / default / bw:.0%} copy); best "
-                    + ", ".join(f"{'/'.join(str(v) for v in cfg.values())} {t * 1e6:.0f} us ({nbytes / t / bw:.0%})"
+            line = (f"{name}: default {default * 1e6:.0f} us ({nbytes / default / bw:.0%} copy), reduce kernel "
+                    f"{unfused * 1e6:.0f} us; best "
+                    + ", ".join(f"{'/'.join(str(int(v)) for v in cfg.values())} {t * 1e6:.0f} us ({nbytes / t / bw:.0%})"
                                 for t, cfg in results[:4]))
             print(line, flush=True)
             out.append(line)
+            del kc, vc
+    out.append("  (config = block_n/warps/stages/splits/kvh_major)")
     return out
 
 
@@ -196,16 +226,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="steps,timeline,sweep")
     ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--batches", default="1,32,128,256", help="batch sizes, each optionally :prompt_len (600)")
     args = ap.parse_args()
     model_dir = str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp())))
     lines: list[str] = []
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         if name == "steps":
-            lines += steps_section(model_dir, [int(b) for b in args.batches.split(",")], args.kv_cache_dtype)
+            pairs = [tuple(int(v) for v in b.split(":")) if ":" in b else (int(b), 600) for b in args.batches.split(",")]
+            lines += steps_section(model_dir, pairs, args.kv_cache_dtype)
         elif name == "timeline":
-            lines += timeline_section(model_dir, args.kv_cache_dtype)
+            import kernels as kb
+
+            bw = kb.copy_bandwidth("cuda", True, False)
+            lines.append(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+            lines += timeline_section(model_dir, args.kv_cache_dtype, bw)
         elif name == "sweep":
             lines += sweep_section()
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)

@@ -1,12 +1,15 @@
 """Paged decode attention (one query token per sequence) in Triton, flash-decoding style.
 
-Kernel 1 (`_decode_split_kernel`), grid `(num_seqs, num_kv_heads, num_splits)`: each program
-takes every query head of one KV-head group (so each K/V row is read once per group), walks
-its share of the sequence's KV positions in tiles of BLOCK_N tokens (the physical slot of
-every token is gathered through the block table, so a tile spans several pages) and keeps
-an online softmax. With one split it writes the final output; otherwise it writes a
-normalised partial output and its log-sum-exp (base 2), and kernel 2
-(`_decode_reduce_kernel`, grid `(num_seqs, num_heads)`) merges the splits.
+Kernel 1 (`_decode_split_kernel`), grid `(num_seqs, num_kv_heads, num_splits)` (or KV heads
+first, `kvh_major`): each program takes every query head of one KV-head group (so each K/V row
+is read once per group), walks its share of the sequence's KV positions in tiles of BLOCK_N
+tokens (the physical slot of every token is gathered through the block table, so a tile spans
+several pages) and keeps an online softmax. With one split it writes the final output;
+otherwise it writes a normalised partial output and its log-sum-exp (base 2), and the splits
+are merged either by the last split of each (sequence, KV head) to finish (`fused_reduce`: it
+counts arrivals on an int32 counter with an acq_rel atomic and resets it, so no second launch)
+or by kernel 2 (`_decode_reduce_kernel`, grid `(num_seqs, num_heads)`). Both merge in split
+order, so the output does not depend on which program finishes last.
 
 CUDA-graph safety: the grid and the split count depend only on tensor shapes (num_seqs,
 num_kv_heads, block_tables.shape[1]) and the device's SM count; each program derives its
@@ -21,6 +24,7 @@ per-tensor, so this equals multiplying every loaded element by its scale).
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 from typing import Optional
 
@@ -32,6 +36,19 @@ from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 LOG2E = 1.4426950408889634
+# A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
+_FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
+_KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "0") == "1"
+_counters: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused split reduce, one per (seq, KV head); kept for the process
+    (the kernels leave them zero, captured CUDA graphs hold their address: never freed or re-zeroed)."""
+    bufs = _counters.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 8192), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # block-table width changes every eager step
@@ -44,6 +61,7 @@ def _decode_split_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim] (written when DIRECT)
     mid_o_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32 (written unless DIRECT)
     mid_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (written unless DIRECT)
+    counter_ptr,  # [num_seqs * num_kv_heads] int32, all zero between calls (FUSED_REDUCE)
     k_scale_ptr,
     v_scale_ptr,
     k_scale_val,
@@ -70,10 +88,18 @@ def _decode_split_kernel(
     DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: convert tiles to fp16 (one cvt per pair) and run the dots in fp16
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
+    KVH_MAJOR: tl.constexpr,  # grid (num_kv_heads, num_seqs, splits): a sequence's KV heads run side by side
+    FUSED_REDUCE: tl.constexpr,  # the last split of a (seq, KV head) to finish merges the partials
 ):
     pdl_start(PDL)
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if KVH_MAJOR:
+        kvh = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
@@ -139,9 +165,41 @@ def _decode_split_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [GROUP_PAD]
+        base = (seq.to(tl.int64) * (GROUP * num_kv_heads) + heads) * num_splits  # [GROUP_PAD]
+        row = base + split
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+        if FUSED_REDUCE:
+            # acq_rel: this split's partials are visible before the count moves, and the last split
+            # sees everyone's. The last one resets the counter, so it is zero again for the next call
+            # (a CUDA graph replays the kernel with the same counters).
+            cnt = counter_ptr + seq * num_kv_heads + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
+                tl.atomic_xchg(cnt, 0)
+                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, base, seq, heads, g_mask, offs_d, num_splits,
+                              stride_os, stride_oh, GROUP_PAD, HEAD_DIM)
+
+
+@triton.jit
+def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, base, seq, heads, g_mask, offs_d, num_splits, stride_os,
+                  stride_oh, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Output of the query heads `heads` from their num_splits partials (in split order: deterministic)."""
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(mid_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
+    denom = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(mid_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(lse - m)  # [GROUP_PAD]
+        o = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+                    cache_modifier=".cg")  # [GROUP_PAD, HEAD_DIM]
+        denom += w
+        acc += o * w[:, None]
+    o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -217,6 +275,8 @@ def paged_decode_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     f16_dot: Optional[bool] = None,
+    fused_reduce: Optional[bool] = None,
+    kvh_major: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
@@ -256,6 +316,11 @@ def paged_decode_attention_triton(
         num_stages = 3
     if f16_dot is None:
         f16_dot = fp8 and q.dtype != torch.float32
+    if fused_reduce is None:
+        fused_reduce = _FUSED_REDUCE
+    if kvh_major is None:
+        kvh_major = _KVH_MAJOR
+    fused_reduce = fused_reduce and num_splits > 1
 
     pdl = use_pdl(q, num_seqs)
     if num_splits > 1:
@@ -263,7 +328,9 @@ def paged_decode_attention_triton(
         mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    counters = _split_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else seq_lens
+    grid = (num_kv_heads, num_seqs, num_splits) if kvh_major else (num_seqs, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -272,6 +339,7 @@ def paged_decode_attention_triton(
         out,
         mid_o,
         mid_lse,
+        counters,
         k_ptr,
         v_ptr,
         k_val,
@@ -298,11 +366,13 @@ def paged_decode_attention_triton(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot,
         PDL=pdl,
+        KVH_MAJOR=kvh_major,
+        FUSED_REDUCE=fused_reduce,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             mid_o,
             mid_lse,

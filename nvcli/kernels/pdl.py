@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-MAX_ROWS = 16
+MAX_ROWS = int(os.environ.get("NV_PDL_MAX_ROWS", "16"))
 _ENABLED = os.environ.get("NV_PDL", "1") != "0"
 
 

@@ -49,7 +49,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
-MAX_M = 16  # rows of x the kernel is meant for (use_skinny's bound); the kernel accepts up to 64
+SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (decode of a few sequences)
+# use_skinny's bound: above SMALL_M the kernel runs tensor-core tiles of block_m rows (mid-sized decode
+# batches); NV_SKINNY_MAX_M overrides it for A/B runs
+MAX_M = int(os.environ.get("NV_SKINNY_MAX_M", "16"))
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
 _ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
@@ -150,8 +153,9 @@ def _skinny_gemm_kernel(
             gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # row blocks: more than one only for mid-sized batches (tensor-core tiles)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamp instead of masking: unmasked 16-byte loads
     k0 = pid_k * K_SPLIT
@@ -269,6 +273,7 @@ class SkinnyConfig:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 1
+    block_m: int = 0  # rows per program (DOT only); 0: all rows, padded to a power of two >= 16
 
 
 @cache
@@ -293,6 +298,8 @@ def block_m_for(m: int, use_dot: bool) -> int:
 @lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     """Config from shapes only (CUDA-graph safe, deterministic); `elt` is the weight's element size."""
+    if m > SMALL_M:
+        return _mid_config(m, n, k, sms)
     kp = max(16, triton.next_power_of_2(k))
     tile = TILE_BYTES // elt  # weight elements per program per iteration
     use_dot = m > FMA_MAX_M
@@ -313,6 +320,20 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     iters = _cdiv(k_iters, split)
     num_stages = min(4 if use_dot else 3, iters)
     return SkinnyConfig(block_n, block_k, split, use_dot, num_warps, num_stages)
+
+
+def _mid_config(m: int, n: int, k: int, sms: int) -> SkinnyConfig:
+    """Tensor-core tiles for 17..MAX_M rows: 64 weight rows x up to 128 batch rows per program, K split
+    when the output tiles cannot fill half the SMs (the N = hidden layers)."""
+    block_m = min(128, triton.next_power_of_2(m))
+    block_n, block_k = 64, 64
+    tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
+    k_iters = _cdiv(k, block_k)
+    split = 1
+    if tiles < sms // 2:
+        split = max(1, min(k_iters // 4, _cdiv(sms, tiles)))
+        split = _cdiv(k_iters, _cdiv(k_iters, split))
+    return SkinnyConfig(block_n, block_k, split, True, 4, min(4, _cdiv(k_iters, split)), block_m)
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -366,7 +387,8 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(RMSNorm(x + residual), weight, bias), x + residual): for a few rows one kernel, the norm
     computed in the GEMM's prologue; otherwise the add+RMSNorm kernel and then the GEMM."""
-    if use_skinny(x, weight) and x.dim() == 2 and (residual is None or residual.stride(-1) == 1):
+    fused = x.dim() == 2 and x.shape[0] <= SMALL_M  # more rows: every program re-reading them to get the RMS costs more
+    if fused and use_skinny(x, weight) and (residual is None or residual.stride(-1) == 1):
         new_residual = torch.empty_like(x) if residual is not None else x
         y = skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps,
                                  new_residual=new_residual)
@@ -400,14 +422,15 @@ def skinny_linear_triton(
         assert not silu_mul, "gate_up must have contiguous rows"
         x2 = x2.contiguous()
     m = x2.shape[0]
-    assert m <= 64, f"skinny_linear_triton is for small batches (M={m})"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         if m and n:
             out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.view(*x.shape[:-1], n)
     cfg = config or choose_config(m, n, k, weight.element_size(), num_sms(x.device))
-    block_m = block_m_for(m, cfg.use_dot)
+    block_m = cfg.block_m or block_m_for(m, cfg.use_dot)
+    assert cfg.use_dot or block_m == block_m_for(m, False), "the FMA inner product takes all rows in one block"
+    assert block_m <= 128 and (cfg.block_m or m <= 64), f"M={m}: set a block_m (tensor-core tiles) for this many rows"
     if cfg.use_dot:
         assert cfg.block_n >= 16 and cfg.block_k >= 16, "tl.dot needs 16x16 tiles"
     k_iters = _cdiv(k, cfg.block_k)
@@ -426,7 +449,7 @@ def skinny_linear_triton(
         if has_res:
             assert residual.shape == x2.shape and residual.stride(-1) == 1
             assert new_residual is not None and new_residual.shape == x2.shape and new_residual.is_contiguous()
-    _skinny_gemm_kernel[(_cdiv(n, cfg.block_n), split)](
+    _skinny_gemm_kernel[(_cdiv(n, cfg.block_n), split, _cdiv(m, block_m))](
         x2,
         residual if has_res else x2,
         norm_weight if norm else weight,

@@ -55,6 +55,23 @@ def test_auto_config(m: int, n: int, k: int) -> None:
     _close(skinny_linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_row_blocks(split_k: int, silu_mul: bool) -> None:
+    """Mid-sized batches: several row blocks of tensor-core tiles (the last one partial), with bias,
+    split K and the fused SiLU-and-mul input."""
+    m, n, k = 40, 40, 96
+    gen = torch.Generator().manual_seed(split_k + 2 * silu_mul)
+    x = torch.randn(m, 2 * k if silu_mul else k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    b = torch.randn(n, generator=gen)
+    act = F.silu(x[:, :k]) * x[:, k:] if silu_mul else x
+    cfg = SkinnyConfig(block_n=16, block_k=32, split_k=split_k, use_dot=True, num_stages=2, block_m=16)
+    xd = x.to(DEVICE)
+    y = skinny_gemm.skinny_linear_triton(xd[:, :k], w.to(DEVICE), b.to(DEVICE), config=cfg, silu_mul=silu_mul)
+    _close(y.cpu(), F.linear(act, w, b))
+
+
 def test_split_k_is_deterministic() -> None:
     x, w, b = _inputs(16, 40, 160, seed=7)
     cfg = SkinnyConfig(block_n=32, block_k=32, split_k=5, use_dot=True)
@@ -136,6 +153,19 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
     assert -(-k_iters // cfg.split_k) * (cfg.split_k - 1) < k_iters  # no empty split
     assert 1 <= cfg.num_stages <= -(-k_iters // cfg.split_k)
     assert -(-n // cfg.block_n) * cfg.split_k >= sms // 2  # at least half the SMs get work
+
+
+@pytest.mark.parametrize("n,k", QWEN3)
+@pytest.mark.parametrize("m", [17, 32, 64, 100, 128, 256, 512])
+def test_mid_batch_config_heuristic(m: int, n: int, k: int) -> None:
+    """Above SMALL_M rows: tensor-core tiles of at most 128 rows, every split non-empty."""
+    cfg = choose_config(m, n, k, 2, 132)
+    assert cfg.use_dot and 16 <= cfg.block_m <= 128 and cfg.block_m <= triton_next_pow2(m)
+    assert cfg.block_n >= 32 and cfg.block_k >= 16
+    k_iters = -(-k // cfg.block_k)
+    assert 1 <= cfg.split_k <= k_iters
+    assert -(-k_iters // cfg.split_k) * (cfg.split_k - 1) < k_iters  # no empty split
+    assert 1 <= cfg.num_stages <= -(-k_iters // cfg.split_k)
 
 
 def triton_next_pow2(v: int) -> int:

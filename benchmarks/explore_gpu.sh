@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Measure-first pass on one GPU, before choosing defaults. Steps (all by default; name some to run
+# only those, each well under 5 minutes): kernel_tests (pytest tests/kernels on the GPU), correctness
+# (GPU vs CPU float32 end to end), gemm_mid (cuBLAS vs the Triton tiles at M 32..256), attn_sweep
+# (decode attention at the workload's shapes), timeline (the bf16 workload, each batch bucket against
+# its bandwidth floor). Full logs go to $OUT, summaries to stdout.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+steps=${*:-kernel_tests correctness gemm_mid attn_sweep timeline}
+run() { local name=$1; shift; local t0=$SECONDS; "$@" > "$OUT/$name.log" 2>&1; echo "[$name] exit $? in $((SECONDS - t0)) s"; }
+for s in $steps; do
+  case $s in
+    kernel_tests) run $s timeout 240 python3 -m pytest -q -x tests/kernels; tail -3 "$OUT/$s.log" ;;
+    correctness) run $s timeout 150 python3 benchmarks/gpu_e2e.py --sections correctness; grep "^## " "$OUT/$s.log" ;;
+    gemm_mid) run $s timeout 300 python3 benchmarks/skinny_gemm.py --mid; grep -v "next\|skip" "$OUT/$s.log" | tail -25 ;;
+    attn_sweep) run $s timeout 300 python3 benchmarks/profile_gpu.py --sections sweep
+                grep "^bf16\|^fp8\|copy band" "$OUT/$s.log" | sort -u ;;
+    timeline) run $s timeout 150 python3 benchmarks/profile_gpu.py --sections timeline
+              grep -A 12 "run 2" "$OUT/$s.log" | head -14 ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
