@@ -38,14 +38,16 @@ from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 LOG2E = 1.4426950408889634
 # A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
 _FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
-_KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "0") == "1"
-_counters: dict[torch.device, list[torch.Tensor]] = {}
+_KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "1") != "0"
+_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters for the fused split reduce, one per (seq, KV head); kept for the process
-    (the kernels leave them zero, captured CUDA graphs hold their address: never freed or re-zeroed)."""
-    bufs = _counters.setdefault(device, [])
+    (the kernels leave them zero, captured CUDA graphs hold their address: never freed or re-zeroed).
+    One set per stream: attention calls on two streams (a decode batch run as two halves) may overlap."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    bufs = _counters.setdefault((device, stream), [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 8192), dtype=torch.int32, device=device))
     return bufs[-1]
@@ -90,6 +92,7 @@ def _decode_split_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
     KVH_MAJOR: tl.constexpr,  # grid (num_kv_heads, num_seqs, splits): a sequence's KV heads run side by side
     FUSED_REDUCE: tl.constexpr,  # the last split of a (seq, KV head) to finish merges the partials
+    SPLITS_PAD: tl.constexpr,  # FUSED_REDUCE: num_splits rounded up to a power of two
 ):
     pdl_start(PDL)
     if KVH_MAJOR:
@@ -176,30 +179,30 @@ def _decode_split_kernel(
             cnt = counter_ptr + seq * num_kv_heads + kvh
             if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
                 tl.atomic_xchg(cnt, 0)
-                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, base, seq, heads, g_mask, offs_d, num_splits,
-                              stride_os, stride_oh, GROUP_PAD, HEAD_DIM)
+                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq, kvh, num_kv_heads, num_splits, stride_os,
+                              stride_oh, GROUP, SPLITS_PAD, HEAD_DIM)
 
 
 @triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, base, seq, heads, g_mask, offs_d, num_splits, stride_os,
-                  stride_oh, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Output of the query heads `heads` from their num_splits partials (in split order: deterministic)."""
-    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(mid_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
-    denom = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(mid_lse_ptr + base + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - m)  # [GROUP_PAD]
-        o = tl.load(mid_o_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                    cache_modifier=".cg")  # [GROUP_PAD, HEAD_DIM]
-        denom += w
-        acc += o * w[:, None]
-    o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq, kvh, num_kv_heads, num_splits, stride_os, stride_oh,
+                  GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Output of KV head `kvh`'s query heads from their num_splits partials: all splits of a head in one
+    load (no chain of dependent loads at the kernel's tail), summed as _decode_reduce_kernel sums them."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    for g in tl.static_range(GROUP):
+        head = kvh * GROUP + g
+        row = seq.to(tl.int64) * (GROUP * num_kv_heads) + head
+        lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
+        w = tl.exp2(lse - m)  # [SPLITS_PAD]
+        denom = tl.sum(w, axis=0)
+        o = tl.load(mid_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, HEAD_DIM]
+        o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -301,19 +304,19 @@ def paged_decode_attention_triton(
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
-    # Defaults from `benchmarks/profile_gpu.py --sections sweep` on an H100 (2026-11-22): bf16 64/4/3 is
-    # within 2% of the best everywhere; an fp8 cache wants fp16 dots, and at mid batch (fewer programs
-    # than ~4 per SM) 128-token tiles with 8 warps (86 vs 123 us at B=64, 1000-token contexts).
-    fp8_mid_batch = fp8 and num_seqs < 128
+    # Defaults from `benchmarks/profile_gpu.py --sections sweep` on an H100 (2026-11-22, session 3, at the
+    # workload's shapes from 256 x 800 to 8 x 1600 tokens): 64-token tiles and 4 warps for bf16 and fp8 (the
+    # 128-token / 8-warp fp8 tiles of session 2 lost at every shape this time), 2 stages for bf16 and 3 for
+    # fp8, KV heads side by side in the grid (2-5% faster from batch 64 up), fp16 dots for an fp8 cache.
     if block_n is None:
-        block_n = (128 if fp8_mid_batch else 64) if head_dim <= 128 else 32
+        block_n = 64 if head_dim <= 128 else 32
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * page
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_kv_len, block_n, _sm_count(q.device))
     if num_warps is None:
-        num_warps = 8 if fp8_mid_batch else 4
+        num_warps = 4
     if num_stages is None:
-        num_stages = 3
+        num_stages = 3 if fp8 else 2
     if f16_dot is None:
         f16_dot = fp8 and q.dtype != torch.float32
     if fused_reduce is None:
@@ -368,6 +371,7 @@ def paged_decode_attention_triton(
         PDL=pdl,
         KVH_MAJOR=kvh_major,
         FUSED_REDUCE=fused_reduce,
+        SPLITS_PAD=triton.next_power_of_2(num_splits) if fused_reduce else 1,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),
