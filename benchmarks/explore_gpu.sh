@@ -3,7 +3,8 @@
 # only those, each well under 5 minutes): kernel_tests (pytest tests/kernels on the GPU), correctness
 # (GPU vs CPU float32 end to end), gemm_mid (cuBLAS vs the Triton tiles at M 32..256), attn_sweep
 # (decode attention at the workload's shapes), timeline (the bf16 workload, each batch bucket against
-# its bandwidth floor). Full logs go to $OUT, summaries to stdout.
+# its bandwidth floor and the GPU's idle time between steps), steps (kernel tables of decode steps at
+# batch 1, 64 and 256). Full logs go to $OUT, summaries to stdout.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -17,7 +18,9 @@ for s in $steps; do
     attn_sweep) run $s timeout 300 python3 benchmarks/profile_gpu.py --sections sweep
                 grep "^bf16\|^fp8\|copy band" "$OUT/$s.log" | sort -u ;;
     timeline) run $s timeout 150 python3 benchmarks/profile_gpu.py --sections timeline
-              grep -A 12 "run 2" "$OUT/$s.log" | head -14 ;;
+              grep -A 14 "run 2" "$OUT/$s.log" | head -16 ;;
+    steps) run $s timeout 200 python3 benchmarks/profile_gpu.py --sections steps --batches 1:600,64:1400,256:700
+           grep -A 15 "^batch" "$OUT/$s.log" | head -60 ;;
     *) echo "unknown step $s" ;;
   esac
 done

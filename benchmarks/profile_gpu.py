@@ -102,22 +102,39 @@ KV_BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B, bf16 (DESIGN.md §4)
 WEIGHT_BYTES = 1.19e9
 
 
-def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, int, bool, int]]]:
-    # (step seconds, launched batch size, decode-only, context tokens the step's attention reads)
-    records: list[tuple[float, int, bool, int]] = []
-    for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
-        engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
-    t_start = time.perf_counter()
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        h = engine._in_flight
-        if h is not None:
-            records.append((time.perf_counter() - t0, len(h.batch.seqs), h.batch.is_decode_only,
-                            sum(len(s) for s in h.batch.seqs)))
-        else:
-            records.append((time.perf_counter() - t0, 0, True, 0))
-    return time.perf_counter() - t_start, records
+def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, int, bool, int]]]:
+    """Run the workload; per launched step (GPU seconds from its first input copy to its sampled tokens'
+    copy, GPU idle seconds before the next step's first operation, batch size, decode-only, context
+    tokens its attention reads). CUDA events around each launch: the idle time is what host work
+    (scheduling, input building, postprocessing) failed to hide."""
+    runner = engine.executor.runner
+    launch = runner.launch
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] = []
+
+    def timed_launch(batch, step):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        handle = launch(batch, step)
+        e1.record()
+        marks.append((e0, e1, len(batch.seqs), batch.is_decode_only, sum(len(s) for s in batch.seqs)))
+        return handle
+
+    runner.launch = timed_launch
+    try:
+        for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+            engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
+        t_start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        total = time.perf_counter() - t_start
+    finally:
+        runner.launch = launch
+    torch.cuda.synchronize()
+    records = []
+    for i, (e0, e1, bs, dec, ctx) in enumerate(marks):
+        gap = e1.elapsed_time(marks[i + 1][0]) * 1e-3 if i + 1 < len(marks) else 0.0
+        records.append((e0.elapsed_time(e1) * 1e-3, max(0.0, gap), bs, dec, ctx))
+    return total, records
 
 
 def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> list[str]:
@@ -137,21 +154,26 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
         out.append(f"timeline ({kv_cache_dtype}, run {run}): {total:.2f} s, {len(records)} steps, "
                    f"{work.output_tokens / total:,.0f} output tok/s; host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, "
                    f"wait+sample {s1.execute_s - s0.execute_s:.2f} s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s")
-        pre = [r for r in records if not r[2]]
-        out.append(f"  steps carrying prefill: {len(pre)}, {sum(r[0] for r in pre):.3f} s")
+        pre = [r for r in records if not r[3]]
+        out.append(f"  steps carrying prefill: {len(pre)}, GPU {sum(r[0] for r in pre):.3f} s, "
+                   f"idle after {sum(r[1] for r in pre):.3f} s")
+        out.append(f"  all steps: GPU {sum(r[0] for r in records):.3f} s, GPU idle between steps "
+                   f"{sum(r[1] for r in records):.3f} s")
         for lo, hi in buckets:
-            rs = [r for r in records if r[2] and lo <= r[1] <= hi]
+            rs = [r for r in records if r[3] and lo <= r[2] <= hi]
             if rs:
-                s = sum(r[0] for r in rs)
-                kv = sum(r[3] for r in rs) * kv_bytes / copy_bw
+                busy, idle = sum(r[0] for r in rs), sum(r[1] for r in rs)
+                kv = sum(r[4] for r in rs) * kv_bytes / copy_bw
                 floor = kv + len(rs) * WEIGHT_BYTES / copy_bw
-                out.append(f"  decode batch {lo:3d}-{hi:3d}: {len(rs):5d} steps, {s:6.3f} s ({s / total:5.1%}), "
-                           f"{1000 * s / len(rs):6.3f} ms/step, {sum(r[1] for r in rs):7d} tokens; KV reads {kv:.3f} s "
-                           f"+ weights = floor {floor:.3f} s ({floor / s:.0%}), rest {1000 * (s - kv) / len(rs):.2f} ms/step")
-        slow = sorted(records, key=lambda r: -r[0])[:12]
-        out.append("  slowest steps (ms, batch, decode-only): "
-                   + ", ".join(f"{1000 * r[0]:.1f}/{r[1]}/{int(r[2])}" for r in slow))
-        out.append("  last 40 steps (ms/batch): " + " ".join(f"{1000 * r[0]:.1f}/{r[1]}" for r in records[-40:]))
+                out.append(f"  decode batch {lo:3d}-{hi:3d}: {len(rs):5d} steps, GPU {busy:6.3f} s + idle {idle:5.3f} s "
+                           f"({(busy + idle) / total:5.1%}), {1000 * busy / len(rs):6.3f} ms/step; KV reads {kv:.3f} s "
+                           f"+ weights = floor {floor:.3f} s ({floor / (busy + idle):.0%}), GPU time beyond the KV "
+                           f"reads {1000 * (busy - kv) / len(rs):.2f} ms/step")
+        slow = sorted(records, key=lambda r: -(r[0] + r[1]))[:12]
+        out.append("  slowest steps (GPU ms + idle ms / batch / decode-only): "
+                   + ", ".join(f"{1000 * r[0]:.1f}+{1000 * r[1]:.1f}/{r[2]}/{int(r[3])}" for r in slow))
+        out.append("  last 30 steps (GPU ms + idle ms / batch): "
+                   + " ".join(f"{1000 * r[0]:.2f}+{1000 * r[1]:.2f}/{r[2]}" for r in records[-30:]))
     print("\n".join(out))
     llm.shutdown()
     return out
