@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
@@ -32,8 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
+from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
+from nvcli.kernels.rotary import rope_qk_norm_store
 
 LOG2E = 1.4426950408889634
 # A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
@@ -53,6 +55,22 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return bufs[-1]
 
 
+@dataclass
+class DecodeRope:
+    """The rotary step folded into decode attention: q passed to the kernel holds the raw query
+    projections (normed and rotated in place), `k` / `v` the new token's raw key and value, written to
+    the cache at `slot_mapping` (what `rope_qk_norm_triton` with a cache does as a separate launch)."""
+
+    k: torch.Tensor  # [num_seqs, num_kv_heads, head_dim]
+    v: torch.Tensor
+    positions: torch.Tensor  # [num_seqs] int64
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32
+    slot_mapping: torch.Tensor  # [num_seqs], -1 = padding
+    q_weight: Optional[torch.Tensor] = None  # [head_dim]: per-head RMSNorm weights (Qwen3)
+    k_weight: Optional[torch.Tensor] = None
+    eps: float = 1e-6
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # block-table width changes every eager step
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
@@ -69,6 +87,20 @@ def _decode_split_kernel(
     k_scale_val,
     v_scale_val,
     qk_scale,  # softmax scale * log2(e)
+    # ROPE: q holds the raw projections, rotated into q_rot; k_new / v_new the new token's raw key and value
+    q_rot_ptr,  # [num_seqs, num_heads, head_dim] contiguous
+    k_new_ptr,  # [num_seqs, num_kv_heads, head_dim]
+    v_new_ptr,
+    pos_ptr,  # [num_seqs] int64
+    cos_sin_ptr,  # [max_position, head_dim] fp32
+    qw_ptr,  # [head_dim] q / k norm weights (ROPE_NORM)
+    kw_ptr,
+    slot_ptr,  # [num_seqs] cache slot of the new token, -1 = padding
+    eps,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -93,6 +125,11 @@ def _decode_split_kernel(
     KVH_MAJOR: tl.constexpr,  # grid (num_kv_heads, num_seqs, splits): a sequence's KV heads run side by side
     FUSED_REDUCE: tl.constexpr,  # the last split of a (seq, KV head) to finish merges the partials
     SPLITS_PAD: tl.constexpr,  # FUSED_REDUCE: num_splits rounded up to a power of two
+    ROPE: tl.constexpr,  # first norm + rotate q (in place) and the new k, and store the new k and v
+    ROPE_NORM: tl.constexpr,  # with ROPE: Qwen3's per-head q/k RMSNorm before the rotation
+    ROPE_GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    ROPE_QUANT: tl.constexpr,  # fp8 cache: the store quantizes
+    FP8_MAX: tl.constexpr,
 ):
     pdl_start(PDL)
     if KVH_MAJOR:
@@ -111,6 +148,27 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
+
+    if ROPE:
+        # Every split rotates the group's raw queries into q_rot (the splits write identical values; the raw
+        # q is never overwritten, so no split can read a rotated one) and reads them back below; the split
+        # holding the new token's position also writes its key and value to the cache, where its own tile
+        # loop reads them back after the barrier.
+        owner = (start < end) & (end == seq_len)
+        rope_qk_norm_store(
+            seq.to(tl.int64), kvh, owner,
+            q_ptr, q_rot_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr,
+            slot_ptr, k_scale, v_scale, eps,
+            stride_qs, stride_qh, HEAD_DIM * GROUP * num_kv_heads, HEAD_DIM, stride_knt, stride_knh, stride_vnt,
+            stride_vnh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX,
+        )
+        tl.debug_barrier()
+        q_ptr = q_rot_ptr
+        stride_qs = HEAD_DIM * GROUP * num_kv_heads
+        stride_qh = HEAD_DIM
 
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
@@ -123,7 +181,6 @@ def _decode_split_kernel(
     if F16_DOT:
         q = q.to(tl.float16)
 
-    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     score_scale = qk_scale * k_scale
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -280,11 +337,14 @@ def paged_decode_attention_triton(
     f16_dot: Optional[bool] = None,
     fused_reduce: Optional[bool] = None,
     kvh_major: Optional[bool] = None,
+    rope: Optional[DecodeRope] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
-    k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache and are
-    ignored otherwise. The keyword-only knobs override the tuned defaults (benchmarks).
+    k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
+    store quantizes with them when `rope` is given) and are ignored otherwise. With `rope` the kernel
+    first norms and rotates q in place and the new key, and stores the new key and value in the cache.
+    The other keyword-only knobs override the tuned defaults (benchmarks).
     """
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -332,6 +392,19 @@ def paged_decode_attention_triton(
     else:
         mid_o = mid_lse = out  # unused
     counters = _split_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else seq_lens
+    if rope is not None:
+        assert rope.k.shape == (num_seqs, num_kv_heads, head_dim) and rope.v.shape == rope.k.shape
+        assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and rope.slot_mapping.shape[0] == num_seqs
+        assert (rope.q_weight is None) == (rope.k_weight is None)
+        r = rope
+        norm = r.q_weight is not None
+        q_rot = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        rope_args = (q_rot, r.k, r.v, r.positions, r.cos_sin_cache, r.q_weight if norm else r.cos_sin_cache,
+                     r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps, r.k.stride(0), r.k.stride(1),
+                     r.v.stride(0), r.v.stride(1))
+    else:
+        norm = False
+        rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, 0, 0, 0, 0)  # unused
     grid = (num_kv_heads, num_seqs, num_splits) if kvh_major else (num_seqs, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         q,
@@ -348,6 +421,7 @@ def paged_decode_attention_triton(
         k_val,
         v_val,
         scale * LOG2E,
+        *rope_args,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -372,6 +446,11 @@ def paged_decode_attention_triton(
         KVH_MAJOR=kvh_major,
         FUSED_REDUCE=fused_reduce,
         SPLITS_PAD=triton.next_power_of_2(num_splits) if fused_reduce else 1,
+        ROPE=rope is not None,
+        ROPE_NORM=norm,
+        ROPE_GROUP_PAD=triton.next_power_of_2(group),
+        ROPE_QUANT=fp8,
+        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),

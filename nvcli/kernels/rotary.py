@@ -18,6 +18,77 @@ from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
 @triton.jit
+def rope_qk_norm_store(
+    t,  # token (int64)
+    kvh,  # KV head
+    store_kv,  # runtime flag: write k and v to the cache (STORE) or k back in place (not STORE)
+    q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_scale, v_scale, eps,
+    stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
+    STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """Token t, KV head kvh: norm + rotate its query heads into q_out (may be q itself), and its key (and
+    value) into the cache slot or back in place. Shared by the rotary kernel and the decode-attention kernel (which
+    runs it first thing, so a decode step needs no separate rotary launch)."""
+    offs = tl.arange(0, HALF)  # [HALF]
+    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
+    g_mask = (offs_g < GROUP)[:, None]
+
+    pos = tl.load(pos_ptr + t)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)  # [HALF] fp32
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs)
+
+    # queries of this KV head's group: [GROUP_PAD, HALF] halves
+    q_base = q_ptr + t * stride_qt + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs[None, :]
+    q1 = tl.load(q_base, mask=g_mask, other=0.0)
+    q2 = tl.load(q_base + HALF, mask=g_mask, other=0.0)
+    dtype = q1.dtype
+    q1 = q1.to(tl.float32)
+    q2 = q2.to(tl.float32)
+    k_base = k_ptr + t * stride_kt + kvh * stride_kh + offs
+    k1 = tl.load(k_base).to(tl.float32)  # [HALF]
+    k2 = tl.load(k_base + HALF).to(tl.float32)
+    if NORM:
+        # Round like the torch path: normalized value in the model dtype, then times the weight.
+        q_rstd = tl.rsqrt((tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)) / (2 * HALF) + eps)[:, None]
+        qw1 = tl.load(qw_ptr + offs).to(tl.float32)[None, :]
+        qw2 = tl.load(qw_ptr + HALF + offs).to(tl.float32)[None, :]
+        q1 = ((q1 * q_rstd).to(dtype).to(tl.float32) * qw1).to(dtype).to(tl.float32)
+        q2 = ((q2 * q_rstd).to(dtype).to(tl.float32) * qw2).to(dtype).to(tl.float32)
+        k_rstd = tl.rsqrt((tl.sum(k1 * k1, axis=0) + tl.sum(k2 * k2, axis=0)) / (2 * HALF) + eps)
+        kw1 = tl.load(kw_ptr + offs).to(tl.float32)
+        kw2 = tl.load(kw_ptr + HALF + offs).to(tl.float32)
+        k1 = ((k1 * k_rstd).to(dtype).to(tl.float32) * kw1).to(dtype).to(tl.float32)
+        k2 = ((k2 * k_rstd).to(dtype).to(tl.float32) * kw2).to(dtype).to(tl.float32)
+    qo_base = q_out_ptr + t * stride_qot + (kvh * GROUP + offs_g)[:, None] * stride_qoh + offs[None, :]
+    tl.store(qo_base, (q1 * cos[None, :] - q2 * sin[None, :]).to(dtype), mask=g_mask)
+    tl.store(qo_base + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(dtype), mask=g_mask)
+    # the rotated key, rounded to the model dtype (what a separate store would read back)
+    kr1 = (k1 * cos - k2 * sin).to(dtype)
+    kr2 = (k2 * cos + k1 * sin).to(dtype)
+    if not STORE:
+        if store_kv:
+            tl.store(k_base, kr1)
+            tl.store(k_base + HALF, kr2)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if store_kv & (slot >= 0):
+            v_base = v_ptr + t * stride_vt + kvh * stride_vh + offs
+            v1 = tl.load(v_base)
+            v2 = tl.load(v_base + HALF)
+            blk = slot // PAGE
+            off = slot % PAGE
+            kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs
+            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs
+            store_to_cache(kc, kr1, k_scale, None, QUANT, FP8_MAX)
+            store_to_cache(kc + HALF, kr2, k_scale, None, QUANT, FP8_MAX)
+            store_to_cache(vc, v1, v_scale, None, QUANT, FP8_MAX)
+            store_to_cache(vc + HALF, v2, v_scale, None, QUANT, FP8_MAX)
+
+
+@triton.jit
 def _rope_store_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim] (row stride may be the fused qkv width)
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -58,61 +129,14 @@ def _rope_store_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
 ):
     pdl_start(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    offs = tl.arange(0, HALF)  # [HALF]
-    offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
-    g_mask = (offs_g < GROUP)[:, None]
-
-    pos = tl.load(pos_ptr + t)
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)  # [HALF] fp32
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs)
-
-    # queries of this KV head's group: [GROUP_PAD, HALF] halves
-    q_base = q_ptr + t * stride_qt + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs[None, :]
-    q1 = tl.load(q_base, mask=g_mask, other=0.0)
-    q2 = tl.load(q_base + HALF, mask=g_mask, other=0.0)
-    dtype = q1.dtype
-    q1 = q1.to(tl.float32)
-    q2 = q2.to(tl.float32)
-    k_base = k_ptr + t * stride_kt + kvh * stride_kh + offs
-    k1 = tl.load(k_base).to(tl.float32)  # [HALF]
-    k2 = tl.load(k_base + HALF).to(tl.float32)
-    if NORM:
-        # Round like the torch path: normalized value in the model dtype, then times the weight.
-        q_rstd = tl.rsqrt((tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)) / (2 * HALF) + eps)[:, None]
-        qw1 = tl.load(qw_ptr + offs).to(tl.float32)[None, :]
-        qw2 = tl.load(qw_ptr + HALF + offs).to(tl.float32)[None, :]
-        q1 = ((q1 * q_rstd).to(dtype).to(tl.float32) * qw1).to(dtype).to(tl.float32)
-        q2 = ((q2 * q_rstd).to(dtype).to(tl.float32) * qw2).to(dtype).to(tl.float32)
-        k_rstd = tl.rsqrt((tl.sum(k1 * k1, axis=0) + tl.sum(k2 * k2, axis=0)) / (2 * HALF) + eps)
-        kw1 = tl.load(kw_ptr + offs).to(tl.float32)
-        kw2 = tl.load(kw_ptr + HALF + offs).to(tl.float32)
-        k1 = ((k1 * k_rstd).to(dtype).to(tl.float32) * kw1).to(dtype).to(tl.float32)
-        k2 = ((k2 * k_rstd).to(dtype).to(tl.float32) * kw2).to(dtype).to(tl.float32)
-    tl.store(q_base, (q1 * cos[None, :] - q2 * sin[None, :]).to(dtype), mask=g_mask)
-    tl.store(q_base + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(dtype), mask=g_mask)
-    # the rotated key, rounded to the model dtype (what a separate store would read back)
-    kr1 = (k1 * cos - k2 * sin).to(dtype)
-    kr2 = (k2 * cos + k1 * sin).to(dtype)
-    if not STORE:
-        tl.store(k_base, kr1)
-        tl.store(k_base + HALF, kr2)
-    else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            v_base = v_ptr + t * stride_vt + kvh * stride_vh + offs
-            v1 = tl.load(v_base)
-            v2 = tl.load(v_base + HALF)
-            blk = slot // PAGE
-            off = slot % PAGE
-            kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs
-            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs
-            ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
-            store_to_cache(kc, kr1, ks, None, QUANT, FP8_MAX)
-            store_to_cache(kc + HALF, kr2, ks, None, QUANT, FP8_MAX)
-            store_to_cache(vc, v1, vs, None, QUANT, FP8_MAX)
-            store_to_cache(vc + HALF, v2, vs, None, QUANT, FP8_MAX)
+    ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
+    rope_qk_norm_store(
+        tl.program_id(0).to(tl.int64), tl.program_id(1), True,
+        q_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks, vs,
+        eps, stride_qt, stride_qh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX,
+    )
 
 
 def rope_qk_norm_triton(

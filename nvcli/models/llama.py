@@ -7,6 +7,8 @@ the rows that need sampling only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -19,6 +21,10 @@ from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nvcli.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nvcli.models.layers.norm import RMSNorm
 from nvcli.models.layers.rotary import RotaryEmbedding
+
+# Decode steps on the GPU fold the rotary step into the attention kernel (one launch per layer fewer);
+# NV_DECODE_ROPE=0 keeps the separate rotary kernel (A/B runs).
+FUSED_DECODE_ROPE = os.environ.get("NV_DECODE_ROPE", "1") != "0"
 
 
 class DecoderAttention(nn.Module):
@@ -54,17 +60,23 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if use_triton(q):  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
-            from nvcli.kernels.rotary import rope_qk_norm_triton
-
+        if use_triton(q):
             q_w = self.q_norm.weight if self.qk_norm else None
             k_w = self.k_norm.weight if self.qk_norm else None
             eps = self.q_norm.eps if self.qk_norm else 0.0
             attn = self.attn
-            q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
-                                       k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=meta.slot_mapping,
-                                       k_scale=attn.k_scale, v_scale=attn.v_scale)
-            o = attn(q, k, v, meta, kv_stored=True)
+            if meta.decode_only and FUSED_DECODE_ROPE:  # norm + rotary + KV store inside the attention kernel
+                from nvcli.kernels.decode_attention import DecodeRope
+
+                rope = DecodeRope(k, v, positions, self.rotary_emb.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps)
+                o = attn.decode_with_rope(q, rope, meta)
+            else:  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
+                from nvcli.kernels.rotary import rope_qk_norm_triton
+
+                q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
+                                           k_cache=attn.k_cache, v_cache=attn.v_cache,
+                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale)
+                o = attn(q, k, v, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)

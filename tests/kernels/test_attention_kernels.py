@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_device import on_device
+from kernel_device import DEVICE, on_device
 
 from nvcli.kernels import decode_attention, prefill_attention
 from nvcli.kernels.decode_attention import choose_num_splits
@@ -152,6 +152,59 @@ def test_heads_major_cache_layout(fp8: bool) -> None:
     qp, qsl = _packed([5, 17, 1], 4, gen)
     out = _run_prefill(qp, k_hm, v_hm, qsl, seq_lens, tables, **scales)
     assert torch.equal(out, _run_prefill(qp, k_cache, v_cache, qsl, seq_lens, tables, **scales))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("fp8,num_splits", [(False, 1), (False, 3), (True, 2)])
+def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
+    """Rotary (+ q/k norm) and the new token's cache store inside the decode kernel give exactly what the
+    separate rotary-and-store kernel followed by decode attention gives: same output, same cache bytes
+    (a padding row, slot -1 and length 0, writes nothing); every split rotates the raw q for itself."""
+    from nvcli.kernels.decode_attention import DecodeRope
+    from nvcli.kernels.rotary import rope_qk_norm_triton
+    from nvcli.models.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(29 + norm + 2 * fp8 + num_splits)
+    lens = [40, 17, 1, 0]  # lengths after this step's token
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    scales = {}
+    if fp8:
+        k_cache, _ = quantize(k_cache, 0.01)
+        v_cache, _ = quantize(v_cache, 0.02)
+        scales = dict(k_scale=0.01, v_scale=0.02)
+    heads, kv_heads = 4, 2
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * HEAD_DIM, generator=gen)
+    positions = torch.tensor([max(n - 1, 0) for n in lens])
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1 for i, n in enumerate(lens)])
+    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
+    qw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
+    kw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def views(t: torch.Tensor):
+        q = t[:, : heads * HEAD_DIM].view(-1, heads, HEAD_DIM)
+        k = t[:, heads * HEAD_DIM : (heads + kv_heads) * HEAD_DIM].view(-1, kv_heads, HEAD_DIM)
+        v = t[:, (heads + kv_heads) * HEAD_DIM :].view(-1, kv_heads, HEAD_DIM)
+        return q, k, v
+
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    ref_qkv, ref_kc, ref_vc = dev(qkv.clone()), dev(k_cache.clone()), dev(v_cache.clone())
+    q, k, v = views(ref_qkv)
+    rope_qk_norm_triton(q, k, dev(positions), dev(rope.cos_sin_cache), dev(qw), dev(kw), 1e-6, v=v,
+                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=dev(slots), **scales)
+    ref = paged_decode_attention_triton(q, ref_kc, ref_vc, tables, seq_lens, SCALE, num_splits=num_splits,
+                                         block_n=16, **scales)
+
+    fused_qkv, kc, vc = dev(qkv.clone()), dev(k_cache.clone()), dev(v_cache.clone())
+    q, k, v = views(fused_qkv)
+    r = DecodeRope(k, v, dev(positions), dev(rope.cos_sin_cache), dev(slots), dev(qw), dev(kw), 1e-6)
+    out = paged_decode_attention_triton(q, kc, vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
+                                         rope=r, **scales)
+    assert torch.equal(out.cpu(), ref.cpu())
+    assert torch.equal(kc.cpu().view(torch.uint8), ref_kc.cpu().view(torch.uint8))
+    assert torch.equal(vc.cpu().view(torch.uint8), ref_vc.cpu().view(torch.uint8))
+    assert torch.equal(fused_qkv.cpu(), dev(qkv).cpu())  # the raw projections are left as they were
+    assert not torch.equal(kc.cpu().view(torch.uint8), k_cache.view(torch.uint8))  # the new keys did land
 
 
 @pytest.mark.parametrize("block_size", [64, 128])

@@ -41,3 +41,11 @@ class Attention(nn.Module):
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale,
         )
+
+    def decode_with_rope(self, q: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
+        """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
+        new key and value (`rope`: a kernels.decode_attention.DecodeRope)."""
+        from nvcli.kernels.decode_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                             self.scale, self.k_scale, self.v_scale, rope=rope)
