@@ -32,9 +32,10 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
-from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
+from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2, use_pdl
 from nvcli.kernels.rotary import rope_qk_norm_store
 
 LOG2E = 1.4426950408889634
@@ -130,8 +131,11 @@ def _decode_split_kernel(
     ROPE_GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     ROPE_QUANT: tl.constexpr,  # fp8 cache: the store quantizes
     FP8_MAX: tl.constexpr,
+    L2_PREFETCH: tl.constexpr,  # PDL: prefetch the program's K/V lines into L2 before waiting
+    KV_LINES: tl.constexpr,  # 128-byte lines per cached head row (head_dim * element size / 128)
 ):
-    pdl_start(PDL)
+    if PDL:
+        gdc_launch_dependents()
     if KVH_MAJOR:
         kvh = tl.program_id(0)
         seq = tl.program_id(1)
@@ -148,6 +152,22 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kvh * stride_kh
+    v_head = v_cache_ptr + kvh * stride_vh
+    if PDL:
+        if L2_PREFETCH:
+            # Block tables, lengths and the cached K/V of earlier steps do not depend on the previous
+            # kernel: stream this program's KV lines into L2 while it finishes.
+            lines = tl.arange(0, KV_LINES) * (HEAD_DIM // KV_LINES)  # first element of each 128-byte line
+            for tile in range(start, end, BLOCK_N):
+                pos = tl.minimum(tile + offs_n, end - 1)
+                blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
+                in_page = (pos % PAGE).to(tl.int64)
+                prefetch_l2(k_head + (blk * stride_kb + in_page * stride_kt)[:, None] + lines[None, :])
+                prefetch_l2(v_head + (blk * stride_vb + in_page * stride_vt)[:, None] + lines[None, :])
+        gdc_wait()
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
 
     if ROPE:
@@ -172,7 +192,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     offs_d = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [GROUP_PAD]
 
@@ -187,9 +206,6 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kvh * stride_kh
-    v_head = v_cache_ptr + kvh * stride_vh
     # block ids of the first tile; inside the loop the next tile's ids are fetched one
     # iteration ahead so the K/V addresses never wait on a load issued in the same iteration
     pos_next = start + offs_n
@@ -451,6 +467,8 @@ def paged_decode_attention_triton(
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
         ROPE_QUANT=fp8,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
+        L2_PREFETCH=pdl and L2_PREFETCH and head_dim * k_cache.element_size() % 128 == 0,
+        KV_LINES=max(1, head_dim * k_cache.element_size() // 128),
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),

@@ -27,6 +27,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = int(os.environ.get("NV_PDL_MAX_ROWS", "16"))
 _ENABLED = os.environ.get("NV_PDL", "1") != "0"
+# L2 prefetch before griddepcontrol.wait (see prefetch_l2); NV_L2_PREFETCH=0 turns it off for A/B runs
+L2_PREFETCH = os.environ.get("NV_L2_PREFETCH", "1") != "0"
 
 
 @cache
@@ -53,3 +55,13 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """`prefetch.global.L2` of the 128-byte line at each pointer: no registers held, no result; the
+    data is in L2 when the kernel's real loads ask for it. PDL kernels issue it for their weights (and
+    decode attention for its KV lines) before `griddepcontrol.wait`, so those bytes stream from HBM
+    while the previous kernel is still running. L2 is coherent, so a prefetched line is never stale."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
+from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2, use_pdl
 
 SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (decode of a few sequences)
 # use_skinny's bound: above SMALL_M the kernel runs tensor-core tiles of block_m rows (mid-sized decode
@@ -146,11 +146,9 @@ def _skinny_gemm_kernel(
     K_START: tl.constexpr,  # BLOCK_K with PREFETCH (the peeled first iteration), else 0
     NORM: tl.constexpr,  # x is pre-norm: the GEMM input is RMSNorm(x + residual) (fused add+RMSNorm)
     HAS_RES: tl.constexpr,
+    L2_LINES: tl.constexpr,  # PDL: prefetch this program's weights into L2 before waiting, as L2_LINES
+    LINE_ELEMS: tl.constexpr,  # lines of LINE_ELEMS elements per row (a power of two; 0: no prefetch)
 ):
-    if PDL:
-        gdc_launch_dependents()
-        if not PREFETCH:
-            gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)  # row blocks: more than one only for mid-sized batches (tensor-core tiles)
@@ -159,6 +157,13 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamp instead of masking: unmasked 16-byte loads
     k0 = pid_k * K_SPLIT
+    if PDL:
+        gdc_launch_dependents()
+        if L2_LINES > 0:  # the weights do not depend on the previous kernel
+            cols = tl.minimum(k0 + tl.arange(0, L2_LINES) * LINE_ELEMS, K - 1)
+            prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
+        if not PREFETCH:
+            gdc_wait()
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + (k0 + offs_k)[None, :]
@@ -440,6 +445,12 @@ def skinny_linear_triton(
     has_bias = bias is not None
     pdl = use_pdl(x, m)
     even_k = split * k_split == k
+    line_elems = 128 // weight.element_size()
+    # L2 prefetch only where the whole weight fits in L2 with room to spare (every decoder layer; not an
+    # LM head, whose programs would evict each other's lines)
+    l2_lines = 0
+    if pdl and L2_PREFETCH and weight.numel() * weight.element_size() <= (24 << 20):
+        l2_lines = triton.next_power_of_2(_cdiv(min(k_split, k), line_elems))
     prefetch = pdl and block_m == 1 and not cfg.use_dot and even_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     norm = norm_weight is not None
@@ -481,6 +492,8 @@ def skinny_linear_triton(
         K_START=cfg.block_k if prefetch else 0,
         NORM=norm,
         HAS_RES=has_res,
+        L2_LINES=l2_lines,
+        LINE_ELEMS=line_elems,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(pdl),
