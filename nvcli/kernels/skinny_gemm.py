@@ -379,7 +379,8 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[
         return skinny_linear_triton(x, weight, bias, silu_mul=True)
     from nvcli.kernels.activation import silu_and_mul_triton
 
-    return F.linear(silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k), weight, bias)
+    act = silu_and_mul_triton(gate_up.reshape(-1, 2 * k), prefetch=weight)
+    return F.linear(act.view(*gate_up.shape[:-1], k), weight, bias)
 
 
 def norm_linear(
@@ -400,7 +401,7 @@ def norm_linear(
         return y, new_residual
     from nvcli.kernels.rms_norm import rms_norm_triton
 
-    normed, new_residual = rms_norm_triton(x, norm_weight, eps, residual)
+    normed, new_residual = rms_norm_triton(x, norm_weight, eps, residual, prefetch=weight)
     return linear(normed, weight, bias), new_residual
 
 
