@@ -6,15 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.pdl import prefetch_share_l2, weight_prefetch_args
-
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, pf_ptr, pf_lines, BLOCK: tl.constexpr,
-                         PREFETCH: tl.constexpr, PF_LINE_ELEMS: tl.constexpr):
-    if PREFETCH:  # the down projection's weight, into L2 (see pdl.prefetch_share_l2)
-        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        prefetch_share_l2(pf_ptr, pf_lines, pid, tl.num_programs(0) * tl.num_programs(1), PF_LINE_ELEMS, 256)
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < D
@@ -25,8 +19,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, pf_ptr, pf_lines
              mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """[num_tokens, 2 * d] -> [num_tokens, d]; `prefetch`: the weight of the GEMM that reads the output."""
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
     n, two_d = x.shape
     d = two_d // 2
     assert x.stride(-1) == 1
@@ -34,7 +27,6 @@ def silu_and_mul_triton(x: torch.Tensor, prefetch: torch.Tensor | None = None) -
     if n == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    pf_ptr, pf_lines, pf_elems, pf = weight_prefetch_args(prefetch, x)
-    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, pf_ptr, pf_lines,
-                                                      BLOCK=block, PREFETCH=pf, PF_LINE_ELEMS=pf_elems, num_warps=4)
+    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+                                                      num_warps=4)
     return out

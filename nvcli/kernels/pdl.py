@@ -65,27 +65,3 @@ def prefetch_l2(ptrs):
     while the previous kernel is still running. L2 is coherent, so a prefetched line is never stale."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_share_l2(w_ptr, num_lines, pid, num_pids, LINE_ELEMS: tl.constexpr, CHUNK: tl.constexpr):
-    """Program `pid` of `num_pids` prefetches its share of the num_lines 128-byte lines of the contiguous
-    tensor at w_ptr into L2. A short kernel running just before a cuBLAS GEMM (add+RMSNorm, SiLU-and-mul)
-    issues it for that GEMM's weight, so the GEMM reads it from L2 instead of starting cold from HBM."""
-    per = tl.cdiv(num_lines, num_pids)
-    start = pid * per
-    end = tl.minimum(start + per, num_lines)
-    for i in range(start, end, CHUNK):
-        line = tl.minimum(i + tl.arange(0, CHUNK), end - 1).to(tl.int64)
-        prefetch_l2(w_ptr + line * LINE_ELEMS)
-
-
-def weight_prefetch_args(weight, x) -> tuple:
-    """(pointer, 128-byte lines, elements per line, prefetch?) for prefetch_share_l2 of `weight` from a
-    kernel working on x: only on CUDA, when the switch is on and the weight is contiguous and fits L2 well."""
-    ok = (weight is not None and x.is_cuda and L2_PREFETCH and weight.is_contiguous()
-          and weight.numel() * weight.element_size() <= (24 << 20))
-    if not ok:
-        return x, 0, 1, False
-    elt = weight.element_size()
-    return weight, weight.numel() * elt // 128, 128 // elt, True

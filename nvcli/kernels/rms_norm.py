@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.pdl import launch_kwargs, pdl_start, prefetch_share_l2, use_pdl, weight_prefetch_args
+from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
 @triton.jit
@@ -36,13 +36,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
-    pf_ptr,  # PREFETCH: the next GEMM's weight, prefetched into L2 (see pdl.prefetch_share_l2)
-    pf_lines,
-    PREFETCH: tl.constexpr,
-    PF_LINE_ELEMS: tl.constexpr,
 ):
-    if PREFETCH:
-        prefetch_share_l2(pf_ptr, pf_lines, tl.program_id(0), tl.num_programs(0), PF_LINE_ELEMS, 256)
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner
@@ -73,7 +67,6 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: Optional[torch.Tensor] = None,  # like x
-    prefetch: Optional[torch.Tensor] = None,  # the weight of the GEMM that reads the output: into L2
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual); without residual the second item is x itself."""
     n = x.shape[-1]
@@ -99,7 +92,6 @@ def rms_norm_triton(
         sr0 = sr1 = 0
     block = triton.next_power_of_2(n)
     pdl = use_pdl(x, rows)
-    pf_ptr, pf_lines, pf_elems, pf = weight_prefetch_args(prefetch, x)
     num_warps = 1 if block <= 256 else (4 if block <= 2048 else (8 if block <= 8192 else 16))
     _rms_norm_kernel[(rows,)](
         x,
@@ -117,10 +109,6 @@ def rms_norm_triton(
         BLOCK=block,
         HAS_RES=residual is not None,
         PDL=pdl,
-        pf_ptr=pf_ptr,
-        pf_lines=pf_lines,
-        PREFETCH=pf,
-        PF_LINE_ELEMS=pf_elems,
         num_warps=num_warps,
         **launch_kwargs(pdl),
     )

@@ -379,8 +379,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[
         return skinny_linear_triton(x, weight, bias, silu_mul=True)
     from nvcli.kernels.activation import silu_and_mul_triton
 
-    act = silu_and_mul_triton(gate_up.reshape(-1, 2 * k), prefetch=weight)
-    return F.linear(act.view(*gate_up.shape[:-1], k), weight, bias)
+    return F.linear(silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k), weight, bias)
 
 
 def norm_linear(
@@ -401,7 +400,7 @@ def norm_linear(
         return y, new_residual
     from nvcli.kernels.rms_norm import rms_norm_triton
 
-    normed, new_residual = rms_norm_triton(x, norm_weight, eps, residual, prefetch=weight)
+    normed, new_residual = rms_norm_triton(x, norm_weight, eps, residual)
     return linear(normed, weight, bias), new_residual
 
 
