@@ -7,7 +7,6 @@ scheduler's batch; every rank turns it into tensors and runs the forward; rank 0
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +26,6 @@ from nvcli.sampling_params import SamplingParams
 log = logging.getLogger("nvcli")
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Decode graphs of at least this many rows run the batch as two halves on two streams (0: never);
-# NV_TWO_STREAM_MIN_BATCH overrides it for A/B runs. See _capture_cuda_graphs.
-TWO_STREAM_MIN_BATCH = int(os.environ.get("NV_TWO_STREAM_MIN_BATCH", "0"))
-# KV cache memory order on the GPU (see _allocate_kv_cache); NV_KV_LAYOUT=nhd/hnd for A/B runs.
-KV_HEADS_MAJOR = os.environ.get("NV_KV_LAYOUT", "nhd") == "hnd"
 
 
 @dataclass
@@ -174,17 +168,8 @@ class ModelRunner:
             num_blocks = int(agreed.item())
         layer = self.attn_layers[0]
         shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        # Every kernel addresses the cache through its strides, so the memory order is free: on the GPU
-        # each KV head's tokens of a block are stored together ([..., kv_heads, block_size, head_dim] in
-        # memory, shown as the logical [..., block_size, kv_heads, head_dim]), and a decode program
-        # reading one head streams whole 2-4 KiB runs instead of 128-256 byte rows 1-2 KiB apart.
-        heads_major = self.device.type == "cuda" and KV_HEADS_MAJOR
         try:
-            if heads_major:
-                stored = (*shape[:3], shape[4], shape[3], shape[5])
-                self.kv_cache = torch.zeros(stored, dtype=self.kv_dtype(), device=self.device).transpose(3, 4)
-            else:
-                self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype(), device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype(), device=self.device)
         except torch.OutOfMemoryError as e:
             raise ConfigError(
                 f"--num-kvcache-blocks / --gpu-memory-utilization: {num_blocks} KV blocks "
@@ -392,41 +377,18 @@ class ModelRunner:
         self.g_hidden = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.dtype, device=dev)
         self.g_max_blocks = max_blocks
         pool = None
-        two_streams = TWO_STREAM_MIN_BATCH > 0 and self.model.tp_size == 1  # NCCL on two streams could deadlock
-        self.side_stream = torch.cuda.Stream(dev) if two_streams else None
         for bs in reversed(sizes):
-            split = bs // 2 if two_streams and bs >= TWO_STREAM_MIN_BATCH else 0
-            self._decode_forward(bs, split)  # warm-up outside the graph so Triton compiles first
+            meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
+                                     self.g_block_tables[:bs], 1, max_blocks * self.block_size, True)
+            # Warm-up outside the graph so Triton compiles and autotunes first.
+            self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self._decode_forward(bs, split)
+                self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
-
-    def _decode_forward(self, bs: int, split: int) -> None:
-        """One decode step of the first bs graph rows into g_hidden. With split > 0, rows [split, bs) run on
-        the side stream while rows [0, split) run on this one: decode steps are a chain of ~270 kernels,
-        most of them too short to fill the GPU or bound by latency (the GEMMs at a few dozen rows), and
-        between them the one bandwidth-bound kernel (attention); two independent halves let one half's
-        GEMMs and small kernels run while the other half's attention streams the KV cache."""
-        max_len = self.g_max_blocks * self.block_size
-
-        def rows(lo: int, hi: int) -> None:
-            meta = AttentionMetadata(self.g_slots[lo:hi], self.g_qsl[: hi - lo + 1], self.g_seq_lens[lo:hi],
-                                     self.g_block_tables[lo:hi], 1, max_len, True)
-            self.g_hidden[lo:hi] = self.model(self.g_input_ids[lo:hi], self.g_positions[lo:hi], meta)
-
-        if not split:
-            rows(0, bs)
-            return
-        main = torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(main)
-        with torch.cuda.stream(self.side_stream):
-            rows(split, bs)
-        rows(0, split)
-        main.wait_stream(self.side_stream)
 
     def release_cuda_graphs(self) -> None:
         if self.graphs:

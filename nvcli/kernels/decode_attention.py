@@ -48,7 +48,7 @@ _counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters for the fused split reduce, one per (seq, KV head); kept for the process
     (the kernels leave them zero, captured CUDA graphs hold their address: never freed or re-zeroed).
-    One set per stream: attention calls on two streams (a decode batch run as two halves) may overlap."""
+    One set per stream: attention calls queued on different streams may run at the same time."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     bufs = _counters.setdefault((device, stream), [])
     if not bufs or bufs[-1].numel() < n:

@@ -124,36 +124,6 @@ def test_decode_split_merge_paths(fused_reduce: bool, kvh_major: bool) -> None:
         assert all(int(buf.count_nonzero()) == 0 for buf in bufs)
 
 
-def _heads_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same cache stored [num_blocks, num_kv_heads, block_size, head_dim] in memory (the GPU layout,
-    see ModelRunner._allocate_kv_cache), viewed as the logical [num_blocks, block_size, num_kv_heads, head_dim]."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_heads_major_cache_layout(fp8: bool) -> None:
-    """Decode and prefill attention read a heads-major cache through its strides: same output as the
-    contiguous layout."""
-    gen = torch.Generator().manual_seed(23)
-    lens = [40, 17, 1]
-    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
-    scales = {}
-    if fp8:
-        k_cache, _ = quantize(k_cache, 0.01)
-        v_cache, _ = quantize(v_cache, 0.02)
-        scales = dict(k_scale=0.01, v_scale=0.02)
-    k_hm, v_hm = _heads_major(k_cache), _heads_major(v_cache)
-    assert k_hm.shape == k_cache.shape and k_hm.stride(1) == k_cache.shape[3] and torch.equal(k_hm, k_cache)
-    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_hm, v_hm, tables, seq_lens, SCALE, num_splits=2, **scales)
-    ref = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2, **scales)
-    assert torch.equal(out, ref)
-    qp, qsl = _packed([5, 17, 1], 4, gen)
-    out = _run_prefill(qp, k_hm, v_hm, qsl, seq_lens, tables, **scales)
-    assert torch.equal(out, _run_prefill(qp, k_cache, v_cache, qsl, seq_lens, tables, **scales))
-
-
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("fp8,num_splits", [(False, 1), (False, 3), (True, 2)])
 def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
