@@ -16,6 +16,12 @@ num_kv_heads, block_tables.shape[1]) and the device's SM count; each program der
 token range from seq_lens on the device. A split that starts past the sequence end writes
 lse = -inf and a zero partial, which the reduce ignores; seq_len 0 gives a zero output.
 
+With `rope` (decode steps of at most 16 sequences) the kernel also does the rotary step that
+otherwise precedes it: every program norms and rotates its query heads from the raw projections,
+and the program whose split holds the new position also rotates the new key and writes it and the
+value to the cache before its tile loop reads them. Launched with PDL (see pdl.py), a program
+prefetches its K/V lines into L2 before `griddepcontrol.wait`.
+
 fp8 caches (`torch.float8_e4m3fn`) are dequantised in the kernel: the fp8 tile is converted
 up, k_scale is folded into the softmax scale and v_scale into the output (both are
 per-tensor, so this equals multiplying every loaded element by its scale).

@@ -1,4 +1,4 @@
-"""Bandwidth-bound GEMM for small batches in Triton: y = x @ weight.T (+ bias) with M <= 16.
+"""Bandwidth-bound GEMM for small batches in Triton: y = x @ weight.T (+ bias) with M <= 16 by default.
 
 At decode with a handful of sequences a linear layer is a matrix-vector product: the time
 is the time to stream the weight ([N, K], nn.Linear layout) from HBM once. Each program
@@ -22,13 +22,22 @@ K is split across programs: each writes an fp32 partial [SPLIT_K, M, N] and a se
 kernel sums the splits in a fixed order, adds the bias and casts (deterministic, no
 atomics).
 
+Launched with PDL (see pdl.py), a program prefetches its whole weight share into L2 before
+`griddepcontrol.wait` (weights of at most 24 MiB: every decoder layer, not an LM head), so the
+weight streams from HBM while the previous kernel of the chain finishes.
+
+Mid-sized batches (a config with block_m: tensor-core tiles of block_m rows, a third grid
+dimension over row blocks) are supported and tested but not dispatched by default: on the H100
+these tiles lost to cuBLAS at 32-256 rows (`benchmarks/skinny_gemm.py --mid`, RESULTS.md session
+3). NV_SKINNY_MAX_M raises use_skinny's bound for A/B runs.
+
 CUDA-graph safety: the config is a pure function of (M, N, K, element size, SM count),
 cached on the host; no autotuning, no host syncs, the only allocations are the output and
 (for split K) the fp32 partials, both from the caching allocator. M is not specialised,
 so one compile per (config, K) serves every batch size that maps to it.
 
 Entry points: `linear(x, weight, bias)` is F.linear that takes this kernel when
-`use_skinny(x, weight)` (CUDA, bf16/fp16, 1..16 rows, K % 16 == 0, row-major weight);
+`use_skinny(x, weight)` (CUDA, bf16/fp16, 1..MAX_M rows, K % 16 == 0, row-major weight);
 NV_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere, for A/B runs).
 The heuristic in `choose_config` was written from first principles, not measured:
 `benchmarks/skinny_gemm.py --sweep` times alternatives on the GPU.
