@@ -12,8 +12,8 @@ timeline: the DESIGN.md workload once after a warm-up, each engine step timed; t
   cost of the shrinking tail and of prefill is visible next to the big-batch decode steps.
 sweep: the decode-attention kernel at the workload's (batch, context) shapes as it shrinks
   (256 x 800 ... 8 x 1600, and 256 sequences of 100-2000 tokens), over block_n / warps / stages /
-  splits / grid order, bf16 and fp8; also the default with the split-reduce kernel instead of the
-  in-kernel merge.
+  splits / grid order (fp8: stages / splits / V dequantized per tile), bf16 and fp8; also the default
+  with the split-reduce kernel instead of the in-kernel merge.
 """
 
 from __future__ import annotations
@@ -217,6 +217,12 @@ def sweep_section() -> list[str]:
                 auto_splits = choose_num_splits(len(lens), 8, 4096, bn, 132)
                 for splits in sorted({auto_splits, 2 * auto_splits} if auto_splits > 1 or len(lens) < 128
                                      else {1}):
+                    if fp8:  # the open question there: V dequantized per tile (fewer registers, no byte loads)
+                        for st in (3, 4):
+                            for v_tile in (False, True):
+                                configs.append(dict(block_n=bn, num_warps=4, num_stages=st, num_splits=splits,
+                                                    kvh_major=True, v_dequant_in_tile=v_tile))
+                        continue
                     for w in (4, 8):
                         for st in (2, 3):
                             for kvh_major in (False, True):
@@ -240,7 +246,7 @@ def sweep_section() -> list[str]:
             print(line, flush=True)
             out.append(line)
             del kc, vc
-    out.append("  (config = block_n/warps/stages/splits/kvh_major)")
+    out.append("  (config = block_n/warps/stages/splits/kvh_major[/fp8 V dequantized per tile])")
     return out
 
 

@@ -48,6 +48,7 @@ LOG2E = 1.4426950408889634
 # A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
 _FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
 _KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "1") != "0"
+_V_DEQUANT_TILE = os.environ.get("NV_FP8_V_DEQUANT_TILE", "0") == "1"
 _counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
@@ -139,6 +140,7 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     L2_PREFETCH: tl.constexpr,  # PDL: prefetch the program's K/V lines into L2 before waiting
     KV_LINES: tl.constexpr,  # 128-byte lines per cached head row (head_dim * element size / 128)
+    V_SCALED: tl.constexpr,  # fp8: each V tile is dequantized (times v_scale, in fp32) before the dot
 ):
     if PDL:
         gdc_launch_dependents()
@@ -228,7 +230,10 @@ def _decode_split_kernel(
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM]
-        v = v.to(q.dtype)
+        if V_SCALED:  # see paged_decode_attention_triton's v_dequant_in_tile
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        else:
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * score_scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -239,7 +244,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    acc = acc * v_scale
+    if not V_SCALED:
+        acc = acc * v_scale
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [GROUP_PAD, HEAD_DIM]
     if DIRECT:
@@ -360,13 +366,20 @@ def paged_decode_attention_triton(
     fused_reduce: Optional[bool] = None,
     kvh_major: Optional[bool] = None,
     rope: Optional[DecodeRope] = None,
+    v_dequant_in_tile: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
     k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
     store quantizes with them when `rope` is given) and are ignored otherwise. With `rope` the kernel
     first norms and rotates q in place and the new key, and stores the new key and value in the cache.
-    The other keyword-only knobs override the tuned defaults (benchmarks).
+    The other keyword-only knobs override the tuned defaults (benchmarks). `v_dequant_in_tile` (fp8,
+    fp16 dots): scale each V tile in fp32 before the PV dot instead of the accumulator after the loop.
+    An unmeasured candidate (NV_FP8_V_DEQUANT_TILE=1): compiled offline for sm_90, the default path
+    reads the fp8 V tile from shared memory one byte per instruction (the PV dot needs V transposed,
+    and there is no 8-bit ldmatrix.trans), at 147 registers per thread; with the scaling op in between,
+    Triton converts V to fp16 in registers and uses ldmatrix.trans on fp16, at 114 registers (4 programs
+    per SM instead of 3) but without cp.async pipelining of V.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -405,6 +418,9 @@ def paged_decode_attention_triton(
         fused_reduce = _FUSED_REDUCE
     if kvh_major is None:
         kvh_major = _KVH_MAJOR
+    if v_dequant_in_tile is None:
+        v_dequant_in_tile = _V_DEQUANT_TILE
+    v_scaled = bool(v_dequant_in_tile and fp8 and f16_dot)
     fused_reduce = fused_reduce and num_splits > 1
 
     pdl = use_pdl(q, num_seqs)
@@ -475,6 +491,7 @@ def paged_decode_attention_triton(
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         L2_PREFETCH=pdl and L2_PREFETCH and head_dim * k_cache.element_size() % 128 == 0,
         KV_LINES=max(1, head_dim * k_cache.element_size() // 128),
+        V_SCALED=v_scaled,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),

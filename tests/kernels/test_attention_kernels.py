@@ -201,9 +201,9 @@ def test_decode_fp16_strided_q() -> None:
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens), atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("f16_dot", [False, True])
+@pytest.mark.parametrize("f16_dot,v_tile", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("scale_kind", ["float", "tensor"])
-def test_decode_fp8_cache(scale_kind: str, f16_dot: bool) -> None:
+def test_decode_fp8_cache(scale_kind: str, f16_dot: bool, v_tile: bool) -> None:
     gen = torch.Generator().manual_seed(11)
     lens = [50, 17, 0]
     k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
@@ -217,7 +217,7 @@ def test_decode_fp8_cache(scale_kind: str, f16_dot: bool) -> None:
     else:
         k_scale, v_scale = ks, vs
     out = paged_decode_attention_triton(q, k8, v8, tables, seq_lens, SCALE, k_scale, v_scale, num_splits=2,
-                                        f16_dot=f16_dot)
+                                        f16_dot=f16_dot, v_dequant_in_tile=v_tile)
     # fp16 dots (the GPU default for an fp8 cache) round q and the probabilities to fp16
     tol = dict(atol=2e-3, rtol=2e-3) if f16_dot else {}
     assert_close(out, decode_ref(q, k_deq, v_deq, tables, seq_lens), **tol)
