@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.kernels import ops
+
+if TYPE_CHECKING:
+    from nvcli.kernels.decode_attention import DecodeRope
 
 
 class Attention(nn.Module):
@@ -42,9 +47,9 @@ class Attention(nn.Module):
             meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale,
         )
 
-    def decode_with_rope(self, q: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
+    def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
         """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
-        new key and value (`rope`: a kernels.decode_attention.DecodeRope)."""
+        new key and value."""
         from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
