@@ -102,6 +102,22 @@ def _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, mask, K: tl.constexpr, SILU_MUL: tl.c
 
 
 @triton.jit
+def _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, k_cols, K: tl.constexpr, EVEN_K: tl.constexpr,
+                SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """The weight tile and the x tile of one K step; `k_cols` [BLOCK_K] are the step's K indices (masked
+    against K unless EVEN_K), `m_ok` the row mask or None (one row: nothing to mask)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, K, SILU_MUL, NORM, HAS_RES)
+    else:
+        k_ok = k_cols[None, :] < K
+        w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        x_ok = k_ok if m_ok is None else m_ok & k_ok
+        x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, x_ok, K, SILU_MUL, NORM, HAS_RES)
+    return w, x
+
+
+@triton.jit
 def _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps, write_res,
               K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr):
     """1 / RMS of each row of x (+ residual) over all K columns; the program with `write_res` also
@@ -189,13 +205,8 @@ def _skinny_gemm_kernel(
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, K, SILU_MUL, NORM, HAS_RES)
-            else:
-                k_ok = (k0 + k + offs_k)[None, :] < K
-                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok & k_ok, K, SILU_MUL, NORM, HAS_RES)
+            w, x = _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, k0 + k + offs_k, K, EVEN_K, SILU_MUL,
+                               NORM, HAS_RES)
             if IEEE:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             else:
@@ -215,13 +226,8 @@ def _skinny_gemm_kernel(
             r_ptrs += BLOCK_K
             nw_ptrs += BLOCK_K
         for k in tl.range(K_START, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, None, K, SILU_MUL, NORM, HAS_RES)
-            else:
-                k_ok = (k0 + k + offs_k)[None, :] < K
-                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, k_ok, K, SILU_MUL, NORM, HAS_RES)
+            w, x = _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, None, k0 + k + offs_k, K, EVEN_K, SILU_MUL,
+                               NORM, HAS_RES)
             acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -231,13 +237,8 @@ def _skinny_gemm_kernel(
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, K, SILU_MUL, NORM, HAS_RES)
-            else:
-                k_ok = (k0 + k + offs_k)[None, :] < K
-                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok & k_ok, K, SILU_MUL, NORM, HAS_RES)
+            w, x = _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, k0 + k + offs_k, K, EVEN_K, SILU_MUL,
+                               NORM, HAS_RES)
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
