@@ -114,16 +114,18 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody reads (benchmarks: each timed run starts cold).
         Blocks in use keep their hashes. Returns the number of blocks forgotten."""
-        forgotten = 0
-        for block_id in self.free:
-            block = self.blocks[block_id]
-            if block.hash != NO_HASH:
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash = NO_HASH
-                block.token_ids = []
-                forgotten += 1
-        return forgotten
+        return sum(self._forget(block_id) for block_id in self.free)
+
+    def _forget(self, block_id: int) -> bool:
+        """Drop the block's cached-prefix identity (its hash and tokens); whether it had one."""
+        block = self.blocks[block_id]
+        if block.hash == NO_HASH:
+            return False
+        if self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash = NO_HASH
+        block.token_ids = []
+        return True
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -134,13 +136,8 @@ class BlockManager:
             raise RuntimeError(f"out of KV blocks: need {need}, free {len(self.free)}")
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash != NO_HASH:
-                if self.hash_to_block.get(block.hash) == block_id:
-                    del self.hash_to_block[block.hash]
-                block.hash = NO_HASH
-                block.token_ids = []
-            block.ref_count = 1
+            self._forget(block_id)
+            self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
 
     def register_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
