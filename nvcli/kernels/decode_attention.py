@@ -45,6 +45,8 @@ from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2
 from nvcli.kernels.rotary import rope_qk_norm_store
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # choose_num_splits' bound on KV splits per sequence
+MERGE_WIDTH = 32  # splits the in-kernel merge loads at once (at least; see the launch)
 # A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
 _FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
 _KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "1") != "0"
@@ -132,7 +134,7 @@ def _decode_split_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
     KVH_MAJOR: tl.constexpr,  # grid (num_kv_heads, num_seqs, splits): a sequence's KV heads run side by side
     FUSED_REDUCE: tl.constexpr,  # the last split of a (seq, KV head) to finish merges the partials
-    SPLITS_PAD: tl.constexpr,  # FUSED_REDUCE: num_splits rounded up to a power of two
+    SPLITS_PAD: tl.constexpr,  # FUSED_REDUCE: a power of two >= num_splits
     ROPE: tl.constexpr,  # first norm + rotate q (in place) and the new k, and store the new k and v
     ROPE_NORM: tl.constexpr,  # with ROPE: Qwen3's per-head q/k RMSNorm before the rotation
     ROPE_GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
@@ -344,8 +346,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n
         return 1
     splits = triton.next_power_of_2(math.ceil(target / programs))
     max_tiles = max(1, math.ceil(max_kv_len / block_n))
-    # at least ~2 tiles per split, and at most 64 splits
-    return max(1, min(splits, triton.next_power_of_2(max(1, max_tiles // 2)), 64))
+    # at least ~2 tiles per split, and at most MAX_SPLITS
+    return max(1, min(splits, triton.next_power_of_2(max(1, max_tiles // 2)), MAX_SPLITS))
 
 
 def paged_decode_attention_triton(
@@ -483,7 +485,11 @@ def paged_decode_attention_triton(
         PDL=pdl,
         KVH_MAJOR=kvh_major,
         FUSED_REDUCE=fused_reduce,
-        SPLITS_PAD=triton.next_power_of_2(num_splits) if fused_reduce else 1,
+        # One merge width for every split count up to 32 (all a 4096-token table gets): otherwise each batch
+        # size's split count compiles its own kernel variant at start-up, for a merge that runs once per
+        # (sequence, KV head). Compiled for sm_90a (decode_ptx.py-style) width 32 costs no registers in the
+        # plain or the rotary+PDL variant (126-128 bf16, 128 fp8); width 64 would (146 / 168 with rotary).
+        SPLITS_PAD=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)) if fused_reduce else 1,
         ROPE=rope is not None,
         ROPE_NORM=norm,
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
