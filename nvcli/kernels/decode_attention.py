@@ -273,23 +273,31 @@ def _decode_split_kernel(
 @triton.jit
 def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq, kvh, num_kv_heads, num_splits, stride_os, stride_oh,
                   GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Output of KV head `kvh`'s query heads from their num_splits partials: all splits of a head in one
-    load (no chain of dependent loads at the kernel's tail), summed as _decode_reduce_kernel sums them."""
+    """Output of KV head `kvh`'s query heads from their num_splits partials."""
+    for g in tl.static_range(GROUP):
+        _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, seq, kvh * GROUP + g, GROUP * num_kv_heads, num_splits,
+                    stride_os, stride_oh, SPLITS_PAD, HEAD_DIM)
+
+
+@triton.jit
+def _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, seq, head, num_heads, num_splits, stride_os, stride_oh,
+                SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One query head's output from its num_splits normalised partials and their log-sum-exps, all
+    splits in one load (no chain of dependent loads). `.cg`: the partials come from other programs,
+    so never from this SM's L1."""
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < num_splits
-    for g in tl.static_range(GROUP):
-        head = kvh * GROUP + g
-        row = seq.to(tl.int64) * (GROUP * num_kv_heads) + head
-        lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
-        w = tl.exp2(lse - m)  # [SPLITS_PAD]
-        denom = tl.sum(w, axis=0)
-        o = tl.load(mid_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, HEAD_DIM]
-        o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-        tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    row = seq.to(tl.int64) * num_heads + head
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
+    w = tl.exp2(lse - m)  # [SPLITS_PAD]
+    denom = tl.sum(w, axis=0)
+    o = tl.load(mid_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, HEAD_DIM]
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -305,26 +313,8 @@ def _decode_reduce_kernel(
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_splits
-    row = seq.to(tl.int64) * tl.num_programs(1) + head
-    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights all 0
-    w = tl.exp2(lse - m)  # [SPLITS_PAD]
-    denom = tl.sum(w, axis=0)
-    o = tl.load(
-        mid_o_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None],
-        other=0.0,
-    )  # [SPLITS_PAD, HEAD_DIM]
-    o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty)
-    )
+    _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1), num_splits,
+                stride_os, stride_oh, SPLITS_PAD, HEAD_DIM)
 
 
 @lru_cache(maxsize=16)
