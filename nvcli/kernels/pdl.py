@@ -11,8 +11,9 @@ writes (only weights, rotary tables and the step's copied-in inputs) and stores 
 signals `launch_dependents` first thing, so the next kernel can be scheduled early. Before waiting,
 the skinny GEMM and decode attention also prefetch what they will read into L2 (`prefetch_l2`: the
 weight share, the KV lines) so those bytes stream while the previous kernel runs; a prefetch is a
-hint into the coherent L2, never a read into registers, so it may touch lines a kernel still writes. A kernel that
-is not PDL-aware (cuBLAS, torch) simply ends the overlap: the next launch waits for it as usual.
+hint into the coherent L2, never a read into registers, so it may touch lines a kernel still writes.
+A kernel that is not PDL-aware (cuBLAS, torch) simply ends the overlap: the next launch waits for it
+as usual.
 
 Only launches with at most MAX_ROWS rows use it (a decision from shapes, so CUDA graphs capture
 it); NV_PDL=0 in the environment turns it off for A/B runs.

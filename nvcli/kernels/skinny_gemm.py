@@ -171,8 +171,8 @@ def _skinny_gemm_kernel(
     K_START: tl.constexpr,  # BLOCK_K with PREFETCH (the peeled first iteration), else 0
     NORM: tl.constexpr,  # x is pre-norm: the GEMM input is RMSNorm(x + residual) (fused add+RMSNorm)
     HAS_RES: tl.constexpr,
-    L2_LINES: tl.constexpr,  # PDL: prefetch this program's weights into L2 before waiting, as L2_LINES
-    LINE_ELEMS: tl.constexpr,  # lines of LINE_ELEMS elements per row (a power of two; 0: no prefetch)
+    L2_LINES: tl.constexpr,  # PDL: prefetch L2_LINES 128-byte lines per weight row before waiting (0: none)
+    LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
