@@ -4,7 +4,8 @@
 # (GPU vs CPU float32 end to end), gemm_mid (cuBLAS vs the Triton tiles at M 32..256), attn_sweep
 # (decode attention at the workload's shapes), timeline (the bf16 workload, each batch bucket against
 # its bandwidth floor and the GPU's idle time between steps), steps (kernel tables of decode steps at
-# batch 1, 64 and 256). Full logs go to $OUT, summaries to stdout.
+# batch 1, 64 and 256), startup (benchmarks/startup.py on an empty Triton cache, then again on the one
+# it filled). Full logs go to $OUT, summaries to stdout.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -21,6 +22,17 @@ for s in $steps; do
               grep -A 14 "run 2" "$OUT/$s.log" | head -16 ;;
     steps) run $s timeout 200 python3 benchmarks/profile_gpu.py --sections steps --batches 1:600,64:1400,256:700
            grep -A 15 "^batch" "$OUT/$s.log" | head -60 ;;
+    startup) # site-packages here ship without bytecode (every import compiles its source, ~4 s); a user's
+             # install has it, so compile it once into a prefix first
+             export PYTHONPYCACHEPREFIX=/tmp/pyc
+             t0=$SECONDS; timeout 150 python3 -m compileall -q -j 16 $(python3 -c "import site, sys; print(' '.join(p for p in sys.path if 'packages' in p))") /tmp/site > /dev/null 2>&1
+             echo "[compileall] $((SECONDS - t0)) s"
+             cache=$(mktemp -d)
+             NV_COMPILE_AHEAD=0 TRITON_CACHE_DIR=$cache run startup_serial timeout 200 python3 benchmarks/startup.py
+             cache=$(mktemp -d)
+             TRITON_CACHE_DIR=$cache run startup_cold timeout 200 python3 benchmarks/startup.py
+             TRITON_CACHE_DIR=$cache run startup_warm timeout 200 python3 benchmarks/startup.py --profile
+             for f in serial cold warm; do echo "-- $f"; grep "^##\|^CUDA\|compiles," "$OUT/startup_$f.log"; done ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -7,7 +7,9 @@ scheduler's batch; every rank turns it into tensors and runs the forward; rank 0
 from __future__ import annotations
 
 import logging
+import os
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,8 @@ from nvcli.sampling_params import SamplingParams
 
 log = logging.getLogger("nvcli")
 
+# Start-up compiles its Triton kernels side by side first (kernels/compile_ahead.py); 0 turns it off (A/B).
+COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "1") != "0"
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -120,6 +124,18 @@ class ModelRunner:
         # Pipelined tensor parallelism: workers need rank 0's tokens to fill pending inputs.
         self.broadcast_tokens = bool(config.async_scheduling) and config.tensor_parallel_size > 1
 
+        # Wall seconds of each start-up phase (logged, and read by benchmarks/startup.py).
+        self.startup_s: dict[str, float] = {}
+        t0 = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal t0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            self.startup_s[name] = now - t0
+            t0 = now
+
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -132,13 +148,22 @@ class ModelRunner:
         else:
             load_weights(self.model, iter_safetensors(model_dir))
         self.model.eval()
+        phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.device.type == "cuda" and COMPILE_AHEAD:
+            num_variants = self._compile_ahead()
+            phase("compile_ahead")
+            log.info("rank %d compiled %d Triton kernel variants ahead of start-up", rank, num_variants)
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        phase("kv_cache")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
+            phase("cuda_graphs")
         if self.device.type == "cuda":
             self._warm_up_kernels()
+            phase("kernel_warm_up")
+        log.info("rank %d start-up: %s", rank, ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:
@@ -233,15 +258,18 @@ class ModelRunner:
         del hidden, logits
 
     @torch.inference_mode()
-    def _warm_up_kernels(self) -> None:
+    def _warm_up_kernels(self, dry_run: bool = False) -> None:
         """Compile, at start-up, the Triton variants a job would otherwise compile mid-run.
 
         Triton specializes integer arguments (== 1, multiples of 16) and our kernels pick configs by
         row count, so the first prefill of an odd length, or the LM head and sampler at 1, 2 or a few
         rows once a job's batch drains, each cost a compile (up to a second) in the middle of the
         job. Every step here writes nothing to the KV cache (slot -1) and its outputs are dropped.
+        `dry_run` (the compile-ahead pass, whose kernels leave outputs unwritten): no sampling, and no
+        eager decode steps where decode graphs are to be captured (the real pass replays those).
         """
-        if self.num_kvcache_blocks * self.block_size < 32 or (self.config.max_model_len or 32) < 32:
+        cache_tokens = self.attn_layers[0].k_cache.shape[0] * self.block_size
+        if cache_tokens < 32 or (self.config.max_model_len or 32) < 32:
             return  # the shapes below need 32 tokens of cache to read from
         blocks = [list(range(-(-32 // self.block_size)))]
         for lens in ([17, 14], [16, 32], [1]):  # prefill: odd / multiple-of-16 token counts; eager decode
@@ -254,8 +282,11 @@ class ModelRunner:
         for rows in (1, 2, 3, 17):  # LM head: skinny FMA (1, 2 rows), skinny tensor-core, cuBLAS
             step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
                              blocks * rows, True)
-            hidden = self._forward(step)
-            if self.rank == 0:
+            if dry_run and not self.config.enforce_eager:
+                hidden = self.g_hidden[:rows]
+            else:
+                hidden = self._forward(step)
+            if self.rank == 0 and not dry_run:
                 logits = self.model.compute_logits(hidden)
                 for temperature in (0.0, 0.7):  # argmax, fused Gumbel sampler
                     params = [SamplingParams(temperature=temperature)] * rows
@@ -359,9 +390,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
-    def _capture_cuda_graphs(self) -> None:
-        sizes = self.graph_batch_sizes
-        max_bs = sizes[-1]
+    def _make_graph_inputs(self) -> None:
+        """The decode graphs' static input buffers (once; the compile-ahead pass runs the same forwards)."""
+        if hasattr(self, "g_i64"):
+            return
+        max_bs = self.graph_batch_sizes[-1]
         max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
         dev = self.device
         self.g_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)
@@ -382,19 +415,46 @@ class ModelRunner:
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.g_hidden = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.dtype, device=dev)
         self.g_max_blocks = max_blocks
+
+    def _graph_forward(self, bs: int) -> None:
+        """The decode step a graph of `bs` rows holds, on the static buffers (seq_len 0, slot -1: reads and
+        writes no KV)."""
+        meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
+                                 self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True)
+        self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+
+    def _capture_cuda_graphs(self) -> None:
+        self._make_graph_inputs()
         pool = None
-        for bs in reversed(sizes):
-            meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
-                                     self.g_block_tables[:bs], 1, max_blocks * self.block_size, True)
-            # Warm-up outside the graph so Triton compiles and autotunes first.
-            self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+        for bs in reversed(self.graph_batch_sizes):
+            self._graph_forward(bs)  # eager first: Triton compiles (unless compiled ahead) outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+                self._graph_forward(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _compile_ahead(self) -> int:
+        """Compile, in parallel, every Triton variant the start-up's forwards below will launch (see
+        kernels/compile_ahead.py): the profile run, a decode step at each graph size, the warm-up shapes."""
+        from nvcli.kernels.compile_ahead import compile_ahead
+
+        def forwards() -> None:
+            self._profile_run()  # leaves its scratch cache on the layers: the steps below read block 0 of it
+            if not self.config.enforce_eager:
+                self._make_graph_inputs()
+                for bs in reversed(self.graph_batch_sizes):
+                    self._graph_forward(bs)
+            self._warm_up_kernels(dry_run=True)
+
+        n = compile_ahead(forwards, self.device)
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = None
+        torch.cuda.empty_cache()
+        return n
 
     def release_cuda_graphs(self) -> None:
         if self.graphs:

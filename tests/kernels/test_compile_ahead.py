@@ -1,0 +1,55 @@
+"""Compile-ahead (nvcli/kernels/compile_ahead.py): needs a GPU (the Triton interpreter compiles nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from nvcli.kernels.compile_ahead import compile_variants, skipping_uncompiled_launches
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton.knobs.runtime.interpret,
+                                reason="compiles for a GPU")
+
+
+@triton.jit
+def _add_one_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+
+def _launch(x: torch.Tensor, y: torch.Tensor, block: int) -> None:
+    _add_one_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
+
+
+def test_skipped_launches_are_recorded_then_compiled_ahead():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.arange(48, dtype=torch.float32, device=dev)
+    x_odd = torch.arange(47, dtype=torch.float32, device=dev)  # n == 47: another integer specialization
+    y = torch.full_like(x, -7.0)
+    y_odd = torch.full_like(x_odd, -7.0)
+    block = 32
+
+    with skipping_uncompiled_launches() as variants:
+        _launch(x, y, block)
+        _launch(x, y, block)  # the same variant again: recorded once
+        _launch(x_odd, y_odd, block)
+    torch.cuda.synchronize()
+    assert len(variants) == 2
+    assert bool((y == -7.0).all()) and bool((y_odd == -7.0).all()), "a skipped launch must write nothing"
+
+    compile_variants(variants, dev, max_workers=2)
+    compiles = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
+    try:
+        _launch(x, y, block)
+        _launch(x_odd, y_odd, block)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    torch.cuda.synchronize()
+    assert compiles == [], "the launches after compile_variants must find their kernels compiled"
+    torch.testing.assert_close(y, x + 1)
+    torch.testing.assert_close(y_odd, x_odd + 1)
