@@ -150,13 +150,13 @@ class ModelRunner:
         self.model.eval()
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and COMPILE_AHEAD:
             num_variants = self._compile_ahead()
             phase("compile_ahead")
             log.info("rank %d compiled %d Triton kernel variants ahead of start-up", rank, num_variants)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         phase("kv_cache")
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
             phase("cuda_graphs")
@@ -423,6 +423,7 @@ class ModelRunner:
                                  self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True)
         self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
+    @torch.inference_mode()
     def _capture_cuda_graphs(self) -> None:
         self._make_graph_inputs()
         pool = None

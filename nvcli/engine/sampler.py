@@ -19,7 +19,7 @@ _MASK = float("-inf")
 
 @dataclass
 class SamplingBatch:
-    temperatures: torch.Tensor  # [num_seqs] float32, 0 = greedy
+    temperatures: torch.Tensor | None  # [num_seqs] float32, 0 = greedy; None when every row is greedy
     top_k: torch.Tensor | None  # [num_seqs] int64, vocab size where disabled; None if no row uses it
     top_p: torch.Tensor | None  # [num_seqs] float32; None if no row uses it
     min_p: torch.Tensor | None  # [num_seqs] float32; None if no row uses it
@@ -64,7 +64,8 @@ class SamplingBatch:
             by_row = dict(seeds)
             philox = torch.tensor([by_row.get(i, rng.getrandbits(62)) for i in range(len(params))], dtype=torch.int64)
         return SamplingBatch(
-            temperatures=to(torch.tensor(temps, dtype=torch.float32)),
+            # all greedy: argmax needs no temperatures, and a token's latency pays for every upload
+            temperatures=None if all_greedy else to(torch.tensor(temps, dtype=torch.float32)),
             top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
             num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
             needs_filter=top_k is not None or top_p is not None or min_p is not None,
