@@ -27,12 +27,15 @@ for s in $steps; do
              export PYTHONPYCACHEPREFIX=/tmp/pyc
              t0=$SECONDS; timeout 150 python3 -m compileall -q -j 16 $(python3 -c "import site, sys; print(' '.join(p for p in sys.path if 'packages' in p))") /tmp/site > /dev/null 2>&1
              echo "[compileall] $((SECONDS - t0)) s"
+             # compiles one after another (NV_COMPILE_AHEAD=0) vs ahead in threads, each on an empty cache, then warm
              cache=$(mktemp -d)
-             NV_COMPILE_AHEAD=0 TRITON_CACHE_DIR=$cache run startup_serial timeout 200 python3 benchmarks/startup.py
+             NV_COMPILE_AHEAD=0 TRITON_CACHE_DIR=$cache run startup_serial_cold timeout 200 python3 benchmarks/startup.py
+             NV_COMPILE_AHEAD=0 TRITON_CACHE_DIR=$cache run startup_serial_warm timeout 200 python3 benchmarks/startup.py
              cache=$(mktemp -d)
-             TRITON_CACHE_DIR=$cache run startup_cold timeout 200 python3 benchmarks/startup.py
-             TRITON_CACHE_DIR=$cache run startup_warm timeout 200 python3 benchmarks/startup.py --profile
-             for f in serial cold warm; do echo "-- $f"; grep "^##\|^CUDA\|compiles," "$OUT/startup_$f.log"; done ;;
+             TRITON_CACHE_DIR=$cache run startup_ahead_cold timeout 200 python3 benchmarks/startup.py
+             TRITON_CACHE_DIR=$cache run startup_ahead_warm timeout 200 python3 benchmarks/startup.py
+             for f in serial_cold serial_warm ahead_cold ahead_warm; do
+               echo "-- $f"; grep "^##\|^CUDA\|compiles," "$OUT/startup_$f.log"; done ;;
     *) echo "unknown step $s" ;;
   esac
 done

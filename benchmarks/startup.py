@@ -17,6 +17,7 @@ T_START = time.perf_counter()  # before the imports: torch, triton and transform
 
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
 import tempfile  # noqa: E402
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the engine's construction and first token")
     ap.add_argument("--verbose", action="store_true", help="print every Triton compile")
     args = ap.parse_args()
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("nvcli").setLevel(logging.INFO)  # the engine's start-up lines
     t_imports = time.perf_counter() - T_START
     triton.knobs.runtime.jit_cache_hook = _before
     triton.knobs.runtime.jit_post_compile_hook = _after

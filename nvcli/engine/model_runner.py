@@ -6,6 +6,7 @@ scheduler's batch; every rank turns it into tensors and runs the forward; rank 0
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -151,10 +152,22 @@ class ModelRunner:
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        marker = None
         if self.device.type == "cuda" and COMPILE_AHEAD:
-            num_variants = self._compile_ahead()
-            phase("compile_ahead")
-            log.info("rank %d compiled %d Triton kernel variants ahead of start-up", rank, num_variants)
+            from nvcli.kernels.compile_ahead import StartupMarker
+
+            # where the model lives, its tokenizer and the seed shape no launch
+            settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("model", "tokenizer", "seed")}
+            shapes = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}
+            gpu = f"{torch.cuda.get_device_name(self.device)} sm_{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
+            marker = StartupMarker([settings, shapes, rank], gpu)
+            if marker.exists():  # a start-up like this one compiled them: Triton's disk cache has every variant
+                marker = None
+            else:
+                num_variants, dry_s = self._compile_ahead()
+                phase("compile_ahead")
+                log.info("rank %d compiled %d Triton kernel variants ahead of start-up in %.1f s (dry pass %.1f s)",
+                         rank, num_variants, self.startup_s["compile_ahead"], dry_s)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         phase("kv_cache")
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -163,6 +176,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_kernels()
             phase("kernel_warm_up")
+        if marker is not None:
+            marker.write(num_variants)
         log.info("rank %d start-up: %s", rank, ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
 
     # ------------------------------------------------------------------ KV cache
@@ -438,7 +453,7 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def _compile_ahead(self) -> int:
+    def _compile_ahead(self) -> tuple[int, float]:
         """Compile, in parallel, every Triton variant the start-up's forwards below will launch (see
         kernels/compile_ahead.py): the profile run, a decode step at each graph size, the warm-up shapes."""
         from nvcli.kernels.compile_ahead import compile_ahead
@@ -451,11 +466,11 @@ class ModelRunner:
                     self._graph_forward(bs)
             self._warm_up_kernels(dry_run=True)
 
-        n = compile_ahead(forwards, self.device)
+        result = compile_ahead(forwards, self.device)
         for attn in self.attn_layers:
             attn.k_cache = attn.v_cache = None
         torch.cuda.empty_cache()
-        return n
+        return result
 
     def release_cuda_graphs(self) -> None:
         if self.graphs:

@@ -9,19 +9,30 @@ compiles the recorded variants and loads them, launchers included, in a thread p
 passes, LLVM and ptxas run outside the GIL. The start-up that follows finds every variant in
 memory. A skipped launch leaves its outputs unwritten, so `run` must not act on kernel outputs (no
 sampling, no host reads); torch ops on garbage values are harmless.
+
+Once a start-up has compiled its variants, every later start-up with the same kernels, model and
+settings finds them in Triton's disk cache, and loading them one by one takes 0.5 s; the dry pass
+would only add a second or two. `StartupMarker` remembers, in Triton's cache directory, which
+start-ups have compiled ahead (a key over everything that decides the variants), so those skip it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
+import xxhash
 from triton.runtime.jit import JITFunction
+
+KERNELS_DIR = Path(__file__).parent
 
 
 @dataclass(frozen=True)
@@ -69,11 +80,40 @@ def compile_variants(variants: list[KernelVariant], device: torch.device, max_wo
             future.result()  # a compile error surfaces here, as it would at the launch
 
 
-def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None) -> int:
+def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None) -> tuple[int, float]:
     """Run `run` with uncompiled launches skipped, then compile what it would have launched, in parallel.
-    Returns the number of variants compiled."""
+    Returns the number of variants compiled and the seconds the dry pass took."""
+    t0 = time.perf_counter()
     with skipping_uncompiled_launches() as variants:
         run()
     torch.cuda.synchronize(device)
+    dry_s = time.perf_counter() - t0
     compile_variants(variants, device, max_workers)
-    return len(variants)
+    return len(variants), dry_s
+
+
+class StartupMarker:
+    """A file in Triton's cache directory saying a start-up with this key has compiled its variants there.
+
+    The key hashes `settings` (the model config, the engine config, the rank: whatever shapes the
+    launches), `gpu` (its name and compute capability), the torch and Triton versions and the source of every kernel module, so any
+    change makes a new key. A stale or missing marker costs time only: a variant that is not cached
+    compiles at its first launch, as without compile-ahead."""
+
+    def __init__(self, settings: object, gpu: str) -> None:
+        h = xxhash.xxh64()
+        h.update(json.dumps([settings, gpu, torch.__version__, triton.__version__], sort_keys=True,
+                            default=str).encode())
+        for path in sorted(KERNELS_DIR.glob("*.py")):
+            h.update(path.read_bytes())
+        self.path = Path(triton.knobs.cache.dir) / f"nv-startup-{h.hexdigest()}.done"
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def write(self, num_variants: int) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(f"{num_variants} Triton variants compiled ahead\n")
+        except OSError:  # a read-only cache: the next start-up compiles ahead again, nothing worse
+            pass
