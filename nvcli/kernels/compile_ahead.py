@@ -2,13 +2,13 @@
 
 On a cold Triton cache the engine's start-up (profile run, CUDA-graph capture, kernel warm-up) first
 launches about 30 kernel variants, and each launch waits for its compile and its launcher's C build:
-16 s one after another on an H100 host. `compile_ahead(run)` calls `run` (those same forwards) once
-with every launch of a variant that is not compiled yet skipped and recorded (Triton's
-`jit_cache_hook`: a hook that returns True makes the JIT skip the compile and the launch), then
-compiles the recorded variants and loads them, launchers included, in a thread pool: the MLIR
-passes, LLVM and ptxas run outside the GIL. The start-up that follows finds every variant in
-memory. A skipped launch leaves its outputs unwritten, so `run` must not act on kernel outputs (no
-sampling, no host reads); torch ops on garbage values are harmless.
+16-20 s one after another on an H100 host. `compile_ahead(run)` calls `run` (those same forwards)
+once with every launch of a variant that is not compiled yet skipped and recorded (Triton's
+`jit_cache_hook`: a hook that returns True makes the JIT skip the compile and the launch); each
+recorded variant compiles at once in a thread pool, launchers included, while the dry pass goes on
+(the MLIR passes, LLVM, ptxas and the C compiler run outside the GIL). The start-up that follows
+finds every variant in memory. A skipped launch leaves its outputs unwritten, so `run` must not act on
+kernel outputs (no sampling, no host reads); torch ops on garbage values are harmless.
 
 Once a start-up has compiled its variants, every later start-up with the same kernels, model and
 settings finds them in Triton's disk cache, and loading them one by one takes 0.5 s; the dry pass
@@ -44,17 +44,26 @@ class KernelVariant:
 
 
 @contextmanager
-def skipping_uncompiled_launches() -> Iterator[list[KernelVariant]]:
-    """Within: launching a kernel variant that is not compiled yet records it and does nothing else (its
-    outputs are not written). Variants already compiled launch as usual. Yields the recorded list."""
+def skipping_uncompiled_launches(
+    on_record: Callable[[KernelVariant], None] | None = None,
+) -> Iterator[list[KernelVariant]]:
+    """Within: launching a kernel variant that is not compiled yet records it (and passes it to
+    `on_record`) and does nothing else: its outputs are not written. Variants already compiled launch
+    as usual, and so do `preload`s (other threads compiling). Yields the recorded list."""
     recorded: list[KernelVariant] = []
     seen: set[tuple[int, str]] = set()
     previous = triton.knobs.runtime.jit_cache_hook
 
     def hook(*, key: str, repr: str, fn, compile: dict, is_manual_warmup: bool, already_compiled: bool) -> bool:
+        if is_manual_warmup:  # a preload, not a launch
+            return bool(previous and previous(key=key, repr=repr, fn=fn, compile=compile,
+                                              is_manual_warmup=is_manual_warmup, already_compiled=already_compiled))
         if (id(fn.jit_function), key) not in seen:
             seen.add((id(fn.jit_function), key))
-            recorded.append(KernelVariant(fn.jit_function, compile["specialization_data"]))
+            variant = KernelVariant(fn.jit_function, compile["specialization_data"])
+            recorded.append(variant)
+            if on_record is not None:
+                on_record(variant)
         return True
 
     triton.knobs.runtime.jit_cache_hook = hook
@@ -64,31 +73,56 @@ def skipping_uncompiled_launches() -> Iterator[list[KernelVariant]]:
         triton.knobs.runtime.jit_cache_hook = previous
 
 
+def _twin(kernel: JITFunction) -> JITFunction:
+    """The same kernel with its own in-memory cache: compiling a variant through it fills Triton's disk
+    cache (the key hashes the source and the options, not the object) but leaves `kernel` as it is, so
+    no launch can find a variant whose launcher another thread is still loading."""
+    return JITFunction(kernel.fn, version=kernel.version, do_not_specialize=kernel.do_not_specialize,
+                       do_not_specialize_on_alignment=kernel.do_not_specialize_on_alignment, debug=kernel.debug,
+                       noinline=kernel.noinline, repr=kernel._repr, launch_metadata=kernel.launch_metadata)
+
+
+def _build(variant: KernelVariant, kernel: JITFunction) -> None:
+    compiled = kernel.preload(variant.specialization)
+    compiled._init_handles()  # the launcher's C build (cached on disk too) and the module load
+
+
 def compile_variants(variants: list[KernelVariant], device: torch.device, max_workers: int | None = None) -> None:
     """Compile each variant into its kernel's in-memory cache (and Triton's disk cache), build its
     launcher and load it on `device`, `max_workers` at a time (default: one per CPU core, at most 16)."""
     if not variants:
         return
-    workers = max_workers or min(16, os.cpu_count() or 1)
-
-    def build(variant: KernelVariant) -> None:
-        kernel = variant.kernel.preload(variant.specialization)
-        kernel._init_handles()  # the launcher's C build and the module load; a launch would do both
-
-    with ThreadPoolExecutor(workers, initializer=torch.cuda.set_device, initargs=(device,)) as pool:
-        for future in [pool.submit(build, v) for v in variants]:
+    with _pool(device, max_workers) as pool:
+        for future in [pool.submit(_build, v, v.kernel) for v in variants]:
             future.result()  # a compile error surfaces here, as it would at the launch
 
 
+def _pool(device: torch.device, max_workers: int | None) -> ThreadPoolExecutor:
+    workers = max_workers or min(16, os.cpu_count() or 1)
+    return ThreadPoolExecutor(workers, initializer=torch.cuda.set_device, initargs=(device,))
+
+
 def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None) -> tuple[int, float]:
-    """Run `run` with uncompiled launches skipped, then compile what it would have launched, in parallel.
-    Returns the number of variants compiled and the seconds the dry pass took."""
-    t0 = time.perf_counter()
-    with skipping_uncompiled_launches() as variants:
-        run()
-    torch.cuda.synchronize(device)
-    dry_s = time.perf_counter() - t0
-    compile_variants(variants, device, max_workers)
+    """Run `run` with uncompiled launches skipped; every variant it would have launched compiles in a
+    thread pool as soon as it is recorded (on a twin of its kernel, into Triton's disk cache), so the
+    compiles overlap the dry pass. Then each variant is loaded into its own kernel from that cache, in
+    parallel. Returns the number of variants and the seconds the dry pass took."""
+    twins: dict[int, JITFunction] = {}
+    with _pool(device, max_workers) as pool:
+        futures = []
+
+        def on_record(v: KernelVariant) -> None:
+            twin = twins.setdefault(id(v.kernel), _twin(v.kernel))
+            futures.append(pool.submit(_build, v, twin))
+
+        t0 = time.perf_counter()
+        with skipping_uncompiled_launches(on_record) as variants:
+            run()
+        torch.cuda.synchronize(device)
+        dry_s = time.perf_counter() - t0
+        for future in futures:
+            future.result()
+    compile_variants(variants, device, max_workers)  # from the disk cache now
     return len(variants), dry_s
 
 

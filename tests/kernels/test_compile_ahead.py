@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.compile_ahead import compile_variants, skipping_uncompiled_launches
+from nvcli.kernels.compile_ahead import compile_ahead, compile_variants, skipping_uncompiled_launches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton.knobs.runtime.interpret,
                                 reason="compiles for a GPU")
@@ -53,3 +53,28 @@ def test_skipped_launches_are_recorded_then_compiled_ahead():
     assert compiles == [], "the launches after compile_variants must find their kernels compiled"
     torch.testing.assert_close(y, x + 1)
     torch.testing.assert_close(y_odd, x_odd + 1)
+
+
+def test_compile_ahead_leaves_every_variant_of_the_dry_pass_compiled():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = [torch.arange(n, dtype=torch.float32, device=dev) for n in (64, 63)]
+    ys = [torch.full_like(x, -7.0) for x in xs]
+
+    def dry_pass() -> None:
+        for x, y in zip(xs, ys):
+            _launch(x, y, 64)
+
+    num_variants, _ = compile_ahead(dry_pass, dev, max_workers=2)
+    assert num_variants == 2
+    assert all(bool((y == -7.0).all()) for y in ys), "the dry pass must launch nothing"
+    compiles = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
+    try:
+        dry_pass()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    torch.cuda.synchronize()
+    assert compiles == []
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y, x + 1)
