@@ -25,7 +25,7 @@ for s in $steps; do
     startup) # site-packages here ship without bytecode (every import compiles its source, ~4 s); a user's
              # install has it, so compile it once into a prefix first
              export PYTHONPYCACHEPREFIX=/tmp/pyc
-             t0=$SECONDS; timeout 150 python3 -m compileall -q -j 16 $(python3 -c "import site, sys; print(' '.join(p for p in sys.path if 'packages' in p))") /tmp/site > /dev/null 2>&1
+             t0=$SECONDS; timeout 150 python3 -m compileall -q -j 16 $(python3 -c "import sys; print(' '.join(p for p in sys.path if 'packages' in p))") /tmp/site > /dev/null 2>&1
              echo "[compileall] $((SECONDS - t0)) s"
              # compiles one after another (NV_COMPILE_AHEAD=0) vs ahead in threads, each on an empty cache, then warm
              cache=$(mktemp -d)

@@ -18,7 +18,6 @@ T_START = time.perf_counter()  # before the imports: torch, triton and transform
 import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 import pstats  # noqa: E402
 import tempfile  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -60,8 +59,8 @@ def main() -> None:
     t_imports = time.perf_counter() - T_START
     triton.knobs.runtime.jit_cache_hook = _before
     triton.knobs.runtime.jit_post_compile_hook = _after
-    cache = os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache")
-    entries = len(list(Path(os.path.expanduser(cache)).glob("*"))) if Path(os.path.expanduser(cache)).exists() else 0
+    cache = Path(triton.knobs.cache.dir)  # TRITON_CACHE_DIR, or Triton's default
+    entries = len(list(cache.glob("*"))) if cache.exists() else 0
     model_dir = str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp())))
     prof = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()

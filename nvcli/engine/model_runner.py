@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
 from nvcli.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nvcli.kernels.compile_ahead import StartupMarker
 
 log = logging.getLogger("nvcli")
 
@@ -152,22 +156,15 @@ class ModelRunner:
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        marker = None
-        if self.device.type == "cuda" and COMPILE_AHEAD:
-            from nvcli.kernels.compile_ahead import StartupMarker
-
-            # where the model lives, its tokenizer and the seed shape no launch
-            settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("model", "tokenizer", "seed")}
-            shapes = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}
-            gpu = f"{torch.cuda.get_device_name(self.device)} sm_{''.join(map(str, torch.cuda.get_device_capability(self.device)))}"
-            marker = StartupMarker([settings, shapes, rank], gpu)
-            if marker.exists():  # a start-up like this one compiled them: Triton's disk cache has every variant
-                marker = None
-            else:
-                num_variants, dry_s = self._compile_ahead()
-                phase("compile_ahead")
-                log.info("rank %d compiled %d Triton kernel variants ahead of start-up in %.1f s (dry pass %.1f s)",
-                         rank, num_variants, self.startup_s["compile_ahead"], dry_s)
+        # a start-up like an earlier one (its marker exists) finds every variant in Triton's disk cache
+        marker = self._startup_marker() if self.device.type == "cuda" and COMPILE_AHEAD else None
+        if marker is not None and marker.exists():
+            marker = None
+        if marker is not None:
+            num_variants, dry_s = self._compile_ahead()
+            phase("compile_ahead")
+            log.info("rank %d compiled %d Triton kernel variants ahead of start-up in %.1f s (dry pass %.1f s)",
+                     rank, num_variants, self.startup_s["compile_ahead"], dry_s)
         self.num_kvcache_blocks = self._allocate_kv_cache()
         phase("kv_cache")
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -451,6 +448,17 @@ class ModelRunner:
                 pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
+
+    def _startup_marker(self) -> StartupMarker:
+        """This start-up's marker: keyed by what shapes its launches (where the model lives, its tokenizer
+        and the seed shape none)."""
+        from nvcli.kernels.compile_ahead import StartupMarker
+
+        skip = ("model", "tokenizer", "seed")
+        settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in skip}
+        shapes = {k: v for k, v in self.hf_config.to_dict().items() if k != "_name_or_path"}
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return StartupMarker([settings, shapes, self.rank], f"{torch.cuda.get_device_name(self.device)} sm_{major}{minor}")
 
     @torch.inference_mode()
     def _compile_ahead(self) -> tuple[int, float]:
