@@ -27,15 +27,20 @@ for s in $steps; do
              export PYTHONPYCACHEPREFIX=/tmp/pyc
              t0=$SECONDS; timeout 150 python3 -m compileall -q -j 16 $(python3 -c "import sys; print(' '.join(p for p in sys.path if 'packages' in p))") /tmp/site > /dev/null 2>&1
              echo "[compileall] $((SECONDS - t0)) s"
-             # compiles one after another (NV_COMPILE_AHEAD=0) vs ahead in threads, each on an empty cache, then warm
+             # compiled ahead on threads (NV_COMPILE_AHEAD=threads) vs in worker processes (the default), each on
+             # an empty cache, bf16 and fp8 KV; then warm (the marker skips compile-ahead)
              cache=$(mktemp -d)
-             NV_COMPILE_AHEAD=0 TRITON_CACHE_DIR=$cache run startup_serial_cold timeout 200 python3 benchmarks/startup.py
-             NV_COMPILE_AHEAD=0 TRITON_CACHE_DIR=$cache run startup_serial_warm timeout 200 python3 benchmarks/startup.py
+             NV_COMPILE_AHEAD=threads TRITON_CACHE_DIR=$cache run startup_threads_cold timeout 200 python3 benchmarks/startup.py
              cache=$(mktemp -d)
-             TRITON_CACHE_DIR=$cache run startup_ahead_cold timeout 200 python3 benchmarks/startup.py
-             TRITON_CACHE_DIR=$cache run startup_ahead_warm timeout 200 python3 benchmarks/startup.py
-             for f in serial_cold serial_warm ahead_cold ahead_warm; do
-               echo "-- $f"; grep "^##\|^CUDA\|compiles," "$OUT/startup_$f.log"; done ;;
+             TRITON_CACHE_DIR=$cache run startup_procs_cold timeout 200 python3 benchmarks/startup.py
+             TRITON_CACHE_DIR=$cache run startup_procs_warm timeout 200 python3 benchmarks/startup.py
+             cache=$(mktemp -d)
+             NV_COMPILE_AHEAD=threads TRITON_CACHE_DIR=$cache run startup_threads_fp8_cold timeout 200 python3 benchmarks/startup.py --kv-cache-dtype fp8
+             cache=$(mktemp -d)
+             TRITON_CACHE_DIR=$cache run startup_procs_fp8_cold timeout 200 python3 benchmarks/startup.py --kv-cache-dtype fp8
+             TRITON_CACHE_DIR=$cache run startup_procs_fp8_warm timeout 200 python3 benchmarks/startup.py --kv-cache-dtype fp8
+             for f in threads_cold procs_cold procs_warm threads_fp8_cold procs_fp8_cold procs_fp8_warm; do
+               echo "-- $f"; grep "^##\|^CUDA\|compiles,\|compiled .* ahead" "$OUT/startup_$f.log"; done ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -28,12 +28,15 @@ from nvcli.models.registry import model_class
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from nvcli.kernels.compile_ahead import StartupMarker
+    from nvcli.kernels.compile_ahead import CompileWorkers, StartupMarker
 
 log = logging.getLogger("nvcli")
 
-# Start-up compiles its Triton kernels side by side first (kernels/compile_ahead.py); 0 turns it off (A/B).
-COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "1") != "0"
+# A decode step whose graph inputs (tables included) fit in this many bytes uploads them in one H2D copy.
+SINGLE_UPLOAD_BYTES = 64 << 10
+# Start-up compiles its Triton kernels side by side first (kernels/compile_ahead.py), in worker processes;
+# NV_COMPILE_AHEAD=threads compiles on threads of this process instead, 0 turns it off (A/B runs).
+COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -141,6 +144,17 @@ class ModelRunner:
             self.startup_s[name] = now - t0
             t0 = now
 
+        # A start-up like an earlier one (its marker exists) finds every Triton variant in the disk cache;
+        # otherwise the compile workers start now, so their imports overlap the weights' load.
+        marker = self._startup_marker() if self.device.type == "cuda" and COMPILE_AHEAD != "0" else None
+        if marker is not None and marker.exists():
+            marker = None
+        workers = None
+        if marker is not None and COMPILE_AHEAD != "threads":
+            from nvcli.kernels.compile_ahead import start_compile_workers
+
+            workers = start_compile_workers(max(1, min(16, (os.cpu_count() or 1) // config.tensor_parallel_size)))
+
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -156,15 +170,16 @@ class ModelRunner:
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # a start-up like an earlier one (its marker exists) finds every variant in Triton's disk cache
-        marker = self._startup_marker() if self.device.type == "cuda" and COMPILE_AHEAD else None
-        if marker is not None and marker.exists():
-            marker = None
         if marker is not None:
-            num_variants, dry_s = self._compile_ahead()
+            try:
+                num_variants, dry_s = self._compile_ahead(workers)
+            finally:
+                if workers is not None:
+                    workers.shutdown()
             phase("compile_ahead")
-            log.info("rank %d compiled %d Triton kernel variants ahead of start-up in %.1f s (dry pass %.1f s)",
-                     rank, num_variants, self.startup_s["compile_ahead"], dry_s)
+            log.info("rank %d compiled %d Triton kernel variants ahead of start-up in %.1f s (dry pass %.1f s, %s)",
+                     rank, num_variants, self.startup_s["compile_ahead"], dry_s,
+                     f"{workers.num_workers} processes" if workers is not None else "threads")
         self.num_kvcache_blocks = self._allocate_kv_cache()
         phase("kv_cache")
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -265,9 +280,9 @@ class ModelRunner:
         qsl = [min(i * seq_len, n) for i in range(num_seqs + 1)]
         step = StepInput([0] * n, [i % seq_len for i in range(n)], [-1] * n, qsl,
                          [qsl[i + 1] - qsl[i] for i in range(num_seqs)], [list(range(blocks))] * num_seqs, False)
-        hidden = self._forward(step)
-        logits = self.model.compute_logits(hidden[: self.config.max_num_seqs])
-        del hidden, logits
+        hidden, residual = self._forward(step)
+        logits = self.model.compute_logits(hidden[: self.config.max_num_seqs], residual[: self.config.max_num_seqs])
+        del hidden, residual, logits
 
     @torch.inference_mode()
     def _warm_up_kernels(self, dry_run: bool = False) -> None:
@@ -295,17 +310,18 @@ class ModelRunner:
             step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
                              blocks * rows, True)
             if dry_run and not self.config.enforce_eager:
-                hidden = self.g_hidden[:rows]
+                hidden = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+                final = (hidden, hidden)
             else:
-                hidden = self._forward(step)
+                final = self._forward(step)
             if self.rank == 0 and not dry_run:
-                logits = self.model.compute_logits(hidden)
+                logits = self.model.compute_logits(*final)
                 for temperature in (0.0, 0.7):  # argmax, fused Gumbel sampler
                     params = [SamplingParams(temperature=temperature)] * rows
                     sample(logits, SamplingBatch.build(params, [0] * rows, logits.shape[1], self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))  # leaves the job's RNG alone
             else:
-                self.model.compute_logits(hidden)
+                self.model.compute_logits(*final)
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ forward
@@ -342,26 +358,28 @@ class ModelRunner:
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     @torch.inference_mode()
-    def _forward(self, step: StepInput) -> torch.Tensor:
-        """Hidden states of the last token of each sequence: [num_seqs, hidden]."""
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last token of each sequence: the final norm's inputs (hidden, residual), [num_seqs, hidden] each."""
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step)
         input_ids, positions, meta = self._tensors(step)
         self._feed_back(input_ids, step)
-        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+        hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
+        if step.decode_only:  # one token per sequence: every row is a last token
+            return hidden, residual
         last = meta.query_start_loc[1:].long() - 1
-        return hidden[last]
+        return hidden[last], residual[last]
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInput) -> torch.Tensor:
         """Logits [num_seqs, vocab] (float32) of each sequence's last token; no sampling."""
-        return self.model.compute_logits(self._forward(step)).float()
+        return self.model.compute_logits(*self._forward(step)).float()
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> None:
         """A tensor-parallel worker's share of a step (rank 0 runs `launch`)."""
-        self.model.compute_logits(self._forward(step))  # the vocab-parallel gather needs every rank
+        self.model.compute_logits(*self._forward(step))  # the vocab-parallel gather needs every rank
         if self.broadcast_tokens:  # rank 0's sampled tokens, for the next step's pending inputs
             self.prev_tokens = torch.empty(len(step.seq_lens), dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(self.prev_tokens, src=0)
@@ -369,8 +387,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, step: StepInput) -> StepHandle:
         """Enqueue forward and sampling (rank 0); returns before the device is done."""
-        hidden = self._forward(step)
-        logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] in the model dtype; the sampler upcasts
+        logits = self.model.compute_logits(*self._forward(step))  # [num_seqs, vocab] in the model dtype; the sampler upcasts
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
@@ -403,37 +420,48 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def _make_graph_inputs(self) -> None:
-        """The decode graphs' static input buffers (once; the compile-ahead pass runs the same forwards)."""
-        if hasattr(self, "g_i64"):
+        """The decode graphs' static input buffers (once; the compile-ahead pass runs the same forwards).
+
+        All of them live in one device byte buffer laid out like one pinned host staging buffer, so a
+        small step uploads its inputs with a single copy (each H2D copy costs a few microseconds of
+        latency on the stream, which one token's step pays in full)."""
+        if hasattr(self, "g_blob"):
             return
         max_bs = self.graph_batch_sizes[-1]
         max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
-        dev = self.device
-        self.g_i64 = torch.zeros(3, max_bs, dtype=torch.int64, device=dev)
+        self.g_max_blocks = max_blocks
+        # byte layout: int64 [3, max_bs] (input ids, positions, slots) | int32 [max_bs] seq lens |
+        # int32 [max_bs, max_blocks] block tables; a step of bs rows needs the bytes below tables row bs
+        self.g_off_lens = 3 * max_bs * 8
+        self.g_off_tables = self.g_off_lens + max_bs * 4
+        size = self.g_off_tables + max_bs * max_blocks * 4
+
+        def views(blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (blob[: self.g_off_lens].view(torch.int64).view(3, max_bs),
+                    blob[self.g_off_lens : self.g_off_tables].view(torch.int32),
+                    blob[self.g_off_tables :].view(torch.int32).view(max_bs, max_blocks))
+
+        self.g_blob = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        self.g_i64, self.g_seq_lens, self.g_block_tables = views(self.g_blob)
         self.g_i64[2] = -1
         self.g_input_ids, self.g_positions, self.g_slots = self.g_i64[0], self.g_i64[1], self.g_i64[2]
         # Pinned host staging buffers, filled through numpy views and copied without a sync. Two sets,
         # used in turn: with async scheduling step N+1 is staged while step N's copies may still be
         # queued behind step N-1 on the device; step N-1 has completed by then, so its set is free.
-        self.stages = [
-            (torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=True),
-             torch.zeros(max_bs, dtype=torch.int32, pin_memory=True),
-             torch.zeros(max_bs, max_blocks, dtype=torch.int32, pin_memory=True))
-            for _ in range(2)
-        ]
+        self.stage_blobs = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.stages = [views(blob) for blob in self.stage_blobs]
         self.num_replays = 0
-        self.g_seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        self.g_block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)
-        self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.g_hidden = torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.dtype, device=dev)
-        self.g_max_blocks = max_blocks
+        self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        # each graph's outputs: (hidden, residual) [bs, hidden] in the graphs' memory pool, rewritten by
+        # every replay of that graph
+        self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _graph_forward(self, bs: int) -> None:
+    def _graph_forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step a graph of `bs` rows holds, on the static buffers (seq_len 0, slot -1: reads and
         writes no KV)."""
         meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
                                  self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True)
-        self.g_hidden[:bs] = self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+        return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self) -> None:
@@ -443,7 +471,7 @@ class ModelRunner:
             self._graph_forward(bs)  # eager first: Triton compiles (unless compiled ahead) outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self._graph_forward(bs)
+                self.graph_outputs[bs] = self._graph_forward(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -461,7 +489,7 @@ class ModelRunner:
         return StartupMarker([settings, shapes, self.rank], f"{torch.cuda.get_device_name(self.device)} sm_{major}{minor}")
 
     @torch.inference_mode()
-    def _compile_ahead(self) -> tuple[int, float]:
+    def _compile_ahead(self, workers: CompileWorkers | None) -> tuple[int, float]:
         """Compile, in parallel, every Triton variant the start-up's forwards below will launch (see
         kernels/compile_ahead.py): the profile run, a decode step at each graph size, the warm-up shapes."""
         from nvcli.kernels.compile_ahead import compile_ahead
@@ -474,7 +502,7 @@ class ModelRunner:
                     self._graph_forward(bs)
             self._warm_up_kernels(dry_run=True)
 
-        result = compile_ahead(forwards, self.device)
+        result = compile_ahead(forwards, self.device, workers=workers)
         for attn in self.attn_layers:
             attn.k_cache = attn.v_cache = None
         torch.cuda.empty_cache()
@@ -486,14 +514,15 @@ class ModelRunner:
             self.graphs.clear()
             torch.cuda.empty_cache()
 
-    def _replay_graph(self, step: StepInput) -> torch.Tensor:
-        """Copy the step's inputs into the graph's static buffers (two H2D copies) and replay."""
+    def _replay_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step's inputs into the graph's static buffers and replay; the graph's (hidden, residual)."""
         bs = len(step.seq_lens)
         graph_bs = next(s for s in self.graph_batch_sizes if s >= bs)
         width = max(len(b) for b in step.block_tables)
         if width > self.g_max_blocks:
             raise RuntimeError("sequence longer than max_model_len reached the decode graph")
-        stage_i64, stage_seq_lens, stage_tables = self.stages[self.num_replays % 2]
+        i = self.num_replays % 2
+        stage_blob, (stage_i64, stage_seq_lens, stage_tables) = self.stage_blobs[i], self.stages[i]
         self.num_replays += 1
         ints = stage_i64.numpy()  # [3, max_bs]: input ids, positions, slots
         ints[0, :bs] = step.input_ids
@@ -506,14 +535,19 @@ class ModelRunner:
         lens[:bs] = step.seq_lens
         lens[bs:graph_bs] = 0
         tables = stage_tables.numpy()  # [max_bs, max_blocks]
-        for i, b in enumerate(step.block_tables):
-            tables[i, : len(b)] = b
-        self.g_i64[:, :graph_bs].copy_(stage_i64[:, :graph_bs], non_blocking=True)
-        self.g_seq_lens[:graph_bs].copy_(stage_seq_lens[:graph_bs], non_blocking=True)
-        self.g_block_tables[:bs, :width].copy_(stage_tables[:bs, :width], non_blocking=True)
+        for row, b in enumerate(step.block_tables):
+            tables[row, : len(b)] = b
+        prefix = self.g_off_tables + bs * self.g_max_blocks * 4  # bytes up to the last table row used
+        if prefix <= SINGLE_UPLOAD_BYTES:  # one copy: a latency, not bandwidth, for a few rows
+            self.g_blob[:prefix].copy_(stage_blob[:prefix], non_blocking=True)
+        else:  # only the rows and table columns in use
+            self.g_i64[:, :graph_bs].copy_(stage_i64[:, :graph_bs], non_blocking=True)
+            self.g_seq_lens[:graph_bs].copy_(stage_seq_lens[:graph_bs], non_blocking=True)
+            self.g_block_tables[:bs, :width].copy_(stage_tables[:bs, :width], non_blocking=True)
         self._feed_back(self.g_input_ids, step)
         self.graphs[graph_bs].replay()
-        return self.g_hidden[:bs]
+        hidden, residual = self.graph_outputs[graph_bs]
+        return hidden[:bs], residual[:bs]
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -5,10 +5,16 @@ launches about 30 kernel variants, and each launch waits for its compile and its
 16-20 s one after another on an H100 host. `compile_ahead(run)` calls `run` (those same forwards)
 once with every launch of a variant that is not compiled yet skipped and recorded (Triton's
 `jit_cache_hook`: a hook that returns True makes the JIT skip the compile and the launch); each
-recorded variant compiles at once in a thread pool, launchers included, while the dry pass goes on
-(the MLIR passes, LLVM, ptxas and the C compiler run outside the GIL). The start-up that follows
-finds every variant in memory. A skipped launch leaves its outputs unwritten, so `run` must not act on
+recorded variant compiles at once, launchers included, while the dry pass goes on, into Triton's
+disk cache; then every variant is loaded into its kernel from there, and the start-up that follows
+finds them all in memory. A skipped launch leaves its outputs unwritten, so `run` must not act on
 kernel outputs (no sampling, no host reads); torch ops on garbage values are harmless.
+
+The compiles run in `CompileWorkers`: processes forked from a server that has imported torch, Triton
+and our kernels once. A compile holds the GIL for much of its time (Triton's Python front end and
+pass pipeline), so 16 threads of one process gave only 2-3x over compiling one after another, and
+they slowed the dry pass beside them. Without workers (they could not start) the compiles run on
+threads of this process instead.
 
 Once a start-up has compiled its variants, every later start-up with the same kernels, model and
 settings finds them in Triton's disk cache, and loading them one by one takes 0.5 s; the dry pass
@@ -18,11 +24,14 @@ start-ups have compiled ahead (a key over everything that decides the variants),
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
+import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,9 +39,11 @@ from pathlib import Path
 import torch
 import triton
 import xxhash
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 KERNELS_DIR = Path(__file__).parent
+log = logging.getLogger("nvcli")
 
 
 @dataclass(frozen=True)
@@ -102,26 +113,106 @@ def _pool(device: torch.device, max_workers: int | None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, initializer=torch.cuda.set_device, initargs=(device,))
 
 
-def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None) -> tuple[int, float]:
-    """Run `run` with uncompiled launches skipped; every variant it would have launched compiles in a
-    thread pool as soon as it is recorded (on a twin of its kernel, into Triton's disk cache), so the
-    compiles overlap the dry pass. Then each variant is loaded into its own kernel from that cache, in
-    parallel. Returns the number of variants and the seconds the dry pass took."""
+def _compile_into_cache(module: str, name: str, specialization: str, target: tuple[str, int, int],
+                        cache_dir: str) -> None:
+    """In a worker process: compile one variant of the kernel `module.name` and build its launcher, both
+    into Triton's disk cache at `cache_dir`. What `JITFunction.preload` does, without a GPU: the target
+    comes from the parent, and nothing is loaded onto a device (no CUDA context per worker)."""
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    triton.knobs.cache.dir = cache_dir
+    kernel = getattr(importlib.import_module(module), name)
+    data = json.loads(specialization)
+    constexprs = {
+        tuple(key): tl.dtype(value) if tl.dtype.is_dtype(value)
+        else tl.constexpr(value["constexpr"]) if isinstance(value, dict) and "constexpr" in value else value
+        for key, value in zip(data["constant_keys"], data["constant_vals"])
+    }
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {key: convert_to_tuple_if_list(value) for key, value in data["signature"].items()}
+    options = {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()}
+    gpu_target = GPUTarget(*target)
+    options = make_backend(gpu_target).parse_options(options)
+    compiled = kernel.compile(kernel.ASTSource(kernel, signature, constexprs, attrs), target=gpu_target,
+                              options=options.__dict__)
+    driver.active.launcher_cls(compiled.src, compiled.metadata)  # the launcher's C build (cached by its source)
+
+
+def _worker_ready() -> int:
+    return os.getpid()
+
+
+class CompileWorkers:
+    """Processes that compile kernel variants into Triton's disk cache (see the module docstring).
+
+    Start them early (the engine does before loading weights): the fork server imports torch and
+    Triton once, in parallel with whatever this process does next, and every worker forks from it.
+    A worker needs no GPU and holds no CUDA context."""
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        self.num_workers = max_workers or min(16, os.cpu_count() or 1)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])  # not __main__: a script's top level stays unrun
+        self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context)
+        for _ in range(self.num_workers):  # one process per submit: start them all now
+            self.pool.submit(_worker_ready)
+
+    def submit(self, variant: KernelVariant, target: tuple[str, int, int]) -> Future:
+        fn = variant.kernel.fn
+        return self.pool.submit(_compile_into_cache, fn.__module__, fn.__name__, variant.specialization, target,
+                                triton.knobs.cache.dir)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_compile_workers(max_workers: int | None = None) -> CompileWorkers | None:
+    """CompileWorkers, or None where processes cannot be started (compile-ahead then uses threads): no
+    fork server on the platform, or a daemonic process (a tensor-parallel worker rank may have no
+    children; multiprocessing asserts that)."""
+    try:
+        return CompileWorkers(max_workers)
+    except (OSError, ValueError, RuntimeError, AssertionError) as e:
+        log.warning("compile workers did not start (%s); compiling ahead on threads", e)
+        return None
+
+
+def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None,
+                  workers: CompileWorkers | None = None) -> tuple[int, float]:
+    """Run `run` with uncompiled launches skipped; every variant it would have launched compiles as soon
+    as it is recorded, into Triton's disk cache, so the compiles overlap the dry pass: in `workers` when
+    given, else in a thread pool (on a twin of its kernel). Then each variant is loaded into its own
+    kernel from that cache, in parallel; one a worker failed on compiles there, as it would have at its
+    launch. Returns the number of variants and the seconds the dry pass took."""
     twins: dict[int, JITFunction] = {}
+    target = driver.active.get_current_target()
+    target_args = (target.backend, target.arch, target.warp_size)
     with _pool(device, max_workers) as pool:
-        futures = []
+        futures: list[tuple[KernelVariant, Future]] = []
 
         def on_record(v: KernelVariant) -> None:
-            twin = twins.setdefault(id(v.kernel), _twin(v.kernel))
-            futures.append(pool.submit(_build, v, twin))
+            if workers is not None:
+                futures.append((v, workers.submit(v, target_args)))
+            else:
+                twin = twins.setdefault(id(v.kernel), _twin(v.kernel))
+                futures.append((v, pool.submit(_build, v, twin)))
 
         t0 = time.perf_counter()
         with skipping_uncompiled_launches(on_record) as variants:
             run()
         torch.cuda.synchronize(device)
         dry_s = time.perf_counter() - t0
-        for future in futures:
-            future.result()
+        for variant, future in futures:
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - the load below compiles it, or raises the real error
+                if workers is None:
+                    raise
+                log.warning("compile worker failed on %s (%s: %s); compiling it here",
+                            variant.kernel.fn.__name__, type(e).__name__, e)
     compile_variants(variants, device, max_workers)  # from the disk cache now
     return len(variants), dry_s
 

@@ -119,12 +119,13 @@ def _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, k_cols, K: tl.const
 
 @triton.jit
 def _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps, write_res,
-              K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr):
-    """1 / RMS of each row of x (+ residual) over all K columns; the program with `write_res` also
-    stores x + residual (the layer's new residual, [M, K] contiguous)."""
-    offs = tl.arange(0, BLOCK_K)
+              K: tl.constexpr, NORM_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr):
+    """1 / RMS of each row of x (+ residual) over all K columns, NORM_BLOCK columns per load (all of
+    them for one row: each round trip to L2 is latency every program of a one-token step waits for);
+    the program with `write_res` also stores x + residual (the layer's new residual, [M, K] contiguous)."""
+    offs = tl.arange(0, NORM_BLOCK)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for kk in range(0, K, BLOCK_K):
+    for kk in tl.static_range(0, K, NORM_BLOCK):
         cols = kk + offs
         mask = m_ok & (cols[None, :] < K)
         xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
@@ -173,6 +174,7 @@ def _skinny_gemm_kernel(
     HAS_RES: tl.constexpr,
     L2_LINES: tl.constexpr,  # PDL: prefetch L2_LINES 128-byte lines per weight row before waiting (0: none)
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
+    NORM_BLOCK: tl.constexpr,  # NORM: columns per load of the row pass that computes the RMS
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -200,7 +202,7 @@ def _skinny_gemm_kernel(
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
         rstd = _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps,
-                         (pid_n == 0) & (pid_k == 0), K, BLOCK_K, BLOCK_M, HAS_RES)
+                         (pid_n == 0) & (pid_k == 0), K, NORM_BLOCK, BLOCK_M, HAS_RES)
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -306,6 +308,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def norm_block(k: int, block_m: int) -> int:
+    """Columns per load of the fused norm's row pass: the whole row for one or two rows (K <= 4096 / rows),
+    else up to 4096 values per load (registers)."""
+    return min(triton.next_power_of_2(k), max(16, 4096 // block_m))
+
+
 def block_m_for(m: int, use_dot: bool) -> int:
     return max(16, triton.next_power_of_2(m)) if use_dot else triton.next_power_of_2(m)
 
@@ -327,6 +335,11 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     while block_n > min_n and _cdiv(n, block_n) < sms:  # more, thinner column blocks first...
         block_n //= 2
     block_k = min(kp, max(16, tile // block_n))
+    even = block_k
+    while even > 64 and k % even:  # a K step that divides K: no masks, and the M=1 prefetch of the first tile
+        even //= 2
+    if k % even == 0:
+        block_k = even
     n_blocks, k_iters = _cdiv(n, block_n), _cdiv(k, block_k)
     split = 1
     if n_blocks < sms // 2:  # ...then split K when fewer than half the SMs would have work
@@ -504,6 +517,7 @@ def skinny_linear_triton(
         HAS_RES=has_res,
         L2_LINES=l2_lines,
         LINE_ELEMS=line_elems,
+        NORM_BLOCK=norm_block(k, block_m) if norm else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(pdl),

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2); Qwen2 and Qwen3 reuse it with their own switches.
 
 The model is stateless about scheduling: forward takes packed tokens, their positions and
-the step's AttentionMetadata, and returns hidden states; `compute_logits` runs the LM head on
-the rows that need sampling only.
+the step's AttentionMetadata, and returns the last layer's output and residual; `compute_logits`
+applies the final add+RMSNorm and the LM head to the rows that need sampling only (one fused
+kernel for a few rows: the norm is the LM-head GEMM's prologue).
 """
 
 from __future__ import annotations
@@ -137,13 +138,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) [num_tokens, hidden] each: the final norm's inputs (see compute_logits)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = None
+        residual = torch.zeros_like(x) if not self.layers else None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -168,11 +171,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tp_size = tp_size()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last decoder layer's (output, residual), [num_tokens, hidden] each, before the final norm."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of LM-head(RMSNorm(hidden + residual)) for the selected rows [num_seqs, hidden]."""
+        return self.lm_head(hidden, residual, self.model.norm)
 
 
 def _rope_scaling(config) -> dict | None:

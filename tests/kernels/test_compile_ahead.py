@@ -78,3 +78,39 @@ def test_compile_ahead_leaves_every_variant_of_the_dry_pass_compiled():
     assert compiles == []
     for x, y in zip(xs, ys):
         torch.testing.assert_close(y, x + 1)
+
+
+def test_compile_ahead_in_worker_processes(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """The engine's default: variants compile in forked worker processes into an empty disk cache, and the
+    launches after compile_ahead find them all (none compiled here because a worker failed)."""
+    from nvcli.kernels.compile_ahead import CompileWorkers
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = [torch.arange(n, dtype=torch.float32, device=dev) for n in (128, 127)]
+    ys = [torch.full_like(x, -7.0) for x in xs]
+
+    def dry_pass() -> None:
+        for x, y in zip(xs, ys):
+            _launch(x, y, 128)
+
+    workers = CompileWorkers(2)
+    try:
+        with caplog.at_level("WARNING", logger="nvcli"):
+            num_variants, _ = compile_ahead(dry_pass, dev, max_workers=2, workers=workers)
+    finally:
+        workers.shutdown()
+    assert num_variants == 2
+    assert not [r for r in caplog.records if "compile worker failed" in r.getMessage()]
+    assert any((tmp_path / "triton").rglob("*.cubin")), "the workers compile into the disk cache"
+    compiles = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
+    try:
+        dry_pass()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    torch.cuda.synchronize()
+    assert compiles == []
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y, x + 1)

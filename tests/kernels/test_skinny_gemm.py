@@ -156,6 +156,15 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("n,k", QWEN3)
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_config_k_step_divides_k(m: int, n: int, k: int) -> None:
+    """Decode shapes get a K step that divides K (no masked tail; the M=1 kernel loads its first weight
+    tile before waiting on the previous kernel only then), e.g. down_proj's K = 3072."""
+    cfg = choose_config(m, n, k, 2, 132)
+    assert k % cfg.block_k == 0 and cfg.block_k >= 64
+
+
+@pytest.mark.parametrize("n,k", QWEN3)
 @pytest.mark.parametrize("m", [17, 32, 64, 100, 128, 256, 512])
 def test_mid_batch_config_heuristic(m: int, n: int, k: int) -> None:
     """Above SMALL_M rows: tensor-core tiles of at most 128 rows, every split non-empty."""
@@ -191,7 +200,7 @@ def test_fused_silu_mul_prologue(m: int, k: int, split_k: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("k", [64, 80])
+@pytest.mark.parametrize("k", [64, 80, 608])  # 608 at 16 rows: the row pass loads 256 columns at a time
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_add_rmsnorm_prologue(m: int, k: int, split_k: int, with_residual: bool) -> None:

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.distributed import all_reduce, tp_rank, tp_size
+from nvcli.kernels.ops import use_triton
+from nvcli.models.layers.norm import RMSNorm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -35,12 +37,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the selected rows; with TP the vocab shards are gathered on every rank."""
+    """Logits for the selected rows, after the model's final add+RMSNorm; with TP the vocab shards are
+    gathered on every rank."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_seqs, hidden] -> [num_seqs, vocab]
-        from nvcli.models.layers.linear import linear
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x, residual: [num_seqs, hidden] -> logits of norm(x + residual): [num_seqs, vocab]."""
+        if use_triton(x):  # for a few rows the norm is the skinny GEMM's prologue: one kernel
+            from nvcli.kernels.skinny_gemm import norm_linear
 
-        logits = linear(x, self.weight, None)
+            logits, _ = norm_linear(x, residual, norm.weight, norm.eps, self.weight)
+        else:
+            logits = F.linear(norm(x, residual)[0], self.weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

@@ -1,0 +1,38 @@
+"""GPU only: decode steps replayed from CUDA graphs give the tokens eager steps give (float32, greedy).
+
+Covers both ways a replay uploads its inputs (one copy of the whole staged prefix for small steps,
+three copies of the rows in use for large ones), batches that shrink as requests finish (graphs
+padded past the live rows) and the final norm fused into the LM head at a few rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvcli import LLM, SamplingParams
+from nvcli.engine import model_runner
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+# different lengths and output budgets: the batch drains from 6 rows to 1 through the graph sizes
+PROMPTS = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
+PARAMS = [SamplingParams(temperature=0, max_tokens=8 + 7 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+def _generate(model_dir, **kw) -> list[list[int]]:
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, max_num_batched_tokens=256,
+              num_kvcache_blocks=256, **kw)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("single_upload_bytes", [model_runner.SINGLE_UPLOAD_BYTES, 0])
+def test_graph_replay_equals_eager(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, single_upload_bytes: int) -> None:
+    model_dir = tiny_model_dir("qwen3")
+    eager = _generate(model_dir, enforce_eager=True)
+    monkeypatch.setattr(model_runner, "SINGLE_UPLOAD_BYTES", single_upload_bytes)
+    graphs = _generate(model_dir)
+    assert [len(t) for t in graphs] == [p.max_tokens for p in PARAMS]
+    assert graphs == eager
