@@ -120,7 +120,7 @@ def _compile_into_cache(module: str, name: str, specialization: str, target: tup
     comes from the parent, and nothing is loaded onto a device (no CUDA context per worker)."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
+    from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import convert_to_tuple_if_list
 
     triton.knobs.cache.dir = cache_dir
@@ -136,7 +136,7 @@ def _compile_into_cache(module: str, name: str, specialization: str, target: tup
     options = {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()}
     gpu_target = GPUTarget(*target)
     options = make_backend(gpu_target).parse_options(options)
-    compiled = kernel.compile(kernel.ASTSource(kernel, signature, constexprs, attrs), target=gpu_target,
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu_target,
                               options=options.__dict__)
     driver.active.launcher_cls(compiled.src, compiled.metadata)  # the launcher's C build (cached by its source)
 
