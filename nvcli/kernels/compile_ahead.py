@@ -29,6 +29,7 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -148,36 +149,80 @@ def _worker_ready() -> int:
 class CompileWorkers:
     """Processes that compile kernel variants into Triton's disk cache (see the module docstring).
 
-    Start them early (the engine does before loading weights): the fork server imports torch and
-    Triton once, in parallel with whatever this process does next, and every worker forks from it.
-    A worker needs no GPU and holds no CUDA context."""
+    Start them early (the engine does before loading weights). The fork server first imports torch
+    and Triton (about 2.5 s), and starting a worker waits for it, so the pool is built on a thread:
+    this process goes on at once, and variants submitted before the pool is up are queued for it. A
+    worker needs no GPU and holds no CUDA context."""
 
     def __init__(self, max_workers: int | None = None) -> None:
         self.num_workers = max_workers or min(16, os.cpu_count() or 1)
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])  # not __main__: a script's top level stays unrun
-        self.pool = ProcessPoolExecutor(self.num_workers, mp_context=context)
-        for _ in range(self.num_workers):  # one process per submit: start them all now
-            self.pool.submit(_worker_ready)
+        self.pool: ProcessPoolExecutor | None = None
+        self._error: BaseException | None = None
+        self._queued: list[tuple[Future, tuple]] = []
+        self._lock = threading.Lock()
+        self._starter = threading.Thread(target=self._start, name="nv-compile-workers", daemon=True)
+        self._starter.start()
+
+    def _start(self) -> None:
+        pool, error = None, None
+        try:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload([__name__])  # not __main__: a script's top level stays unrun
+            pool = ProcessPoolExecutor(self.num_workers, mp_context=context)
+            for _ in range(self.num_workers):  # one process per submit: start them all now
+                pool.submit(_worker_ready)
+        except BaseException as e:  # noqa: BLE001 - surfaces through every queued and later submit
+            error = e
+        with self._lock:
+            self.pool, self._error = pool, error
+            queued, self._queued = self._queued, []
+        for future, args in queued:
+            _forward(self._run(args), future)
+
+    def _run(self, args: tuple) -> Future:
+        if self.pool is None:
+            failed: Future = Future()
+            failed.set_exception(RuntimeError(f"compile workers did not start: {self._error!r}"))
+            return failed
+        return self.pool.submit(_compile_into_cache, *args)
 
     def submit(self, variant: KernelVariant, target: tuple[str, int, int]) -> Future:
         fn = variant.kernel.fn
-        return self.pool.submit(_compile_into_cache, fn.__module__, fn.__name__, variant.specialization, target,
-                                triton.knobs.cache.dir)
+        args = (fn.__module__, fn.__name__, variant.specialization, target, triton.knobs.cache.dir)
+        with self._lock:
+            if self._starter.is_alive() and self.pool is None and self._error is None:
+                future: Future = Future()
+                self._queued.append((future, args))
+                return future
+        return self._run(args)
+
+    def wait_started(self) -> bool:
+        """Block until the pool is built; whether it is up."""
+        self._starter.join()
+        return self.pool is not None
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.wait_started():
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _forward(source: Future, target: Future) -> None:
+    """Complete `target` with `source`'s outcome once it has one."""
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            target.set_exception(f.exception())
+        else:
+            target.set_result(f.result())
+
+    source.add_done_callback(done)
 
 
 def start_compile_workers(max_workers: int | None = None) -> CompileWorkers | None:
-    """CompileWorkers, or None where processes cannot be started (compile-ahead then uses threads): no
-    fork server on the platform, or a daemonic process (a tensor-parallel worker rank may have no
-    children; multiprocessing asserts that)."""
-    try:
-        return CompileWorkers(max_workers)
-    except (OSError, ValueError, RuntimeError, AssertionError) as e:
-        log.warning("compile workers did not start (%s); compiling ahead on threads", e)
+    """CompileWorkers, or None where this process may not start them (compile-ahead then uses threads): a
+    daemonic process, such as a tensor-parallel worker rank, may have no children."""
+    if multiprocessing.current_process().daemon:
         return None
+    return CompileWorkers(max_workers)
 
 
 def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None,

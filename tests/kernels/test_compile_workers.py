@@ -13,6 +13,7 @@ from nvcli.kernels.compile_ahead import CompileWorkers, _worker_ready, start_com
 def test_workers_are_separate_processes() -> None:
     workers = CompileWorkers(2)
     try:
+        assert workers.wait_started()
         pids = {workers.pool.submit(_worker_ready).result(timeout=120) for _ in range(4)}
     finally:
         workers.shutdown()
