@@ -36,3 +36,21 @@ def test_graph_replay_equals_eager(tiny_model_dir, monkeypatch: pytest.MonkeyPat
     graphs = _generate(model_dir)
     assert [len(t) for t in graphs] == [p.max_tokens for p in PARAMS]
     assert graphs == eager
+
+
+def test_one_request_matches_cpu(tiny_model_dir) -> None:
+    """A sequence decoding alone takes the one-row kernels (the fused MLP among them): float32 on the GPU,
+    from graphs, gives the CPU's tokens."""
+    model_dir = tiny_model_dir("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    cpu = LLM(str(model_dir), device="cpu", max_model_len=512, num_kvcache_blocks=64)
+    try:
+        want = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS[:2], sp)]
+    finally:
+        cpu.shutdown()
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
+    try:
+        got = [llm.generate(p, sp)[0].outputs[0].token_ids for p in PROMPTS[:2]]  # one request at a time
+    finally:
+        llm.shutdown()
+    assert got == want
