@@ -23,6 +23,7 @@ zeroed between launches, so CUDA graphs replay it. NV_FUSED_MLP=0 turns it off (
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -189,6 +190,15 @@ def use_fused_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: to
             and gate_up_weight.is_contiguous() and down_weight.is_contiguous() and x.is_contiguous())
 
 
+@dataclass(frozen=True)
+class MlpConfig:
+    block_r: int = 8  # gate (and as many up) rows per phase-1 block
+    block_k1: int = 256  # phase-1 K step, at most the hidden size
+    block_n: int = 8  # down rows per phase-2 block
+    block_k2: int = 512  # phase-2 K step, at most the intermediate size
+    num_warps: int = 4
+
+
 def fused_mlp_triton(
     x: torch.Tensor,  # [1, H] before the norm
     residual: torch.Tensor | None,  # [1, H] or None (no add)
@@ -197,26 +207,28 @@ def fused_mlp_triton(
     gate_up_weight: torch.Tensor,  # [2 * N_INTER, H]
     down_weight: torch.Tensor,  # [H, N_INTER]
     num_programs: int | None = None,  # default: one per SM (tests: fewer; all must be resident at once)
+    config: MlpConfig | None = None,  # benchmarks/fused_mlp.py sweeps these
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(down(SiLU(gate) * up) of RMSNorm(x + residual), x + residual), each [1, H], in one launch."""
+    cfg = config or MlpConfig()
     h = x.shape[1]
     i = gate_up_weight.shape[0] // 2
     has_res = residual is not None
     new_residual = torch.empty_like(x) if has_res else x
     out = torch.empty_like(x)
     scratch = torch.empty(i, dtype=x.dtype, device=x.device)
-    blocks2 = triton.cdiv(h, 8)
-    grid = num_programs or min(num_sms(x.device), max(triton.cdiv(i, 8), blocks2))
+    grid = num_programs or min(num_sms(x.device), max(triton.cdiv(i, cfg.block_r), triton.cdiv(h, cfg.block_n)))
     pdl = use_pdl(x, 1)
-    block_k1 = min(256, triton.next_power_of_2(h))
-    block_k2 = min(512, triton.next_power_of_2(i))
+    block_k1 = min(cfg.block_k1, triton.next_power_of_2(h))
+    block_k2 = min(cfg.block_k2, triton.next_power_of_2(i))
     line_elems = 128 // x.element_size()
     _fused_mlp_kernel[(grid,)](
         x, residual if has_res else x, norm_weight, new_residual, eps, gate_up_weight, down_weight, scratch, out,
         _barrier_counters(x.device), i,
-        H=h, H_POW2=max(triton.next_power_of_2(h), line_elems), BLOCK_R=8, BLOCK_K1=block_k1, BLOCK_N=8,
-        BLOCK_K2=block_k2, EVEN_K1=h % block_k1 == 0, EVEN_K2=i % block_k2 == 0, HAS_RES=has_res, PDL=pdl,
-        PREFETCH=pdl and L2_PREFETCH and block_k2 >= line_elems, LINE_ELEMS=line_elems, num_warps=4,
+        H=h, H_POW2=max(triton.next_power_of_2(h), line_elems), BLOCK_R=cfg.block_r, BLOCK_K1=block_k1,
+        BLOCK_N=cfg.block_n, BLOCK_K2=block_k2, EVEN_K1=h % block_k1 == 0, EVEN_K2=i % block_k2 == 0,
+        HAS_RES=has_res, PDL=pdl, PREFETCH=pdl and L2_PREFETCH and block_k2 >= line_elems, LINE_ELEMS=line_elems,
+        num_warps=cfg.num_warps,
         **launch_kwargs(pdl),
     )
     return out, new_residual
