@@ -121,7 +121,8 @@ class DecoderLayer(nn.Module):
             x = self.self_attn.attend(positions, qkv, meta)
             norm, proj, down = self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj
             if proj.bias is None and down.bias is None and use_fused_mlp(x, proj.weight, down.weight):
-                # one token: norm, gate_up, SiLU and down in one launch (kernels/fused_mlp.py)
+                # one token: norm, gate_up, SiLU and down in one launch (kernels/fused_mlp.py; off by default:
+                # slower than the two kernels on the H100)
                 out, residual = fused_mlp_triton(x, residual, norm.weight, norm.eps, proj.weight, down.weight)
                 return all_reduce(out), residual
             gate_up, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)

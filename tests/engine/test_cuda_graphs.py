@@ -39,8 +39,8 @@ def test_graph_replay_equals_eager(tiny_model_dir, monkeypatch: pytest.MonkeyPat
 
 
 def test_one_request_matches_cpu(tiny_model_dir) -> None:
-    """A sequence decoding alone takes the one-row kernels (the fused MLP among them): float32 on the GPU,
-    from graphs, gives the CPU's tokens."""
+    """A sequence decoding alone takes the one-row kernels (norm fused into the GEMMs, rotary into the
+    attention, PDL): float32 on the GPU, from graphs, gives the CPU's tokens."""
     model_dir = tiny_model_dir("qwen3")
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     cpu = LLM(str(model_dir), device="cpu", max_model_len=512, num_kvcache_blocks=64)
