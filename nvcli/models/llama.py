@@ -15,7 +15,6 @@ from torch import nn
 
 from nvcli.distributed import all_reduce, tp_size
 from nvcli.engine.attention_metadata import AttentionMetadata
-from nvcli.kernels.fused_mlp import fused_mlp_triton, use_fused_mlp
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
@@ -119,6 +118,8 @@ class DecoderLayer(nn.Module):
             norm, proj = self.input_layernorm, self.self_attn.qkv_proj
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             x = self.self_attn.attend(positions, qkv, meta)
+            from nvcli.kernels.fused_mlp import fused_mlp_triton, use_fused_mlp
+
             norm, proj, down = self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj
             if proj.bias is None and down.bias is None and use_fused_mlp(x, proj.weight, down.weight):
                 # one token: norm, gate_up, SiLU and down in one launch (kernels/fused_mlp.py; off by default:

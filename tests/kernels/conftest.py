@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     from triton.runtime.jit import JITFunction
 
-    for _name in sorted(n for n in sys.modules if n.startswith("nvcli.kernels.")):
+    # pdl first: the other kernel modules import its jitted helpers, and must get the reloaded ones
+    for _name in sorted((n for n in sys.modules if n.startswith("nvcli.kernels.")), key=lambda n: (n != "nvcli.kernels.pdl", n)):
         _mod = sys.modules[_name]
         if any(isinstance(v, JITFunction) for v in vars(_mod).values()):
             importlib.reload(_mod)  # decorated before the interpreter was switched on
