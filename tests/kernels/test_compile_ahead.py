@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import triton
@@ -24,6 +26,19 @@ def _launch(x: torch.Tensor, y: torch.Tensor, block: int) -> None:
     _add_one_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
 
 
+def _compiles_during(run: Callable[[], None]) -> list[str]:
+    """The keys of the variants Triton compiles while `run()` launches (then synchronizes the device)."""
+    compiles: list[str] = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
+    try:
+        run()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    torch.cuda.synchronize()
+    return compiles
+
+
 def test_skipped_launches_are_recorded_then_compiled_ahead():
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.arange(48, dtype=torch.float32, device=dev)
@@ -41,16 +56,12 @@ def test_skipped_launches_are_recorded_then_compiled_ahead():
     assert bool((y == -7.0).all()) and bool((y_odd == -7.0).all()), "a skipped launch must write nothing"
 
     compile_variants(variants, dev, max_workers=2)
-    compiles = []
-    previous = triton.knobs.runtime.jit_cache_hook
-    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
-    try:
+
+    def launch_both() -> None:
         _launch(x, y, block)
         _launch(x_odd, y_odd, block)
-    finally:
-        triton.knobs.runtime.jit_cache_hook = previous
-    torch.cuda.synchronize()
-    assert compiles == [], "the launches after compile_variants must find their kernels compiled"
+
+    assert _compiles_during(launch_both) == [], "the launches after compile_variants must find their kernels compiled"
     torch.testing.assert_close(y, x + 1)
     torch.testing.assert_close(y_odd, x_odd + 1)
 
@@ -67,15 +78,7 @@ def test_compile_ahead_leaves_every_variant_of_the_dry_pass_compiled():
     num_variants, _ = compile_ahead(dry_pass, dev, max_workers=2)
     assert num_variants == 2
     assert all(bool((y == -7.0).all()) for y in ys), "the dry pass must launch nothing"
-    compiles = []
-    previous = triton.knobs.runtime.jit_cache_hook
-    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
-    try:
-        dry_pass()
-    finally:
-        triton.knobs.runtime.jit_cache_hook = previous
-    torch.cuda.synchronize()
-    assert compiles == []
+    assert _compiles_during(dry_pass) == []
     for x, y in zip(xs, ys):
         torch.testing.assert_close(y, x + 1)
 
@@ -103,14 +106,6 @@ def test_compile_ahead_in_worker_processes(tmp_path, monkeypatch: pytest.MonkeyP
     assert num_variants == 2
     assert not [r for r in caplog.records if "compile worker failed" in r.getMessage()]
     assert any((tmp_path / "triton").rglob("*.cubin")), "the workers compile into the disk cache"
-    compiles = []
-    previous = triton.knobs.runtime.jit_cache_hook
-    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw["key"])
-    try:
-        dry_pass()
-    finally:
-        triton.knobs.runtime.jit_cache_hook = previous
-    torch.cuda.synchronize()
-    assert compiles == []
+    assert _compiles_during(dry_pass) == []
     for x, y in zip(xs, ys):
         torch.testing.assert_close(y, x + 1)
