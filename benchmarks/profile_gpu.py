@@ -60,6 +60,49 @@ def kernel_table(prof, steps: int) -> tuple[int, float, list[tuple[str, float, f
     return int(count), busy, rows
 
 
+def layer_slots(prof) -> list[str]:
+    """Each decode-layer kernel's share of a small step: median start-to-next-start time (us) of the kernels at
+    one position of the layer, over all layers and steps. With PDL a kernel's own duration includes its wait for
+    the previous one, so the start-to-start interval is the cost it adds to the chain."""
+    import statistics
+
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    names = [short(e.name) for e in ev]
+    starts = [e.time_range.start for e in ev]
+    durs = [e.time_range.elapsed_us() for e in ev]
+    attn = [i for i, n in enumerate(names) if n == "decode_attn"]
+    if len(attn) < 2:
+        return []
+    # a layer: the kernels from one attention kernel to the next, rotated to start at the kernel before it
+    width = collections.Counter(b - a for a, b in zip(attn, attn[1:])).most_common(1)[0][0]
+    slots: dict[int, list[float]] = collections.defaultdict(list)
+    slot_names: dict[int, str] = {}
+    slot_durs: dict[int, list[float]] = collections.defaultdict(list)
+    for a, b in zip(attn, attn[1:]):
+        if b - a != width:
+            continue
+        for k in range(width):
+            i = a - 1 + k
+            slots[k].append(starts[i + 1] - starts[i])
+            slot_durs[k].append(durs[i])
+            slot_names[k] = names[i]
+    out = [f"  per layer ({width} kernels; start-to-next-start / own duration, median us):"]
+    total = 0.0
+    for k in range(width):
+        med = statistics.median(slots[k])
+        total += med
+        out.append(f"    slot {k} {slot_names[k]:28s} {med:6.2f} / {statistics.median(slot_durs[k]):6.2f}")
+    out.append(f"    layer total {total:.1f} us")
+    # between two steps' layers: the last layer's tail, LM head, sampler, copies, the next step's head
+    if len(attn) > 28:
+        out.append("  between the 28th and 29th attention kernels (kernel, start-to-next-start us, own us):")
+        for i in range(attn[27] + width - 1, attn[28] - 1):
+            out.append(f"    {ev[i].name[:70]:70s} {starts[i + 1] - starts[i]:8.2f} {durs[i]:7.2f}")
+    print("\n".join(out))
+    return out
+
+
 def steps_section(model_dir: str, batches: list[tuple[int, int]], kv_cache_dtype: str) -> list[str]:
     """batches: (batch size, prompt length) pairs."""
     from torch.profiler import ProfilerActivity, profile
@@ -92,6 +135,8 @@ def steps_section(model_dir: str, batches: list[tuple[int, int]], kv_cache_dtype
         for name, calls, us in rows[:14]:
             print(f"    {name:40s} {calls:6.1f} calls {us:8.1f} us  {us / calls if calls else 0:6.2f} us/call")
         out.append(line)
+        if batch <= 16:
+            out += layer_slots(prof)
         while engine.has_unfinished():
             engine.step()
     llm.shutdown()

@@ -24,7 +24,11 @@ atomics).
 
 Launched with PDL (see pdl.py), a program prefetches its whole weight share into L2 before
 `griddepcontrol.wait` (weights of at most 24 MiB: every decoder layer, not an LM head), so the
-weight streams from HBM while the previous kernel of the chain finishes.
+weight streams from HBM while the previous kernel of the chain finishes. For one row, a decoder
+layer's GEMM goes further (`_one_pass_config`): each program takes whole weight rows, all of K in
+one step, and loads them into registers before the wait; once the previous kernel ends, only x's
+loads, the FMAs and the store are left. That took one request from 1.03 to 0.80 ms per token on
+the H100 (`benchmarks/decode_configs.py`).
 
 Mid-sized batches (a config with block_m: tensor-core tiles of block_m rows, a third grid
 dimension over row blocks) are supported and tested but not dispatched by default: on the H100
@@ -39,8 +43,9 @@ so one compile per (config, K) serves every batch size that maps to it.
 Entry points: `linear(x, weight, bias)` is F.linear that takes this kernel when
 `use_skinny(x, weight)` (CUDA, bf16/fp16, 1..MAX_M rows, K % 16 == 0, row-major weight);
 NV_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere, for A/B runs).
-The heuristic in `choose_config` was written from first principles, not measured:
-`benchmarks/skinny_gemm.py --sweep` times alternatives on the GPU.
+The one-row configs in `choose_config` were picked end to end (`benchmarks/decode_configs.py`
+swaps configs into the real decode chain); the rest were written from first principles, and
+`benchmarks/skinny_gemm.py --sweep` times alternatives in isolation.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (deco
 MAX_M = int(os.environ.get("NV_SKINNY_MAX_M", "16"))
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
+# One row, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
+# (_one_pass_config); NV_SKINNY_ONE_PASS=0 restores the looped tiles for A/B runs
+ONE_PASS = os.environ.get("NV_SKINNY_ONE_PASS", "1") != "0"
+ONE_PASS_MAX_BYTES = 24 << 20
+ONE_PASS_ELEMS = 16384  # longest K step (elements) of a one-pass tile: 64 fp32 per thread at 8 warps
 _ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
 
 
@@ -168,7 +178,7 @@ def _skinny_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [M, 2K] gate_up: multiply by SiLU(gate) * up (fused activation)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
-    PREFETCH: tl.constexpr,  # PDL, one row, even K: load the first weight tile before waiting
+    PREFETCH: tl.constexpr,  # PDL, one row, even K or no split: load the first weight tile before waiting
     K_START: tl.constexpr,  # BLOCK_K with PREFETCH (the peeled first iteration), else 0
     NORM: tl.constexpr,  # x is pre-norm: the GEMM input is RMSNorm(x + residual) (fused add+RMSNorm)
     HAS_RES: tl.constexpr,
@@ -197,7 +207,10 @@ def _skinny_gemm_kernel(
     nw_ptrs = nw_ptr + (k0 + offs_k)[None, :]
     m_ok = offs_m[:, None] < M
     if PREFETCH:  # the weights do not depend on the previous kernel: stream them while it finishes
-        w_first = tl.load(w_ptrs)
+        if EVEN_K:
+            w_first = tl.load(w_ptrs)
+        else:
+            w_first = tl.load(w_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
         gdc_wait()
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
@@ -221,7 +234,10 @@ def _skinny_gemm_kernel(
     elif BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if PREFETCH:  # the peeled first iteration, on the tile loaded before the wait
-            x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, None, K, SILU_MUL, NORM, HAS_RES)
+            if EVEN_K:
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, None, K, SILU_MUL, NORM, HAS_RES)
+            else:
+                x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, (k0 + offs_k)[None, :] < K, K, SILU_MUL, NORM, HAS_RES)
             acc2 += w_first.to(tl.float32) * x.to(tl.float32)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -323,6 +339,8 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     """Config from shapes only (CUDA-graph safe, deterministic); `elt` is the weight's element size."""
     if m > SMALL_M:
         return _mid_config(m, n, k, sms)
+    if ONE_PASS and m == 1 and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
+        return _one_pass_config(m, n, k, elt, sms)
     kp = max(16, triton.next_power_of_2(k))
     tile = TILE_BYTES // elt  # weight elements per program per iteration
     use_dot = m > FMA_MAX_M
@@ -330,8 +348,9 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
         # BLOCK_N >= 32 keeps the x re-reads (16 padded rows, masked) well below the weight bytes
         block_n, min_n, num_warps = 64, 32, 4
     else:
-        # acc is BLOCK_M x tile fp32 values: 64 registers per thread at 4 warps per x row
-        block_n, min_n, num_warps = 64, 1, 4 * block_m_for(m, False)
+        # acc is BLOCK_M x tile fp32 values: 64 registers per thread at 4 warps per x row; one row of a
+        # weight too big for the one-pass tiles (an LM head) streams faster at 8 (0.818 vs 0.827 ms/token)
+        block_n, min_n, num_warps = 64, 1, 4 * block_m_for(m, False) * (2 if m == 1 else 1)
     while block_n > min_n and _cdiv(n, block_n) < sms:  # more, thinner column blocks first...
         block_n //= 2
     block_k = min(kp, max(16, tile // block_n))
@@ -348,6 +367,21 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     iters = _cdiv(k_iters, split)
     num_stages = min(4 if use_dot else 3, iters)
     return SkinnyConfig(block_n, block_k, split, use_dot, num_warps, num_stages)
+
+
+def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
+    """A decoder layer's GEMM for one row: each program takes whole weight rows (all of K in one
+    masked step) and as few rows as still gives every SM a program. Under PDL the one-row kernel loads
+    that whole share before `griddepcontrol.wait`, so after the previous kernel ends only x's loads, the
+    FMAs and the store remain (`benchmarks/decode_configs.py`: one request 1.03 -> 0.88 ms/token)."""
+    block_k = max(16, triton.next_power_of_2(k))
+    block_n = max(1, (TILE_BYTES // elt) // block_k)
+    if block_k > k:  # the masked part of the step loads nothing: twice the rows, at 8 warps (measured for
+        block_n *= 2  # down_proj, K = 3072 in 4096: 0.810 vs 0.827 ms/token for 4 rows instead of 2)
+    while block_n > 1 and _cdiv(n, block_n) < sms:
+        block_n //= 2
+    num_warps = 4 * max(1, block_n * block_k * elt // TILE_BYTES)  # 64 fp32 per thread at most
+    return SkinnyConfig(block_n, block_k, 1, False, num_warps, 1)
 
 
 def _mid_config(m: int, n: int, k: int, sms: int) -> SkinnyConfig:
@@ -474,7 +508,7 @@ def skinny_linear_triton(
     l2_lines = 0
     if pdl and L2_PREFETCH and weight.numel() * weight.element_size() <= (24 << 20):
         l2_lines = triton.next_power_of_2(_cdiv(min(k_split, k), line_elems))
-    prefetch = pdl and block_m == 1 and not cfg.use_dot and even_k
+    prefetch = pdl and block_m == 1 and not cfg.use_dot and (even_k or split == 1)
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     norm = norm_weight is not None
     has_res = norm and residual is not None

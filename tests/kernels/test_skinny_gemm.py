@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from kernel_device import DEVICE, on_device
 
 from nvcli.kernels import skinny_gemm
-from nvcli.kernels.skinny_gemm import SkinnyConfig, choose_config, skinny_supported, use_skinny
+from nvcli.kernels.skinny_gemm import SkinnyConfig, block_m_for, choose_config, skinny_supported, use_skinny
 
 skinny_linear = on_device(skinny_gemm.skinny_linear_triton)
 
@@ -146,7 +146,11 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
     assert cfg.use_dot == (m > skinny_gemm.FMA_MAX_M)
     if cfg.use_dot:
         assert cfg.block_n >= 32 and cfg.block_k >= 16
-    assert cfg.block_n * cfg.block_k * 2 <= skinny_gemm.TILE_BYTES
+    if cfg.use_dot:
+        assert cfg.block_n * cfg.block_k * 2 <= skinny_gemm.TILE_BYTES
+    else:  # the FMA accumulator: at most 64 fp32 per thread
+        assert block_m_for(m, False) * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+        assert cfg.block_n * min(cfg.block_k, k) * 2 <= 2 * skinny_gemm.TILE_BYTES
     assert cfg.block_k <= triton_next_pow2(k)
     k_iters = -(-k // cfg.block_k)
     assert 1 <= cfg.split_k <= min(16, k_iters)
@@ -156,12 +160,57 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("n,k", QWEN3)
-@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("m", [2, 4, 16])
 def test_config_k_step_divides_k(m: int, n: int, k: int) -> None:
-    """Decode shapes get a K step that divides K (no masked tail; the M=1 kernel loads its first weight
-    tile before waiting on the previous kernel only then), e.g. down_proj's K = 3072."""
+    """Looped decode tiles take a K step that divides K (no masked tail), e.g. down_proj's K = 3072."""
     cfg = choose_config(m, n, k, 2, 132)
-    assert k % cfg.block_k == 0 and cfg.block_k >= 64
+    if cfg.split_k > 1 or -(-k // cfg.block_k) > 1:
+        assert k % cfg.block_k == 0 and cfg.block_k >= 64
+
+
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 1024), (3072, 1024)])
+def test_one_row_decoder_gemm_takes_k_in_one_step(n: int, k: int) -> None:
+    """One row, a decoder layer's weight (Qwen3-0.6B's, and at TP=2): every program takes whole weight rows
+    in one (masked) K step, so under PDL its whole share loads before it waits on the previous kernel; and
+    the column blocks still give every SM a program."""
+    cfg = choose_config(1, n, k, 2, 132)
+    assert cfg.split_k == 1 and cfg.block_k >= k and cfg.num_stages == 1 and not cfg.use_dot
+    assert -(-n // cfg.block_n) >= 132
+    assert cfg.block_n * cfg.block_k * 2 <= 2 * skinny_gemm.TILE_BYTES
+
+
+def test_lm_head_keeps_looped_tiles() -> None:
+    """An LM head's weight is no decoder layer's: it streams through the looped tiles."""
+    cfg = choose_config(1, 151936, 1024, 2, 132)
+    assert cfg.block_k < 1024
+
+
+@pytest.mark.parametrize("prologue", ["none", "silu_mul", "norm"])
+def test_one_pass_config_uneven_k(prologue: str) -> None:
+    """The auto config of one row at K = 48 (one masked 64-wide step, as down_proj's 3072 in 4096), with
+    each fused prologue; on the GPU the masked step is the tile loaded before the PDL wait."""
+    n, k = 24, 48
+    cfg = choose_config(1, n, k, 4, 132)
+    assert cfg.split_k == 1 and cfg.block_k == 64
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    if prologue == "silu_mul":
+        gu = torch.randn(1, 2 * k, generator=gen)
+        ref = F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)
+        y = skinny_gemm.skinny_linear_triton(gu.to(DEVICE)[:, :k], w.to(DEVICE), silu_mul=True).cpu()
+    elif prologue == "norm":
+        x, r, nw = (torch.randn(1, k, generator=gen) for _ in range(3))
+        h = x + r
+        ref = F.linear(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw[0], w)
+        new_r = torch.empty(1, k, device=DEVICE)
+        y = skinny_gemm.skinny_linear_triton(x.to(DEVICE), w.to(DEVICE), norm_weight=nw[0].to(DEVICE),
+                                             residual=r.to(DEVICE), eps=1e-6, new_residual=new_r).cpu()
+        torch.testing.assert_close(new_r.cpu(), h)
+    else:
+        x = torch.randn(1, k, generator=gen)
+        ref = F.linear(x, w)
+        y = skinny_linear(x, w)
+    _close(y, ref)
 
 
 @pytest.mark.parametrize("n,k", QWEN3)

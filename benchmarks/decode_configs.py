@@ -1,0 +1,174 @@
+"""One request's decode step, kernel configs tried end to end: ms per output token with each one-row GEMM
+config and decode-attention setting swapped in, on the real chain (CUDA graph, PDL), one process.
+
+    PYTHONPATH=. python3 benchmarks/decode_configs.py [--repeats 3] [--output-len 512]
+
+Phase 1 runs session 5's looped GEMM tiles, the defaults, and the defaults with 16 attention splits in
+turn (the batch-1 graph is recaptured for each). Phase 2 changes one layer shape at a time around the
+defaults, with the defaults again after each shape to show drift. Phase 3 combines the variants that beat
+the defaults by 1% and runs them against the defaults in turn. The kernel
+isolation benchmarks (skinny_gemm.py) time a GEMM alone; here a config also pays for how it overlaps its
+neighbours under PDL, which is what one request's latency is made of. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nvcli import LLM
+from nvcli.bench import latency
+from nvcli.kernels import decode_attention, skinny_gemm
+from nvcli.kernels.skinny_gemm import SkinnyConfig
+from nvcli.models.presets import preset_dir
+
+C = SkinnyConfig
+# Qwen3-0.6B's one-row GEMMs (N, K)
+SHAPES: dict[str, tuple[int, int]] = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
+                                       "down": (1024, 3072), "lm_head": (151936, 1024)}
+# the configs choose_config gave them before the one-pass tiles (session 5, v8)
+LOOPED = {"qkv": C(16, 512, num_stages=2), "o_proj": C(4, 2048, num_stages=1), "gate_up": C(32, 256, num_stages=3),
+          "down": C(4, 1024, num_stages=3)}
+# candidates around the defaults: (block_n, block_k, split, dot, warps, stages)
+CANDIDATES: dict[str, list[SkinnyConfig]] = {
+    "qkv": [C(4, 1024, num_stages=1), C(8, 1024, num_warps=8, num_stages=1), C(16, 1024, num_warps=8, num_stages=1)],
+    "o_proj": [C(2, 2048, num_stages=1), C(4, 2048, num_warps=8, num_stages=1), C(8, 2048, num_warps=8, num_stages=1)],
+    "gate_up": [C(4, 1024, num_stages=1), C(8, 1024, num_warps=8, num_stages=1), C(16, 1024, num_warps=8, num_stages=1)],
+    "down": [C(4, 1024, num_warps=8, num_stages=3), C(4, 4096, num_warps=8, num_stages=1),
+             C(2, 4096, num_warps=8, num_stages=1), C(1, 4096, num_stages=1)],
+    "lm_head": [C(64, 128, num_warps=8, num_stages=3), C(8, 1024, num_stages=1), C(32, 256, num_warps=8, num_stages=3)],
+}
+ATTENTION: list[dict] = [dict(num_splits=16), dict(num_splits=8)]
+
+
+class Overrides:
+    """Swaps one-row GEMM configs and decode-attention keyword arguments into the kernels' entry points."""
+
+    def __init__(self) -> None:
+        self.gemm: dict[tuple[int, int], SkinnyConfig] = {}
+        self.attn: dict = {}
+        self._choose = skinny_gemm.choose_config
+        self._attention = decode_attention.paged_decode_attention_triton
+        skinny_gemm.choose_config = self.choose_config
+        decode_attention.paged_decode_attention_triton = self.attention
+
+    def choose_config(self, m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
+        if m == 1 and (n, k) in self.gemm:
+            return self.gemm[(n, k)]
+        return self._choose(m, n, k, elt, sms)
+
+    def attention(self, q, *args, **kwargs):
+        if q.shape[0] == 1:
+            kwargs = {**kwargs, **self.attn}
+        return self._attention(q, *args, **kwargs)
+
+
+@torch.inference_mode()
+def recapture_one_row_graph(runner) -> None:
+    torch.cuda.synchronize()
+    runner._graph_forward(1)  # eager first: compiles the variant outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner.graph_outputs[1] = runner._graph_forward(1)
+    runner.graphs[1] = graph
+    torch.cuda.synchronize()
+
+
+def describe(cfg: SkinnyConfig) -> str:
+    return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (f" split{cfg.split_k}" if cfg.split_k > 1 else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated shape names (and/or 'attention') to sweep")
+    args = ap.parse_args()
+    model_dir = str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp())))
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    ov = Overrides()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    defaults = {name: skinny_gemm.choose_config(1, n, k, 2, sms) for name, (n, k) in SHAPES.items()}
+
+    def measure(gemm: dict[tuple[int, int], SkinnyConfig], attn: dict) -> float:
+        ov.gemm, ov.attn = gemm, attn
+        recapture_one_row_graph(runner)
+        return latency(engine, 128, args.output_len, repeats=args.repeats)["ms_per_output_token"]
+
+    rows: list[tuple[str, str, float]] = []
+    base_runs: list[float] = []
+
+    def base(tag: str) -> float:
+        t = measure({}, {})
+        base_runs.append(t)
+        rows.append(("defaults", tag, t))
+        print(f"defaults ({tag}): {t:.4f} ms/token", flush=True)
+        return t
+
+    # phase 1: the looped tiles of v8 against today's defaults, in turn
+    looped = {SHAPES[name]: cfg for name, cfg in LOOPED.items()}
+    compare: dict[str, list[float]] = {"looped (v8)": [], "defaults": [], "defaults, 16 attention splits": []}
+    for r in range(args.rounds):
+        compare["looped (v8)"].append(measure(looped, {}))
+        compare["defaults"].append(base(f"round {r}"))
+        compare["defaults, 16 attention splits"].append(measure({}, dict(num_splits=16)))
+        print({k: round(v[-1], 4) for k, v in compare.items()}, flush=True)
+
+    # phase 2: one shape at a time around the defaults
+    best: dict[str, tuple[float, object]] = {}
+    only = set(filter(None, args.only.split(",")))
+    for name, (n, k) in SHAPES.items():
+        if only and name not in only:
+            continue
+        print(f"{name} ({n}x{k}) default {describe(defaults[name])}", flush=True)
+        for cfg in CANDIDATES[name]:
+            try:
+                t = measure({(n, k): cfg}, {})
+            except Exception as e:  # out of registers / shared memory
+                print(f"  {describe(cfg)}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            rows.append((name, describe(cfg), t))
+            print(f"  {describe(cfg)}: {t:.4f}", flush=True)
+            if t < best.get(name, (1e9, None))[0]:
+                best[name] = (t, cfg)
+        base(f"after {name}")
+    if not only or "attention" in only:
+        for kw in ATTENTION:
+            t = measure({}, kw)
+            rows.append(("attention", str(kw), t))
+            print(f"  attention {kw}: {t:.4f}", flush=True)
+            if t < best.get("attention", (1e9, None))[0]:
+                best["attention"] = (t, kw)
+        base("after attention")
+
+    # phase 3: the variants that beat the defaults by 1%, together, against the defaults in turn
+    ref = statistics.median(base_runs)
+    gemm = {SHAPES[name]: cfg for name, (t, cfg) in best.items() if name != "attention" and t < ref * 0.99}
+    attn = best["attention"][1] if "attention" in best and best["attention"][0] < ref * 0.99 else {}
+    combined: list[float] = []
+    if gemm or attn:
+        for r in range(args.rounds):
+            combined.append(measure(gemm, attn))
+            base(f"combined round {r}")
+    print("\n| what | config | ms/token |\n| --- | --- | --- |")
+    for name, cfg, t in rows:
+        print(f"| {name} | {cfg} | {t:.4f} |")
+    print("\nin turn, median of rounds:")
+    for name, ts in compare.items():
+        print(f"  {name}: {statistics.median(ts):.4f} ms/token {[round(t, 4) for t in ts]}")
+    print(f"defaults: median {ref:.4f} ms/token over {len(base_runs)} runs ({min(base_runs):.4f}-{max(base_runs):.4f})")
+    if combined:
+        picked = ", ".join(f"{n}: {describe(c)}" for n, (t, c) in best.items() if n != "attention" and SHAPES[n] in gemm)
+        print(f"combined ({picked}{', attention ' + str(attn) if attn else ''}): {[round(t, 4) for t in combined]} "
+              f"vs defaults in the same rounds {[round(t, 4) for t in base_runs[-args.rounds:]]}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
