@@ -2,11 +2,13 @@
 config and decode-attention setting swapped in, on the real chain (CUDA graph, PDL), one process.
 
     PYTHONPATH=. python3 benchmarks/decode_configs.py [--repeats 3] [--output-len 512]
+    PYTHONPATH=. python3 benchmarks/decode_configs.py --batches 1,2,4,8,16 --output-len 256 --rounds 3
 
 Phase 1 runs session 5's looped GEMM tiles, the defaults, and the defaults with 16 attention splits in
 turn (the batch-1 graph is recaptured for each). Phase 2 changes one layer shape at a time around the
 defaults, with the defaults again after each shape to show drift. Phase 3 combines the variants that beat
-the defaults by 1% and runs them against the defaults in turn. The kernel
+the defaults by 1% and runs them against the defaults in turn. With --batches it only times decode
+steps of those batch sizes under each of BATCH_MODES (which rows take which tiles), in turn. The kernel
 isolation benchmarks (skinny_gemm.py) time a GEMM alone; here a config also pays for how it overlaps its
 neighbours under PDL, which is what one request's latency is made of. Prints a table last.
 """
@@ -14,13 +16,15 @@ neighbours under PDL, which is what one request's latency is made of. Prints a t
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from nvcli import LLM
+from nvcli import LLM, SamplingParams
 from nvcli.bench import latency
 from nvcli.kernels import decode_attention, skinny_gemm
 from nvcli.kernels.skinny_gemm import SkinnyConfig
@@ -68,6 +72,63 @@ class Overrides:
 
 
 @torch.inference_mode()
+def recapture_graphs(runner, max_bs: int) -> None:
+    """Recapture every decode graph of at most max_bs rows (their configs may have changed)."""
+    torch.cuda.synchronize()
+    for bs in [s for s in runner.graph_batch_sizes if s <= max_bs]:
+        runner._graph_forward(bs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            runner.graph_outputs[bs] = runner._graph_forward(bs)
+        runner.graphs[bs] = graph
+    torch.cuda.synchronize()
+
+
+def step_ms(engine, batch: int, output_len: int, tag: str) -> float:
+    """ms per decode step with `batch` greedy requests of 128 prompt tokens, after all have their first token."""
+    rng = random.Random(batch)
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    g0 = engine.stats().generation_tokens
+    for i in range(batch):
+        engine.add_request([rng.randint(0, 10000) for _ in range(128)], sp, request_id=f"{tag}-{batch}-{i}")
+    while engine.stats().generation_tokens - g0 < batch:
+        engine.step()
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return 1000 * (time.perf_counter() - t0) / max(1, steps)
+
+
+# (label, FMA_MAX_M): up to FMA_MAX_M rows take the one-pass CUDA-core tiles, more rows the looped
+# tensor-core tiles (the default: 2)
+BATCH_MODES = [("tensor cores from 3 rows", 2), ("CUDA cores up to 4 rows", 4), ("CUDA cores up to 8 rows", 8)]
+
+
+def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int) -> list[str]:
+    """Decode steps of 1-16 rows under each of BATCH_MODES, in turn."""
+    times: dict[tuple[int, str], list[float]] = {}
+    default = skinny_gemm.FMA_MAX_M
+    for r in range(rounds):
+        for label, fma_max_m in BATCH_MODES:
+            skinny_gemm.FMA_MAX_M = fma_max_m
+            skinny_gemm.choose_config.cache_clear()
+            recapture_graphs(runner, max(batches))
+            for b in batches:
+                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{fma_max_m}"))
+            print(label, {b: round(times[(b, label)][-1], 4) for b in batches}, flush=True)
+    skinny_gemm.FMA_MAX_M = default
+    skinny_gemm.choose_config.cache_clear()
+    lines = ["| rows | " + " | ".join(m[0] for m in BATCH_MODES) + " |", "|---" * (len(BATCH_MODES) + 1) + "|"]
+    for b in batches:
+        lines.append(f"| {b} | " + " | ".join(f"{statistics.median(times[(b, m[0])]):.4f}" for m in BATCH_MODES) + " |")
+    lines.append("(ms per decode step, median of the rounds)")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+@torch.inference_mode()
 def recapture_one_row_graph(runner) -> None:
     torch.cuda.synchronize()
     runner._graph_forward(1)  # eager first: compiles the variant outside the capture
@@ -87,11 +148,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", default="", help="e.g. 1,2,4,8,16: only compare BATCH_MODES per batch size")
     ap.add_argument("--only", default="", help="comma-separated shape names (and/or 'attention') to sweep")
     args = ap.parse_args()
     model_dir = str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp())))
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384)
     engine, runner = llm.engine, llm.engine.executor.runner
+    if args.batches:
+        lines = batch_phase(engine, runner, [int(b) for b in args.batches.split(",")], args.rounds, args.output_len)
+        llm.shutdown()
+        print("\n".join(lines))
+        return
     ov = Overrides()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     defaults = {name: skinny_gemm.choose_config(1, n, k, 2, sms) for name, (n, k) in SHAPES.items()}

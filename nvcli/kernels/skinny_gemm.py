@@ -69,7 +69,7 @@ SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (deco
 MAX_M = int(os.environ.get("NV_SKINNY_MAX_M", "16"))
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
-# One row, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
+# One or two rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
 # (_one_pass_config); NV_SKINNY_ONE_PASS=0 restores the looped tiles for A/B runs
 ONE_PASS = os.environ.get("NV_SKINNY_ONE_PASS", "1") != "0"
 ONE_PASS_MAX_BYTES = 24 << 20
@@ -178,7 +178,7 @@ def _skinny_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [M, 2K] gate_up: multiply by SiLU(gate) * up (fused activation)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
-    PREFETCH: tl.constexpr,  # PDL, one row, even K or no split: load the first weight tile before waiting
+    PREFETCH: tl.constexpr,  # PDL, CUDA-core tiles, even K or no split: load the first weight tile before waiting
     K_START: tl.constexpr,  # BLOCK_K with PREFETCH (the peeled first iteration), else 0
     NORM: tl.constexpr,  # x is pre-norm: the GEMM input is RMSNorm(x + residual) (fused add+RMSNorm)
     HAS_RES: tl.constexpr,
@@ -217,6 +217,11 @@ def _skinny_gemm_kernel(
         rstd = _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps,
                          (pid_n == 0) & (pid_k == 0), K, NORM_BLOCK, BLOCK_M, HAS_RES)
 
+    if PREFETCH and BLOCK_M > 1:  # the rows' x mask of the peeled first iteration (two rows)
+        if EVEN_K:
+            x_first_mask = m_ok
+        else:
+            x_first_mask = m_ok & ((k0 + offs_k)[None, :] < K)
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
@@ -254,7 +259,14 @@ def _skinny_gemm_kernel(
         y = tl.sum(acc2, axis=1)[None, :]
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        if PREFETCH:  # the peeled first iteration, on the tile loaded before the wait
+            x = _load_x(x_ptrs, r_ptrs, nw_ptrs, rstd, x_first_mask, K, SILU_MUL, NORM, HAS_RES)
+            acc3 += x.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
+        for k in tl.range(K_START, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             w, x = _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, k0 + k + offs_k, K, EVEN_K, SILU_MUL,
                                NORM, HAS_RES)
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -339,7 +351,7 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     """Config from shapes only (CUDA-graph safe, deterministic); `elt` is the weight's element size."""
     if m > SMALL_M:
         return _mid_config(m, n, k, sms)
-    if ONE_PASS and m == 1 and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
+    if ONE_PASS and m <= FMA_MAX_M and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
         return _one_pass_config(m, n, k, elt, sms)
     kp = max(16, triton.next_power_of_2(k))
     tile = TILE_BYTES // elt  # weight elements per program per iteration
@@ -370,17 +382,20 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
 
 
 def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
-    """A decoder layer's GEMM for one row: each program takes whole weight rows (all of K in one
-    masked step) and as few rows as still gives every SM a program. Under PDL the one-row kernel loads
-    that whole share before `griddepcontrol.wait`, so after the previous kernel ends only x's loads, the
-    FMAs and the store remain (`benchmarks/decode_configs.py`: one request 1.03 -> 0.88 ms/token)."""
+    """A decoder layer's GEMM for one or two rows: each program takes whole weight rows (all of K in one
+    masked step) and as few rows as still gives every SM a program. Under PDL the kernel loads that whole
+    share before `griddepcontrol.wait`, so after the previous kernel ends only x's loads, the FMAs and the
+    store remain (`benchmarks/decode_configs.py`: one request 1.03 -> 0.80 ms/token, two rows 1.24 -> 1.15
+    ms/step; CUDA-core tiles of 3-8 rows were 30-160% slower than the tensor-core ones, so they stay)."""
     block_k = max(16, triton.next_power_of_2(k))
     block_n = max(1, (TILE_BYTES // elt) // block_k)
     if block_k > k:  # the masked part of the step loads nothing: twice the rows, at 8 warps (measured for
         block_n *= 2  # down_proj, K = 3072 in 4096: 0.810 vs 0.827 ms/token for 4 rows instead of 2)
-    while block_n > 1 and _cdiv(n, block_n) < sms:
+    block_m = block_m_for(m, False)
+    # the accumulator, [block_m, block_n, block_k] fp32, at 64 values per thread and at most 16 warps
+    while block_n > 1 and (_cdiv(n, block_n) < sms or block_m * block_n * block_k > 16 * 32 * 64):
         block_n //= 2
-    num_warps = 4 * max(1, block_n * block_k * elt // TILE_BYTES)  # 64 fp32 per thread at most
+    num_warps = max(4, block_m * block_n * block_k // (32 * 64))
     return SkinnyConfig(block_n, block_k, 1, False, num_warps, 1)
 
 
@@ -508,7 +523,8 @@ def skinny_linear_triton(
     l2_lines = 0
     if pdl and L2_PREFETCH and weight.numel() * weight.element_size() <= (24 << 20):
         l2_lines = triton.next_power_of_2(_cdiv(min(k_split, k), line_elems))
-    prefetch = pdl and block_m == 1 and not cfg.use_dot and (even_k or split == 1)
+    # the tensor-core tiles of 3-16 rows load nothing before the wait: measured neutral there (decode_configs.py)
+    prefetch = pdl and (even_k or split == 1) and not cfg.use_dot
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     norm = norm_weight is not None
     has_res = norm and residual is not None

@@ -144,9 +144,11 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
     cfg = choose_config(m, n, k, 2, sms)
     assert cfg == choose_config(m, n, k, 2, sms)
     assert cfg.use_dot == (m > skinny_gemm.FMA_MAX_M)
-    if cfg.use_dot:
+    one_pass = cfg.block_k >= k
+    if cfg.use_dot and one_pass:  # 16 weight rows (one MMA) x all of K
+        assert cfg.block_n == 16 and cfg.block_n * cfg.block_k * 2 <= 2 * skinny_gemm.TILE_BYTES
+    elif cfg.use_dot:
         assert cfg.block_n >= 32 and cfg.block_k >= 16
-    if cfg.use_dot:
         assert cfg.block_n * cfg.block_k * 2 <= skinny_gemm.TILE_BYTES
     else:  # the FMA accumulator: at most 64 fp32 per thread
         assert block_m_for(m, False) * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
