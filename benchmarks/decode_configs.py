@@ -101,24 +101,26 @@ def step_ms(engine, batch: int, output_len: int, tag: str) -> float:
     return 1000 * (time.perf_counter() - t0) / max(1, steps)
 
 
-# (label, FMA_MAX_M): up to FMA_MAX_M rows take the one-pass CUDA-core tiles, more rows the looped
-# tensor-core tiles (the default: 2)
-BATCH_MODES = [("tensor cores from 3 rows", 2), ("CUDA cores up to 4 rows", 4), ("CUDA cores up to 8 rows", 8)]
+# (label, ONE_PASS_MAX_M, FUSED_SPLIT): up to ONE_PASS_MAX_M rows take the one-pass CUDA-core tiles (rows one
+# at a time from the weight tile in registers), more rows the looped tensor-core tiles, which split K for
+# o_proj and down_proj; FUSED_SPLIT: the last split sums the partials instead of a second kernel
+BATCH_MODES = [("tensor cores from 3 rows, reduce kernel (v8)", 2, False), ("one-pass up to 4 rows, reduce kernel", 4, False),
+               ("one-pass up to 4 rows, fused split (default)", 4, True)]
 
 
 def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int) -> list[str]:
     """Decode steps of 1-16 rows under each of BATCH_MODES, in turn."""
     times: dict[tuple[int, str], list[float]] = {}
-    default = skinny_gemm.FMA_MAX_M
+    default = skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT
     for r in range(rounds):
-        for label, fma_max_m in BATCH_MODES:
-            skinny_gemm.FMA_MAX_M = fma_max_m
+        for label, max_m, fused in BATCH_MODES:
+            skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT = max_m, fused
             skinny_gemm.choose_config.cache_clear()
             recapture_graphs(runner, max(batches))
             for b in batches:
-                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{fma_max_m}"))
+                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{max_m}-{fused}"))
             print(label, {b: round(times[(b, label)][-1], 4) for b in batches}, flush=True)
-    skinny_gemm.FMA_MAX_M = default
+    skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT = default
     skinny_gemm.choose_config.cache_clear()
     lines = ["| rows | " + " | ".join(m[0] for m in BATCH_MODES) + " |", "|---" * (len(BATCH_MODES) + 1) + "|"]
     for b in batches:

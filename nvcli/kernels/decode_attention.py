@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
 from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2, use_pdl
 from nvcli.kernels.rotary import rope_qk_norm_store
@@ -51,18 +52,6 @@ MERGE_WIDTH = 32  # splits the in-kernel merge loads at once (at least; see the 
 _FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
 _KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "1") != "0"
 _V_DEQUANT_TILE = os.environ.get("NV_FP8_V_DEQUANT_TILE", "0") == "1"
-_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused split reduce, one per (seq, KV head); kept for the process
-    (the kernels leave them zero, captured CUDA graphs hold their address: never freed or re-zeroed).
-    One set per stream: attention calls queued on different streams may run at the same time."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    bufs = _counters.setdefault((device, stream), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 8192), dtype=torch.int32, device=device))
-    return bufs[-1]
 
 
 @dataclass
@@ -421,7 +410,7 @@ def paged_decode_attention_triton(
         mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
-    counters = _split_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else seq_lens
+    counters = arrival_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else seq_lens
     if rope is not None:
         assert rope.k.shape == (num_seqs, num_kv_heads, head_dim) and rope.v.shape == rope.k.shape
         assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and rope.slot_mapping.shape[0] == num_seqs

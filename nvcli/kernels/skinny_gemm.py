@@ -18,9 +18,10 @@ Two inner products, picked per config:
   BLOCK_N = 64 maps to one 64-row MMA and the acc is [BLOCK_N, 16].
 
 When there are too few column blocks to fill the GPU (o_proj / down_proj: N = hidden),
-K is split across programs: each writes an fp32 partial [SPLIT_K, M, N] and a second
-kernel sums the splits in a fixed order, adds the bias and casts (deterministic, no
-atomics).
+K is split across programs: each writes an fp32 partial [SPLIT_K, M, N], counts its arrival
+on its output tile's counter, and the last split to arrive sums the partials in split order,
+adds the bias and casts (deterministic: the order does not depend on who arrives last). That
+saves the second kernel a split used to need (`_splitk_reduce_kernel`, NV_SKINNY_FUSED_SPLIT=0).
 
 Launched with PDL (see pdl.py), a program prefetches its whole weight share into L2 before
 `griddepcontrol.wait` (weights of at most 24 MiB: every decoder layer, not an LM head), so the
@@ -61,6 +62,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2, use_pdl
 
 SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (decode of a few sequences)
@@ -73,8 +75,14 @@ TILE_BYTES = 16384  # weight bytes per program per loop iteration
 # (_one_pass_config); NV_SKINNY_ONE_PASS=0 restores the looped tiles for A/B runs
 ONE_PASS = os.environ.get("NV_SKINNY_ONE_PASS", "1") != "0"
 ONE_PASS_MAX_BYTES = 24 << 20
+# rows up to which the one-pass tiles replace the tensor-core ones: each further row costs its own cross-warp
+# reduction, and at 8 rows the tensor-core tiles win (decode_configs.py --batches)
+ONE_PASS_MAX_M = 4
 ONE_PASS_ELEMS = 16384  # longest K step (elements) of a one-pass tile: 64 fp32 per thread at 8 warps
 _ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
+# split K: the last split of each tile sums the partials (no second kernel); NV_SKINNY_FUSED_SPLIT=0: the
+# reduce kernel, for A/B runs
+FUSED_SPLIT = os.environ.get("NV_SKINNY_FUSED_SPLIT", "1") != "0"
 
 
 @triton.jit
@@ -160,6 +168,8 @@ def _skinny_gemm_kernel(
     w_ptr,  # [N, K]
     b_ptr,  # [N] (read when HAS_BIAS and SPLIT_K == 1)
     out_ptr,  # [M, N] in x.dtype (SPLIT_K == 1) or fp32 partials [SPLIT_K, M, N]
+    fin_ptr,  # [M, N] in x.dtype: the sum of the partials (FUSED_SPLIT)
+    cnt_ptr,  # [column blocks x row blocks] int32 arrival counters, zero between calls (FUSED_SPLIT)
     M,
     N,
     stride_xm,
@@ -185,6 +195,8 @@ def _skinny_gemm_kernel(
     L2_LINES: tl.constexpr,  # PDL: prefetch L2_LINES 128-byte lines per weight row before waiting (0: none)
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
     NORM_BLOCK: tl.constexpr,  # NORM: columns per load of the row pass that computes the RMS
+    ROW_LOOP: tl.constexpr,  # CUDA cores, several rows, one K step, no split: one row at a time (see below)
+    FUSED_SPLIT: tl.constexpr,  # SPLIT_K > 1: the last split of each output tile sums the partials into fin_ptr
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -222,7 +234,30 @@ def _skinny_gemm_kernel(
             x_first_mask = m_ok
         else:
             x_first_mask = m_ok & ((k0 + offs_k)[None, :] < K)
-    if USE_DOT:
+    if ROW_LOOP:
+        # One K step, several rows: the weight tile stays in registers and each row's products come
+        # straight from it, one row after another, each reduced on its own. A 3-D [rows, BLOCK_N,
+        # BLOCK_K] product (below) costs layout shuffles and registers per row.
+        if PREFETCH:
+            w_all = w_first
+        elif EVEN_K:
+            w_all = tl.load(w_ptrs)
+        else:
+            w_all = tl.load(w_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+        wf = w_all.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        k_ok = (k0 + offs_k)[None, :] < K
+        y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + r
+            rstd_r = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(offs_m == row, rstd, 0.0), axis=0)
+            xr_ptrs = x_ptr + row * stride_xm + (k0 + offs_k)[None, :]
+            rr_ptrs = r_ptr + row * stride_rm + (k0 + offs_k)[None, :]
+            xr = _load_x(xr_ptrs, rr_ptrs, nw_ptrs, rstd_r, (row < M) & k_ok, K, SILU_MUL, NORM, HAS_RES)
+            yr = tl.sum(wf * xr.to(tl.float32), axis=1)  # [BLOCK_N]
+            # kept in registers and stored once below: a store between two rows' x loads would keep them
+            # apart (they might alias), one L2 round trip per row
+            y = tl.where(offs_m[:, None] == row, yr[None, :], y)
+    elif USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in tl.range(0, K_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
             w, x = _load_tiles(w_ptrs, x_ptrs, r_ptrs, nw_ptrs, rstd, m_ok, k0 + k + offs_k, K, EVEN_K, SILU_MUL,
@@ -285,6 +320,21 @@ def _skinny_gemm_kernel(
     else:
         part_ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs, y, mask=out_mask)
+        if FUSED_SPLIT:
+            # acq_rel: this split's partial is visible before the count moves, and the last split to arrive
+            # sees all of them; it sums them in split order (the reduce kernel's order: deterministic), and
+            # resets the counter for the next call (a CUDA graph replays with the same counters)
+            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT_K - 1:
+                tl.atomic_xchg(cnt, 0)
+                tile_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+                total = tl.load(tile_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    total += tl.load(tile_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + rows)[None, :].to(tl.float32)
+                fin_ptrs = fin_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+                tl.store(fin_ptrs, total.to(fin_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -351,7 +401,7 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     """Config from shapes only (CUDA-graph safe, deterministic); `elt` is the weight's element size."""
     if m > SMALL_M:
         return _mid_config(m, n, k, sms)
-    if ONE_PASS and m <= FMA_MAX_M and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
+    if ONE_PASS and m <= ONE_PASS_MAX_M and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
         return _one_pass_config(m, n, k, elt, sms)
     kp = max(16, triton.next_power_of_2(k))
     tile = TILE_BYTES // elt  # weight elements per program per iteration
@@ -391,11 +441,10 @@ def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig
     block_n = max(1, (TILE_BYTES // elt) // block_k)
     if block_k > k:  # the masked part of the step loads nothing: twice the rows, at 8 warps (measured for
         block_n *= 2  # down_proj, K = 3072 in 4096: 0.810 vs 0.827 ms/token for 4 rows instead of 2)
-    block_m = block_m_for(m, False)
-    # the accumulator, [block_m, block_n, block_k] fp32, at 64 values per thread and at most 16 warps
-    while block_n > 1 and (_cdiv(n, block_n) < sms or block_m * block_n * block_k > 16 * 32 * 64):
+    while block_n > 1 and _cdiv(n, block_n) < sms:
         block_n //= 2
-    num_warps = max(4, block_m * block_n * block_k // (32 * 64))
+    # the weight tile in fp32 at 64 values per thread (rows after the first are taken one at a time)
+    num_warps = max(4, block_n * block_k // (32 * 64))
     return SkinnyConfig(block_n, block_k, 1, False, num_warps, 1)
 
 
@@ -523,6 +572,7 @@ def skinny_linear_triton(
     l2_lines = 0
     if pdl and L2_PREFETCH and weight.numel() * weight.element_size() <= (24 << 20):
         l2_lines = triton.next_power_of_2(_cdiv(min(k_split, k), line_elems))
+    row_loop = not cfg.use_dot and block_m > 1 and split == 1 and k_iters == 1
     # the tensor-core tiles of 3-16 rows load nothing before the wait: measured neutral there (decode_configs.py)
     prefetch = pdl and (even_k or split == 1) and not cfg.use_dot
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
@@ -533,7 +583,9 @@ def skinny_linear_triton(
         if has_res:
             assert residual.shape == x2.shape and residual.stride(-1) == 1
             assert new_residual is not None and new_residual.shape == x2.shape and new_residual.is_contiguous()
-    _skinny_gemm_kernel[(_cdiv(n, cfg.block_n), split, _cdiv(m, block_m))](
+    grid = (_cdiv(n, cfg.block_n), split, _cdiv(m, block_m))
+    fused_split = split > 1 and FUSED_SPLIT
+    _skinny_gemm_kernel[grid](
         x2,
         residual if has_res else x2,
         norm_weight if norm else weight,
@@ -543,6 +595,8 @@ def skinny_linear_triton(
         weight,
         bias if has_bias else weight,
         dst,
+        out,
+        arrival_counters(x.device, grid[0] * grid[2]) if fused_split else out,
         m,
         n,
         x2.stride(0),
@@ -568,11 +622,13 @@ def skinny_linear_triton(
         L2_LINES=l2_lines,
         LINE_ELEMS=line_elems,
         NORM_BLOCK=norm_block(k, block_m) if norm else 0,
+        ROW_LOOP=row_loop,
+        FUSED_SPLIT=fused_split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(pdl),
     )
-    if split > 1:
+    if split > 1 and not fused_split:
         block = 1024
         _splitk_reduce_kernel[(_cdiv(m * n, block),)](
             dst,

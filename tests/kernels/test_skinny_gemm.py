@@ -143,15 +143,14 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
     sms = 132
     cfg = choose_config(m, n, k, 2, sms)
     assert cfg == choose_config(m, n, k, 2, sms)
-    assert cfg.use_dot == (m > skinny_gemm.FMA_MAX_M)
-    one_pass = cfg.block_k >= k
-    if cfg.use_dot and one_pass:  # 16 weight rows (one MMA) x all of K
-        assert cfg.block_n == 16 and cfg.block_n * cfg.block_k * 2 <= 2 * skinny_gemm.TILE_BYTES
-    elif cfg.use_dot:
+    one_pass = cfg.block_k >= k and cfg.split_k == 1
+    assert cfg.use_dot == (m > skinny_gemm.FMA_MAX_M and not one_pass)
+    if cfg.use_dot:
         assert cfg.block_n >= 32 and cfg.block_k >= 16
         assert cfg.block_n * cfg.block_k * 2 <= skinny_gemm.TILE_BYTES
-    else:  # the FMA accumulator: at most 64 fp32 per thread
-        assert block_m_for(m, False) * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+    else:  # the FMA accumulator: at most 64 fp32 per thread (one-pass tiles take their rows one at a time)
+        rows = 1 if one_pass else block_m_for(m, False)
+        assert rows * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
         assert cfg.block_n * min(cfg.block_k, k) * 2 <= 2 * skinny_gemm.TILE_BYTES
     assert cfg.block_k <= triton_next_pow2(k)
     k_iters = -(-k // cfg.block_k)
@@ -187,31 +186,36 @@ def test_lm_head_keeps_looped_tiles() -> None:
     assert cfg.block_k < 1024
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("prologue", ["none", "silu_mul", "norm"])
-def test_one_pass_config_uneven_k(prologue: str) -> None:
-    """The auto config of one row at K = 48 (one masked 64-wide step, as down_proj's 3072 in 4096), with
-    each fused prologue; on the GPU the masked step is the tile loaded before the PDL wait."""
+def test_one_pass_config_uneven_k(m: int, prologue: str) -> None:
+    """The auto config of a few rows at K = 48 (one masked 64-wide step, as down_proj's 3072 in 4096), with
+    bias and each fused prologue: one row, or several taken one at a time from the weight tile in registers
+    (3 rows: a masked fourth); on the GPU the masked step is the tile loaded before the PDL wait."""
     n, k = 24, 48
-    cfg = choose_config(1, n, k, 4, 132)
-    assert cfg.split_k == 1 and cfg.block_k == 64
-    gen = torch.Generator().manual_seed(7)
+    cfg = choose_config(m, n, k, 4, 132)
+    assert cfg.split_k == 1 and cfg.block_k == 64 and not cfg.use_dot
+    gen = torch.Generator().manual_seed(7 + m)
     w = torch.randn(n, k, generator=gen) * k**-0.5
+    b = torch.randn(n, generator=gen)
+    wd, bd = w.to(DEVICE), b.to(DEVICE)
     if prologue == "silu_mul":
-        gu = torch.randn(1, 2 * k, generator=gen)
-        ref = F.linear(F.silu(gu[:, :k]) * gu[:, k:], w)
-        y = skinny_gemm.skinny_linear_triton(gu.to(DEVICE)[:, :k], w.to(DEVICE), silu_mul=True).cpu()
+        gu = torch.randn(m, 2 * k, generator=gen)
+        ref = F.linear(F.silu(gu[:, :k]) * gu[:, k:], w, b)
+        y = skinny_gemm.skinny_linear_triton(gu.to(DEVICE)[:, :k], wd, bd, silu_mul=True).cpu()
     elif prologue == "norm":
-        x, r, nw = (torch.randn(1, k, generator=gen) for _ in range(3))
+        x, r = torch.randn(m, k, generator=gen), torch.randn(m, k, generator=gen)
+        nw = torch.randn(k, generator=gen)
         h = x + r
-        ref = F.linear(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw[0], w)
-        new_r = torch.empty(1, k, device=DEVICE)
-        y = skinny_gemm.skinny_linear_triton(x.to(DEVICE), w.to(DEVICE), norm_weight=nw[0].to(DEVICE),
-                                             residual=r.to(DEVICE), eps=1e-6, new_residual=new_r).cpu()
+        ref = F.linear(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw, w, b)
+        new_r = torch.empty(m, k, device=DEVICE)
+        y = skinny_gemm.skinny_linear_triton(x.to(DEVICE), wd, bd, norm_weight=nw.to(DEVICE), residual=r.to(DEVICE),
+                                             eps=1e-6, new_residual=new_r).cpu()
         torch.testing.assert_close(new_r.cpu(), h)
     else:
-        x = torch.randn(1, k, generator=gen)
-        ref = F.linear(x, w)
-        y = skinny_linear(x, w)
+        x = torch.randn(m, k, generator=gen)
+        ref = F.linear(x, w, b)
+        y = skinny_linear(x, w, b)
     _close(y, ref)
 
 
@@ -277,3 +281,19 @@ def test_fused_add_rmsnorm_prologue(m: int, k: int, split_k: int, with_residual:
         _close(y.cpu(), ref)
         if with_residual:
             torch.testing.assert_close(new_res.cpu(), ref_res, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m,use_dot", [(1, False), (5, True), (16, True)])
+def test_split_k_summed_by_the_last_split(monkeypatch: pytest.MonkeyPatch, m: int, use_dot: bool) -> None:
+    """Split K: the last split of each output tile sums the partials in split order, so the result is
+    bitwise the reduce kernel's, the same on every call, and the arrival counters are back at zero."""
+    from nvcli.kernels import arrival_counters
+
+    x, w, b = _inputs(m, 40, 96, seed=40 + m)
+    cfg = SkinnyConfig(block_n=16, block_k=32, split_k=3, use_dot=use_dot, num_stages=2)
+    fused = skinny_linear(x, w, b, config=cfg)
+    _close(fused, F.linear(x, w, b))
+    assert torch.equal(fused, skinny_linear(x, w, b, config=cfg))
+    assert arrival_counters.all_zero()
+    monkeypatch.setattr(skinny_gemm, "FUSED_SPLIT", False)
+    assert torch.equal(fused, skinny_linear(x, w, b, config=cfg))
