@@ -8,13 +8,14 @@ few x rows are re-read per tile from L1/L2 (they are tiny); accumulation is fp32
 
 Two inner products, picked per config:
 
-* FMA (M <= 2): the weight tile times the broadcast x rows on the CUDA cores, accumulated
-  element-wise over K and reduced across K once at the end. Tall-thin tiles (few rows,
-  long K) give enough programs to fill the SMs without splitting K. The loop carries a
+* FMA (M <= 2, and the one-pass tiles up to 4 rows): the weight tile times the broadcast x
+  rows on the CUDA cores, accumulated element-wise over K and reduced across K once at the
+  end. Tall-thin tiles (few rows, long K) give enough programs to fill the SMs without
+  splitting K. The loop carries a
   `tl.range(num_stages=...)` attribute because Triton only software-pipelines loads of a
   dot-free loop when asked.
-* DOT (M > 2): `tl.dot(w_tile, x_tile.T)` on the tensor cores with x padded to 16 rows
-  (masked, so the padding is never read); the weight is the A operand ("swap AB"), so
+* DOT (the other tiles of M > 2): `tl.dot(w_tile, x_tile.T)` on the tensor cores with x
+  padded to 16 rows (masked, so the padding is never read); the weight is the A operand ("swap AB"), so
   BLOCK_N = 64 maps to one 64-row MMA and the acc is [BLOCK_N, 16].
 
 When there are too few column blocks to fill the GPU (o_proj / down_proj: N = hidden),
@@ -25,8 +26,8 @@ saves the second kernel a split used to need (`_splitk_reduce_kernel`, NV_SKINNY
 
 Launched with PDL (see pdl.py), a program prefetches its whole weight share into L2 before
 `griddepcontrol.wait` (weights of at most 24 MiB: every decoder layer, not an LM head), so the
-weight streams from HBM while the previous kernel of the chain finishes. For one row, a decoder
-layer's GEMM goes further (`_one_pass_config`): each program takes whole weight rows, all of K in
+weight streams from HBM while the previous kernel of the chain finishes. For up to four rows, a
+decoder layer's GEMM goes further (`_one_pass_config`): each program takes whole weight rows, all of K in
 one step, and loads them into registers before the wait; once the previous kernel ends, only x's
 loads, the FMAs and the store are left. That took one request from 1.03 to 0.80 ms per token on
 the H100 (`benchmarks/decode_configs.py`).
@@ -71,7 +72,7 @@ SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (deco
 MAX_M = int(os.environ.get("NV_SKINNY_MAX_M", "16"))
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
-# One or two rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
+# A few rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
 # (_one_pass_config); NV_SKINNY_ONE_PASS=0 restores the looped tiles for A/B runs
 ONE_PASS = os.environ.get("NV_SKINNY_ONE_PASS", "1") != "0"
 ONE_PASS_MAX_BYTES = 24 << 20
@@ -432,11 +433,13 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
 
 
 def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
-    """A decoder layer's GEMM for one or two rows: each program takes whole weight rows (all of K in one
+    """A decoder layer's GEMM for up to ONE_PASS_MAX_M rows: each program takes whole weight rows (all of K in one
     masked step) and as few rows as still gives every SM a program. Under PDL the kernel loads that whole
     share before `griddepcontrol.wait`, so after the previous kernel ends only x's loads, the FMAs and the
-    store remain (`benchmarks/decode_configs.py`: one request 1.03 -> 0.80 ms/token, two rows 1.24 -> 1.15
-    ms/step; CUDA-core tiles of 3-8 rows were 30-160% slower than the tensor-core ones, so they stay)."""
+    store remain; several rows are taken one at a time from the tile in registers (ROW_LOOP).
+    `benchmarks/decode_configs.py`, ms per step against the looped tiles: 1 row 1.03 -> 0.80, 2 rows
+    1.24 -> 0.98, 3-4 rows 1.51 -> 1.31; at 8 rows each row's cross-warp reduction makes it slower than the
+    tensor-core tiles (2.1 vs 1.6)."""
     block_k = max(16, triton.next_power_of_2(k))
     block_n = max(1, (TILE_BYTES // elt) // block_k)
     if block_k > k:  # the masked part of the step loads nothing: twice the rows, at 8 warps (measured for
