@@ -46,13 +46,25 @@ CANDIDATES: dict[str, list[SkinnyConfig]] = {
              C(2, 4096, num_warps=8, num_stages=1), C(1, 4096, num_stages=1)],
     "lm_head": [C(64, 128, num_warps=8, num_stages=3), C(8, 1024, num_stages=1), C(32, 256, num_warps=8, num_stages=3)],
 }
+# tensor-core tiles for 5-16 rows (--rows): (block_n, block_k, split, dot, warps, stages)
+ROWS_CANDIDATES: dict[str, list[SkinnyConfig]] = {
+    "qkv": [C(32, 512, 1, True, 4, 2), C(32, 1024, 1, True, 8, 1), C(64, 256, 1, True, 4, 4), C(32, 128, 1, True, 4, 4),
+            C(32, 256, 2, True, 4, 2)],
+    "o_proj": [C(32, 512, 4, True, 4, 1), C(32, 256, 8, True, 4, 1), C(32, 128, 8, True, 4, 2), C(64, 256, 8, True, 4, 1),
+               C(32, 256, 2, True, 4, 4)],
+    "gate_up": [C(32, 512, 1, True, 4, 2), C(32, 1024, 1, True, 8, 1), C(64, 256, 1, True, 4, 4), C(32, 256, 2, True, 4, 2)],
+    "down": [C(32, 256, 12, True, 4, 1), C(32, 512, 6, True, 4, 1), C(32, 256, 6, True, 4, 2), C(64, 256, 8, True, 4, 2),
+             C(32, 128, 8, True, 4, 3)],
+    "lm_head": [],
+}
 ATTENTION: list[dict] = [dict(num_splits=16), dict(num_splits=8)]
 
 
 class Overrides:
     """Swaps one-row GEMM configs and decode-attention keyword arguments into the kernels' entry points."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 1) -> None:
+        self.rows = rows  # the batch size whose GEMMs and attention take the overrides
         self.gemm: dict[tuple[int, int], SkinnyConfig] = {}
         self.attn: dict = {}
         self._choose = skinny_gemm.choose_config
@@ -61,12 +73,12 @@ class Overrides:
         decode_attention.paged_decode_attention_triton = self.attention
 
     def choose_config(self, m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
-        if m == 1 and (n, k) in self.gemm:
+        if m == self.rows and (n, k) in self.gemm:
             return self.gemm[(n, k)]
         return self._choose(m, n, k, elt, sms)
 
     def attention(self, q, *args, **kwargs):
-        if q.shape[0] == 1:
+        if q.shape[0] == self.rows:
             kwargs = {**kwargs, **self.attn}
         return self._attention(q, *args, **kwargs)
 
@@ -101,26 +113,27 @@ def step_ms(engine, batch: int, output_len: int, tag: str) -> float:
     return 1000 * (time.perf_counter() - t0) / max(1, steps)
 
 
-# (label, ONE_PASS_MAX_M, FUSED_SPLIT): up to ONE_PASS_MAX_M rows take the one-pass CUDA-core tiles (rows one
-# at a time from the weight tile in registers), more rows the looped tensor-core tiles, which split K for
-# o_proj and down_proj; FUSED_SPLIT: the last split sums the partials instead of a second kernel
-BATCH_MODES = [("tensor cores from 3 rows, reduce kernel (v8)", 2, False), ("one-pass up to 4 rows, reduce kernel", 4, False),
-               ("one-pass up to 4 rows, fused split (default)", 4, True)]
+# (label, ONE_PASS_MAX_M, FUSED_SPLIT, DOT_WIDE): up to ONE_PASS_MAX_M rows take the one-pass CUDA-core tiles
+# (rows one at a time from the weight tile in registers), more rows the looped tensor-core tiles, which split K
+# for o_proj and down_proj; FUSED_SPLIT: the last split sums the partials instead of a second kernel;
+# DOT_WIDE: those tiles are 64 x 256 with K split to fill the SMs (else 32 x 256, K split less)
+BATCH_MODES = [("v8 tiles, reduce kernel", 2, False, False), ("session 6, narrow tensor-core tiles", 4, True, False),
+               ("session 6, wide tensor-core tiles (default)", 4, True, True)]
 
 
 def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int) -> list[str]:
     """Decode steps of 1-16 rows under each of BATCH_MODES, in turn."""
     times: dict[tuple[int, str], list[float]] = {}
-    default = skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT
+    default = skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT, skinny_gemm.DOT_WIDE
     for r in range(rounds):
-        for label, max_m, fused in BATCH_MODES:
-            skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT = max_m, fused
+        for label, max_m, fused, wide in BATCH_MODES:
+            skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT, skinny_gemm.DOT_WIDE = max_m, fused, wide
             skinny_gemm.choose_config.cache_clear()
             recapture_graphs(runner, max(batches))
             for b in batches:
-                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{max_m}-{fused}"))
+                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{max_m}-{fused}-{wide}"))
             print(label, {b: round(times[(b, label)][-1], 4) for b in batches}, flush=True)
-    skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT = default
+    skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT, skinny_gemm.DOT_WIDE = default
     skinny_gemm.choose_config.cache_clear()
     lines = ["| rows | " + " | ".join(m[0] for m in BATCH_MODES) + " |", "|---" * (len(BATCH_MODES) + 1) + "|"]
     for b in batches:
@@ -128,6 +141,36 @@ def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int
     lines.append("(ms per decode step, median of the rounds)")
     print("\n".join(lines), flush=True)
     return lines
+
+
+def sampler_phase() -> None:
+    """The fused Gumbel-max sampler on [256, vocab] bf16 logits: the default and other chunk sizes / warps,
+    against the bytes it reads (us, median of triton.testing.do_bench)."""
+    import triton
+    import triton.testing
+
+    from nvcli.kernels import sampling
+
+    rows, vocab = 256, 151936
+    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
+    temps = torch.full((rows,), 0.6, device="cuda")
+    seeds = torch.arange(rows, device="cuda", dtype=torch.int64) * 7919
+    greedy = torch.zeros(rows, device="cuda")
+    for chunk in (2048, 4096, 8192, 16384):
+        for warps in (4, 8, 16):
+            def run(t=temps, chunk=chunk, warps=warps):
+                chunks = triton.cdiv(vocab, chunk)
+                best = torch.empty((rows, chunks), dtype=torch.float32, device="cuda")
+                idx = torch.empty((rows, chunks), dtype=torch.int32, device="cuda")
+                sampling._sample_chunk_kernel[(rows, chunks)](logits, t, seeds, best, idx, logits.stride(0), vocab, chunks,
+                                                             CHUNK=chunk, num_warps=warps)
+            us = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
+            us_greedy = triton.testing.do_bench(lambda: run(greedy), warmup=25, rep=100, return_mode="median") * 1e3
+            print(f"sampler chunk {chunk} warps {warps}: {us:.1f} us (greedy rows {us_greedy:.1f} us; "
+                  f"{logits.numel() * 2 / us / 1e3:.0f} GB/s)", flush=True)
+    full = triton.testing.do_bench(lambda: sampling.gumbel_sample_triton(logits, temps, seeds), warmup=25, rep=100,
+                                   return_mode="median") * 1e3
+    print(f"gumbel_sample_triton (default, with the argmax over chunks): {full:.1f} us", flush=True)
 
 
 @torch.inference_mode()
@@ -150,6 +193,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=1, help="sweep the configs of this batch size (ms per decode step)")
+    ap.add_argument("--sampler", action="store_true", help="first time the sampling kernel at 256 rows")
     ap.add_argument("--batches", default="", help="e.g. 1,2,4,8,16: only compare BATCH_MODES per batch size")
     ap.add_argument("--only", default="", help="comma-separated shape names (and/or 'attention') to sweep")
     args = ap.parse_args()
@@ -161,14 +206,23 @@ def main() -> None:
         llm.shutdown()
         print("\n".join(lines))
         return
-    ov = Overrides()
+    if args.sampler:
+        sampler_phase()
+    ov = Overrides(args.rows)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    defaults = {name: skinny_gemm.choose_config(1, n, k, 2, sms) for name, (n, k) in SHAPES.items()}
+    defaults = {name: skinny_gemm.choose_config(args.rows, n, k, 2, sms) for name, (n, k) in SHAPES.items()}
+    if args.rows > 1:  # tensor-core candidates around the defaults of a few rows
+        CANDIDATES.clear()
+        CANDIDATES.update(ROWS_CANDIDATES)
+        LOOPED.clear()
 
     def measure(gemm: dict[tuple[int, int], SkinnyConfig], attn: dict) -> float:
         ov.gemm, ov.attn = gemm, attn
-        recapture_one_row_graph(runner)
-        return latency(engine, 128, args.output_len, repeats=args.repeats)["ms_per_output_token"]
+        if args.rows == 1:
+            recapture_one_row_graph(runner)
+            return latency(engine, 128, args.output_len, repeats=args.repeats)["ms_per_output_token"]
+        recapture_graphs(runner, args.rows)
+        return statistics.median(step_ms(engine, args.rows, args.output_len, f"sweep{i}") for i in range(args.repeats))
 
     rows: list[tuple[str, str, float]] = []
     base_runs: list[float] = []
@@ -183,12 +237,14 @@ def main() -> None:
     # phase 1: the looped tiles of v8 against today's defaults, in turn
     looped = {SHAPES[name]: cfg for name, cfg in LOOPED.items()}
     compare: dict[str, list[float]] = {"looped (v8)": [], "defaults": [], "defaults, 16 attention splits": []}
-    for r in range(args.rounds):
+    for r in range(args.rounds if args.rows == 1 else 0):
         compare["looped (v8)"].append(measure(looped, {}))
         compare["defaults"].append(base(f"round {r}"))
         compare["defaults, 16 attention splits"].append(measure({}, dict(num_splits=16)))
         print({k: round(v[-1], 4) for k, v in compare.items()}, flush=True)
 
+    if args.rows > 1:
+        base("start")
     # phase 2: one shape at a time around the defaults
     best: dict[str, tuple[float, object]] = {}
     only = set(filter(None, args.only.split(",")))
@@ -230,6 +286,8 @@ def main() -> None:
         print(f"| {name} | {cfg} | {t:.4f} |")
     print("\nin turn, median of rounds:")
     for name, ts in compare.items():
+        if not ts:
+            continue
         print(f"  {name}: {statistics.median(ts):.4f} ms/token {[round(t, 4) for t in ts]}")
     print(f"defaults: median {ref:.4f} ms/token over {len(base_runs)} runs ({min(base_runs):.4f}-{max(base_runs):.4f})")
     if combined:

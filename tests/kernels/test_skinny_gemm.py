@@ -147,7 +147,7 @@ def test_config_heuristic(m: int, n: int, k: int) -> None:
     assert cfg.use_dot == (m > skinny_gemm.FMA_MAX_M and not one_pass)
     if cfg.use_dot:
         assert cfg.block_n >= 32 and cfg.block_k >= 16
-        assert cfg.block_n * cfg.block_k * 2 <= skinny_gemm.TILE_BYTES
+        assert cfg.block_n * cfg.block_k * 2 <= 2 * skinny_gemm.TILE_BYTES
     else:  # the FMA accumulator: at most 64 fp32 per thread (one-pass tiles take their rows one at a time)
         rows = 1 if one_pass else block_m_for(m, False)
         assert rows * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
