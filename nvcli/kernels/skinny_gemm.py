@@ -45,9 +45,9 @@ so one compile per (config, K) serves every batch size that maps to it.
 Entry points: `linear(x, weight, bias)` is F.linear that takes this kernel when
 `use_skinny(x, weight)` (CUDA, bf16/fp16, 1..MAX_M rows, K % 16 == 0, row-major weight);
 NV_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere, for A/B runs).
-The one-row configs in `choose_config` were picked end to end (`benchmarks/decode_configs.py`
-swaps configs into the real decode chain); the rest were written from first principles, and
-`benchmarks/skinny_gemm.py --sweep` times alternatives in isolation.
+The configs `choose_config` gives decoder layers at 1-16 rows were picked end to end
+(`benchmarks/decode_configs.py` swaps configs into the real decode chain); the rest were written
+from first principles, and `benchmarks/skinny_gemm.py --sweep` times alternatives in isolation.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ ONE_PASS_MAX_BYTES = 24 << 20
 # rows up to which the one-pass tiles replace the tensor-core ones: each further row costs its own cross-warp
 # reduction, and at 8 rows the tensor-core tiles win (decode_configs.py --batches)
 ONE_PASS_MAX_M = 4
-DOT_WIDE = True  # tensor-core tiles of a decoder layer: 64 x 256 weight tiles, K split to fill the SMs
 ONE_PASS_ELEMS = 16384  # longest K step (elements) of a one-pass tile: 64 fp32 per thread at 8 warps
+DOT_WIDE = True  # tensor-core tiles of a decoder layer: 64 x 256 weight tiles, K split to fill the SMs
 _ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
 # split K: the last split of each tile sums the partials (no second kernel); NV_SKINNY_FUSED_SPLIT=0: the
 # reduce kernel, for A/B runs
@@ -231,7 +231,7 @@ def _skinny_gemm_kernel(
         rstd = _row_rstd(x_ptr, r_ptr, new_r_ptr, stride_xm, stride_rm, offs_m, m_ok, eps,
                          (pid_n == 0) & (pid_k == 0), K, NORM_BLOCK, BLOCK_M, HAS_RES)
 
-    if PREFETCH and BLOCK_M > 1:  # the rows' x mask of the peeled first iteration (two rows)
+    if PREFETCH and BLOCK_M > 1:  # the rows' x mask of the peeled first iteration (the 3-D product below)
         if EVEN_K:
             x_first_mask = m_ok
         else:
@@ -410,7 +410,7 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     use_dot = m > FMA_MAX_M
     if use_dot and DOT_WIDE and n * k * elt <= ONE_PASS_MAX_BYTES:
         # a decoder layer: whole 64-row MMAs over 256-wide K steps, and K split until the SMs have work
-        # (decode_configs.py --rows 8: o_proj, gate_up and down so, 8 rows 1.59 -> 1.33 ms per step)
+        # (decode_configs.py --batches: 8 rows 1.56 -> 1.45, 16 rows 1.72 -> 1.61 ms per step)
         block_n, min_n, num_warps = 64, 64, 4
         tile *= 2
     elif use_dot:
