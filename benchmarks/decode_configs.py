@@ -1,16 +1,19 @@
-"""One request's decode step, kernel configs tried end to end: ms per output token with each one-row GEMM
-config and decode-attention setting swapped in, on the real chain (CUDA graph, PDL), one process.
+"""Decode-step kernel configs tried end to end: each skinny-GEMM config and decode-attention setting is
+swapped into the real chain (CUDA graph, PDL) in one process, and timed as one request's ms per output
+token (or, with --rows N, as ms per decode step of N requests).
 
     PYTHONPATH=. python3 benchmarks/decode_configs.py [--repeats 3] [--output-len 512]
-    PYTHONPATH=. python3 benchmarks/decode_configs.py --batches 1,2,4,8,16 --output-len 256 --rounds 3
+    PYTHONPATH=. python3 benchmarks/decode_configs.py --rows 8 --output-len 256 --repeats 2 --rounds 2 [--sampler]
+    PYTHONPATH=. python3 benchmarks/decode_configs.py --batches 1,2,4,8,16 --output-len 256 --rounds 2
 
-Phase 1 runs session 5's looped GEMM tiles, the defaults, and the defaults with 16 attention splits in
-turn (the batch-1 graph is recaptured for each). Phase 2 changes one layer shape at a time around the
-defaults, with the defaults again after each shape to show drift. Phase 3 combines the variants that beat
-the defaults by 1% and runs them against the defaults in turn. With --batches it only times decode
-steps of those batch sizes under each of BATCH_MODES (which rows take which tiles), in turn. The kernel
-isolation benchmarks (skinny_gemm.py) time a GEMM alone; here a config also pays for how it overlaps its
-neighbours under PDL, which is what one request's latency is made of. Prints a table last.
+One request: phase 1 runs session 5's looped GEMM tiles, the defaults, and the defaults with 16 attention
+splits in turn (the batch-1 graph is recaptured for each). Phase 2 changes one layer shape at a time around
+the defaults (CANDIDATES; with --rows, the tensor-core ROWS_CANDIDATES), with the defaults again after each
+shape to show drift. Phase 3 combines the variants that beat the defaults by 1% and runs them against the
+defaults in turn. --sampler first times the sampling kernel at 256 rows. --batches only times decode steps
+of those batch sizes under each of BATCH_MODES (which rows take which tiles), in turn. The kernel isolation
+benchmarks (skinny_gemm.py) time a GEMM alone; here a config also pays for how it overlaps its neighbours
+under PDL, which is what a small batch's step is made of. Prints a table last.
 """
 
 from __future__ import annotations
