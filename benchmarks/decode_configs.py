@@ -92,6 +92,7 @@ class Overrides:
 
 
 @torch.inference_mode()
+@torch.inference_mode()
 def recapture_graphs(runner, max_bs: int) -> None:
     """Recapture every decode graph of at most max_bs rows (their configs may have changed)."""
     torch.cuda.synchronize()
@@ -181,17 +182,6 @@ def sampler_phase() -> None:
     print(f"gumbel_sample_triton (default, with the argmax over chunks): {full:.1f} us", flush=True)
 
 
-@torch.inference_mode()
-def recapture_one_row_graph(runner) -> None:
-    torch.cuda.synchronize()
-    runner._graph_forward(1)  # eager first: compiles the variant outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        runner.graph_outputs[1] = runner._graph_forward(1)
-    runner.graphs[1] = graph
-    torch.cuda.synchronize()
-
-
 def describe(cfg: SkinnyConfig) -> str:
     return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (f" split{cfg.split_k}" if cfg.split_k > 1 else "")
 
@@ -226,10 +216,9 @@ def main() -> None:
 
     def measure(gemm: dict[tuple[int, int], SkinnyConfig], attn: dict) -> float:
         ov.gemm, ov.attn = gemm, attn
-        if args.rows == 1:
-            recapture_one_row_graph(runner)
-            return latency(engine, 128, args.output_len, repeats=args.repeats)["ms_per_output_token"]
         recapture_graphs(runner, args.rows)
+        if args.rows == 1:
+            return latency(engine, 128, args.output_len, repeats=args.repeats)["ms_per_output_token"]
         return statistics.median(step_ms(engine, args.rows, args.output_len, f"sweep{i}") for i in range(args.repeats))
 
     rows: list[tuple[str, str, float]] = []

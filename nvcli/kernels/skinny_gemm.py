@@ -220,11 +220,12 @@ def _skinny_gemm_kernel(
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + (k0 + offs_k)[None, :]
     nw_ptrs = nw_ptr + (k0 + offs_k)[None, :]
     m_ok = offs_m[:, None] < M
-    if PREFETCH:  # the weights do not depend on the previous kernel: stream them while it finishes
-        if EVEN_K:
+    if PREFETCH or ROW_LOOP:  # PREFETCH: the weights do not depend on the previous kernel, stream them while
+        if EVEN_K:  # it finishes; the row loop's one K step is this tile, with or without PDL
             w_first = tl.load(w_ptrs)
         else:
             w_first = tl.load(w_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+    if PREFETCH:
         gdc_wait()
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:
@@ -240,13 +241,7 @@ def _skinny_gemm_kernel(
         # One K step, several rows: the weight tile stays in registers and each row's products come
         # straight from it, one row after another, each reduced on its own. A 3-D [rows, BLOCK_N,
         # BLOCK_K] product (below) costs layout shuffles and registers per row.
-        if PREFETCH:
-            w_all = w_first
-        elif EVEN_K:
-            w_all = tl.load(w_ptrs)
-        else:
-            w_all = tl.load(w_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-        wf = w_all.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        wf = w_first.to(tl.float32)  # [BLOCK_N, BLOCK_K]
         k_ok = (k0 + offs_k)[None, :] < K
         y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r in tl.static_range(BLOCK_M):
