@@ -28,7 +28,7 @@ WATCH = ["ld.global", "cp.async.cg", "cp.async.ca", "ld.shared.b8", "ld.shared",
          "mma.sync", "wgmma", "cvt.rn.f16x2.e4m3x2", "cvt.f32.f16", "ex2.approx", "st.local", "ld.local"]
 
 
-def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool):
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool, run_addr: bool = True):
     fp8 = kv == "fp8"
     kv_t = "*fp8e4nv" if fp8 else "*bf16"
     pointers = {
@@ -42,7 +42,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool)
     const = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=block_n, DIRECT=True, SCALE_IS_PTR=True,
                  DOT_PREC="tf32", F16_DOT=fp8, PDL=False, KVH_MAJOR=True, FUSED_REDUCE=False, SPLITS_PAD=1,
                  ROPE=False, ROPE_NORM=False, ROPE_GROUP_PAD=2, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
-                 KV_LINES=1 if fp8 else 2, V_SCALED=v_tile and fp8)
+                 KV_LINES=1 if fp8 else 2, V_CONVERT_AT_LOAD=v_tile and fp8, SUB=min(16, block_n), RUN_ADDR=run_addr)
     names = _decode_split_kernel.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n) or ("fp32" if n in floats else "i32") for n in names}
     aligned = [n for n in names if sig[n].startswith("*") or (n.startswith("stride") and n != "stride_bt")]
@@ -59,8 +59,10 @@ def main() -> int:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--v-dequant-in-tile", action="store_true")
+    ap.add_argument("--per-token-addressing", action="store_true", help="K/V addresses per token (the old loop)")
     args = ap.parse_args()
-    kernel = compile_decode(args.kv, args.block_n, args.warps, args.stages, args.v_dequant_in_tile)
+    kernel = compile_decode(args.kv, args.block_n, args.warps, args.stages, args.v_dequant_in_tile,
+                            not args.per_token_addressing)
     cubin = Path("/tmp") / f"nv_decode_{args.kv}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -80,7 +82,26 @@ def main() -> int:
           f"of stack (spills), {kernel.metadata.shared} bytes of shared memory -> {per_sm} programs per SM")
     print("PTX instructions (static count in the kernel body): "
           + ", ".join(f"{w} {counts[w]}" for w in WATCH if counts[w]))
+    body = loop_body(subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True).stdout)
+    print(f"SASS of the tile loop: {len(body)} instructions per warp and tile; most frequent: "
+          + ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(12)))
     return 0
+
+
+def loop_body(sass: str) -> list[str]:
+    """Opcodes of the longest backward branch's span: the tile loop, what each warp issues per tile (the fp8
+    kernel is bound by instruction issue, not bandwidth, so this count is what a change must lower)."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    lo = hi = -1
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > hi - lo:
+            lo, hi = int(target.group(1), 16), addr
+    return [op for addr, op, _ in ins if lo <= addr <= hi]
 
 
 if __name__ == "__main__":

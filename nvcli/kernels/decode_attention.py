@@ -42,7 +42,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
-from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2, use_pdl
+from nvcli.kernels.pdl import (
+    L2_PREFETCH,
+    L2_PREFETCH_MAX_SEQS,
+    launch_kwargs,
+    pdl_start,
+    prefetch_l2,
+    use_pdl,
+)
 from nvcli.kernels.rotary import rope_qk_norm_store
 
 LOG2E = 1.4426950408889634
@@ -51,7 +58,16 @@ MERGE_WIDTH = 32  # splits the in-kernel merge loads at once (at least; see the 
 # A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
 _FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
 _KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "1") != "0"
-_V_DEQUANT_TILE = os.environ.get("NV_FP8_V_DEQUANT_TILE", "0") == "1"
+
+
+def _env_switch(name: str) -> Optional[bool]:
+    """"1" / "0" force a kernel option on / off for A/B runs; unset leaves it to the launch's shapes."""
+    value = os.environ.get(name)
+    return None if value is None else value != "0"
+
+
+_V_DEQUANT_TILE = _env_switch("NV_FP8_V_DEQUANT_TILE")
+_RUN_ADDR = _env_switch("NV_DECODE_RUN_ADDR")
 
 
 @dataclass
@@ -131,7 +147,9 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     L2_PREFETCH: tl.constexpr,  # PDL: prefetch the program's K/V lines into L2 before waiting
     KV_LINES: tl.constexpr,  # 128-byte lines per cached head row (head_dim * element size / 128)
-    V_SCALED: tl.constexpr,  # fp8: each V tile is dequantized (times v_scale, in fp32) before the dot
+    V_CONVERT_AT_LOAD: tl.constexpr,  # fp8: V converted to fp16 where it is loaded (v_dequant_in_tile)
+    SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N)
+    RUN_ADDR: tl.constexpr,  # K/V addresses per run of SUB tokens in a page (else per token)
 ):
     if PDL:
         gdc_launch_dependents()
@@ -205,24 +223,44 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
-    # block ids of the first tile; inside the loop the next tile's ids are fetched one
-    # iteration ahead so the K/V addresses never wait on a load issued in the same iteration
-    pos_next = start + offs_n
-    blk_next = tl.load(bt_row + pos_next // PAGE, mask=pos_next < end, other=0)
+    # RUN_ADDR: a tile is RUNS runs of SUB tokens that share a page. Offsets inside a run do not change from tile
+    # to tile, so each tile computes RUNS page addresses instead of BLOCK_N row addresses and gathers RUNS block
+    # ids instead of BLOCK_N (in SASS: 504 instructions per warp and tile instead of 778 for fp8, decode_ptx.py).
+    # Either way the ids are fetched one iteration ahead, so the K/V addresses never wait on a load issued in the
+    # same iteration.
+    RUNS: tl.constexpr = BLOCK_N // SUB
+    offs_r = tl.arange(0, RUNS)  # [RUNS]
+    offs_s = tl.arange(0, SUB)  # [SUB]
+    k_in_run = (offs_s * stride_kt)[None, :, None] + offs_d[None, None, :]  # [1, SUB, HEAD_DIM]
+    v_in_run = (offs_s * stride_vt)[None, :, None] + offs_d[None, None, :]
+    if RUN_ADDR:
+        id_pos = start + offs_r * SUB  # [RUNS]: first token of each run
+    else:
+        id_pos = start + offs_n  # [BLOCK_N]
+    ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < end, other=0)
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
         n_mask = pos < end
-        blk = blk_next.to(tl.int64)
-        pos_next = pos + BLOCK_N
-        blk_next = tl.load(bt_row + pos_next // PAGE, mask=pos_next < end, other=0)
-        in_page = (pos % PAGE).to(tl.int64)
-        k_off = blk * stride_kb + in_page * stride_kt  # [BLOCK_N]
-        v_off = blk * stride_vb + in_page * stride_vt
-        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        ids = ids_next.to(tl.int64)
+        id_pos += BLOCK_N
+        ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < end, other=0)
+        if RUN_ADDR:
+            run_start = tile + offs_r * SUB  # [RUNS]
+            in_page = run_start % PAGE  # 0 unless a page holds several tiles
+            k_run = (ids * stride_kb + in_page * stride_kt)[:, None, None]  # [RUNS, 1, 1]
+            v_run = (ids * stride_vb + in_page * stride_vt)[:, None, None]
+            run_mask = ((run_start[:, None] + offs_s[None, :]) < end)[:, :, None]  # [RUNS, SUB, 1]
+            k = tl.reshape(tl.load(k_head + k_run + k_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
+            v = tl.reshape(tl.load(v_head + v_run + v_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
+        else:
+            in_page = (pos % PAGE).to(tl.int64)
+            k_off = ids * stride_kb + in_page * stride_kt  # [BLOCK_N]
+            v_off = ids * stride_vb + in_page * stride_vt
+            k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         k = k.to(q.dtype)  # [BLOCK_N, HEAD_DIM]
-        if V_SCALED:  # see paged_decode_attention_triton's v_dequant_in_tile
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        if V_CONVERT_AT_LOAD:  # see paged_decode_attention_triton's v_dequant_in_tile
+            v = v.to(q.dtype) * (v_scale / v_scale).to(q.dtype)  # times 1, which the compiler cannot fold
         else:
             v = v.to(q.dtype)
 
@@ -235,8 +273,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    if not V_SCALED:
-        acc = acc * v_scale
+    acc = acc * v_scale
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]  # [GROUP_PAD, HEAD_DIM]
     if DIRECT:
@@ -348,19 +385,18 @@ def paged_decode_attention_triton(
     kvh_major: Optional[bool] = None,
     rope: Optional[DecodeRope] = None,
     v_dequant_in_tile: Optional[bool] = None,
+    run_addressing: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
     k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
     store quantizes with them when `rope` is given) and are ignored otherwise. With `rope` the kernel
     first norms and rotates q in place and the new key, and stores the new key and value in the cache.
-    The other keyword-only knobs override the tuned defaults (benchmarks). `v_dequant_in_tile` (fp8,
-    fp16 dots): scale each V tile in fp32 before the PV dot instead of the accumulator after the loop.
-    An unmeasured candidate (NV_FP8_V_DEQUANT_TILE=1): compiled offline for sm_90, the default path
-    reads the fp8 V tile from shared memory one byte per instruction (the PV dot needs V transposed,
-    and there is no 8-bit ldmatrix.trans), at 147 registers per thread; with the scaling op in between,
-    Triton converts V to fp16 in registers and uses ldmatrix.trans on fp16, at 114 registers (4 programs
-    per SM instead of 3) but without cp.async pipelining of V.
+    The other keyword-only knobs override the tuned defaults (benchmarks). `v_dequant_in_tile` (fp8, fp16
+    dots): convert each V tile to fp16 where it is loaded (an opaque multiply by 1 keeps Triton from moving the
+    conversion after the transpose into the PV dot's layout, where it reads the fp8 tile from shared memory one
+    byte per instruction: there is no 8-bit ldmatrix.trans). `run_addressing`: K/V addresses per run of tokens
+    that share a page instead of per token. NV_FP8_V_DEQUANT_TILE / NV_DECODE_RUN_ADDR = 1 / 0 force either.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -399,9 +435,17 @@ def paged_decode_attention_triton(
         fused_reduce = _FUSED_REDUCE
     if kvh_major is None:
         kvh_major = _KVH_MAJOR
+    # fp8 without splits (the workload's big batches, >= 4 programs per SM): addresses per run of a page's tokens
+    # and V converted where it is loaded. The tile loop then issues 504 instead of 823 instructions per warp and
+    # tile, and the kernel, bound by instruction issue before, runs 4-5% faster at 128-256 sequences
+    # (benchmarks/decode_variants.py, RESULTS session 7). With splits (<= 64 sequences) it lost (B=64: 125 vs 95 us),
+    # and bf16, bound by bandwidth, lost 3-6% everywhere, so both keep the per-token loop.
+    fp8_big_batch = fp8 and f16_dot and num_splits == 1
     if v_dequant_in_tile is None:
-        v_dequant_in_tile = _V_DEQUANT_TILE
-    v_scaled = bool(v_dequant_in_tile and fp8 and f16_dot)
+        v_dequant_in_tile = fp8_big_batch if _V_DEQUANT_TILE is None else _V_DEQUANT_TILE
+    v_convert_at_load = bool(v_dequant_in_tile and fp8 and f16_dot)
+    if run_addressing is None:
+        run_addressing = fp8_big_batch if _RUN_ADDR is None else _RUN_ADDR
     fused_reduce = fused_reduce and num_splits > 1
 
     pdl = use_pdl(q, num_seqs)
@@ -474,9 +518,12 @@ def paged_decode_attention_triton(
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
         ROPE_QUANT=fp8,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
-        L2_PREFETCH=pdl and L2_PREFETCH and head_dim * k_cache.element_size() % 128 == 0,
+        L2_PREFETCH=(pdl and L2_PREFETCH and num_seqs <= L2_PREFETCH_MAX_SEQS
+                     and head_dim * k_cache.element_size() % 128 == 0),
         KV_LINES=max(1, head_dim * k_cache.element_size() // 128),
-        V_SCALED=v_scaled,
+        V_CONVERT_AT_LOAD=v_convert_at_load,
+        SUB=min(page, block_n),
+        RUN_ADDR=run_addressing and page & (page - 1) == 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),

@@ -33,6 +33,9 @@ MAX_ROWS = int(os.environ.get("NV_PDL_MAX_ROWS", "16"))
 _ENABLED = os.environ.get("NV_PDL", "1") != "0"
 # L2 prefetch before griddepcontrol.wait (see prefetch_l2); NV_L2_PREFETCH=0 turns it off for A/B runs
 L2_PREFETCH = os.environ.get("NV_L2_PREFETCH", "1") != "0"
+# Decode attention prefetches a program's whole KV share; past the batches it was measured at (session 3) the
+# first wave's shares outgrow the 50 MB L2 and would evict each other before they are read.
+L2_PREFETCH_MAX_SEQS = 16
 
 
 @cache

@@ -222,6 +222,32 @@ def test_decode_fp8_cache(scale_kind: str, f16_dot: bool, v_tile: bool) -> None:
     assert_close(out, decode_ref(q, k_deq, v_deq, tables, seq_lens), **tol)
 
 
+@pytest.mark.parametrize("block_size,block_n,num_splits", [(16, 64, 1), (16, 32, 3), (32, 16, 2), (64, 16, 1)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_run_addressing(block_size: int, block_n: int, num_splits: int, fp8: bool) -> None:
+    """Addresses per run of a page's tokens (the fp8 big-batch loop) read the same K/V as addresses per token,
+    with a page split over several tiles (block_n < block_size), partial last tiles and empty splits; V converted
+    where it is loaded gives the same output bit for bit (the conversion is exact and the dots are the same)."""
+    gen = torch.Generator().manual_seed(block_size * 7 + block_n + num_splits)
+    lens = [block_size * 3 + 5, 17, 1, 0, block_size * 2, 130]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, block_size, gen)
+    ks = vs = 0.05
+    if fp8:
+        k_cache, k_deq = quantize(k_cache, ks)
+        v_cache, v_deq = quantize(v_cache, vs)
+    else:
+        k_deq, v_deq = k_cache, v_cache
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(num_splits=num_splits, block_n=block_n, f16_dot=fp8)
+    per_token = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, ks, vs,
+                                              run_addressing=False, v_dequant_in_tile=False, **kw)
+    runs = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, ks, vs,
+                                         run_addressing=True, v_dequant_in_tile=fp8, **kw)
+    assert torch.equal(runs, per_token)
+    assert_close(runs, decode_ref(q, k_deq, v_deq, tables, seq_lens), **(dict(atol=2e-3, rtol=2e-3) if fp8 else {}))
+
+
 # ----------------------------------------------------------------------------- prefill
 
 

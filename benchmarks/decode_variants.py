@@ -1,0 +1,88 @@
+"""Decode attention at the workload's shapes, code variants side by side (CUDA events, median).
+
+    PYTHONPATH=. python3 benchmarks/decode_variants.py            # timing table
+    PYTHONPATH=. python3 benchmarks/decode_variants.py --once     # one launch per variant, for a profiler:
+    ncu --clock-control none -k regex:_decode_split --csv --page details python3 benchmarks/decode_variants.py --once
+
+Variants are the kernel's keyword knobs: `run_addressing` (K/V addresses per run of tokens that share a page,
+not per token) and `v_dequant_in_tile` (fp8: V converted to fp16 where it is loaded, so the PV dot reads it with
+ldmatrix instead of one byte per shared-memory load), plus tile shapes. Bandwidth is against a device-to-device
+copy measured in the same run; `err` is the largest difference from the first variant of the same cache dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kernels as kb  # noqa: E402
+
+from nvcli.kernels.decode_attention import paged_decode_attention_triton  # noqa: E402
+
+SHAPES = [("B=256 ctx=800", [800] * 256), ("B=128 ctx=1200", [1200] * 128), ("B=64 ctx=1400", [1400] * 64),
+          ("B=256 ctx 100-2000", [100 + (1900 * i) // 255 for i in range(256)]), ("B=16 ctx=1600", [1600] * 16)]
+# (label, fp8, kernel keyword overrides)
+VARIANTS = [
+    ("bf16 per-token", False, dict(run_addressing=False)),
+    ("bf16 runs", False, dict(run_addressing=True)),
+    ("bf16 runs 3 stages", False, dict(run_addressing=True, num_stages=3)),
+    ("fp8 per-token", True, dict(run_addressing=False, v_dequant_in_tile=False)),
+    ("fp8 per-token V tile", True, dict(run_addressing=False, v_dequant_in_tile=True)),
+    ("fp8 runs", True, dict(run_addressing=True, v_dequant_in_tile=False)),
+    ("fp8 runs V tile", True, dict(run_addressing=True, v_dequant_in_tile=True)),
+    ("fp8 runs V tile 2 st", True, dict(run_addressing=True, v_dequant_in_tile=True, num_stages=2)),
+    ("fp8 runs V tile 4 st", True, dict(run_addressing=True, v_dequant_in_tile=True, num_stages=4)),
+    ("fp8 runs V tile 128", True, dict(run_addressing=True, v_dequant_in_tile=True, block_n=128, num_stages=2)),
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--once", action="store_true", help="one launch per variant at the first shape (profilers)")
+    ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
+    args = ap.parse_args()
+    variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
+    dev = "cuda"
+    torch.manual_seed(0)
+    bw = kb.copy_bandwidth(dev, True, False)
+    shapes = SHAPES[:1] if args.once else SHAPES
+    rows = []
+    for label, lens in shapes:
+        kc16, vc16, bt = kb.paged_kv(lens, 8, 128, 16, torch.bfloat16, dev, table_width=256)
+        k8, _ = kb.quantize(kc16, 0.02)
+        v8, _ = kb.quantize(vc16, 0.02)
+        scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+        q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
+        sl = kb.i32(lens, dev)
+        ref = {}
+        times = []
+        for name, fp8, kw in variants:
+            kc, vc = (k8, v8) if fp8 else (kc16, vc16)
+            ks, vs = scales if fp8 else (None, None)
+
+            call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, ks, vs, **kw)
+
+            out = call()
+            torch.cuda.synchronize()
+            if args.once:
+                continue
+            base = ref.setdefault(fp8, out)
+            err = (out.float() - base.float()).abs().max().item()
+            t = kb.bench(call, True)
+            nbytes = 2 * sum(lens) * 8 * 128 * (1 if fp8 else 2)
+            times.append(f"{name} {t * 1e6:.0f} us ({nbytes / t / bw:.0%}, err {err:.1e})")
+            print(f"{label}: {times[-1]}", flush=True)
+        rows.append(f"{label}: " + "; ".join(times))
+        del kc16, vc16, k8, v8
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
