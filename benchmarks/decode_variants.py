@@ -38,6 +38,12 @@ VARIANTS = [
     ("fp8 runs V tile 2 st", True, dict(run_addressing=True, v_dequant_in_tile=True, num_stages=2)),
     ("fp8 runs V tile 4 st", True, dict(run_addressing=True, v_dequant_in_tile=True, num_stages=4)),
     ("fp8 runs V tile 128", True, dict(run_addressing=True, v_dequant_in_tile=True, block_n=128, num_stages=2)),
+    # more programs per SM (compiled for sm_90a: 2 warps x 32 tokens 166 registers, 6 programs per SM)
+    ("fp8 runs V tile w2 n32", True, dict(run_addressing=True, v_dequant_in_tile=True, num_warps=2, block_n=32)),
+    ("fp8 runs V tile w2 n32 4 st", True, dict(run_addressing=True, v_dequant_in_tile=True, num_warps=2, block_n=32,
+                                               num_stages=4)),
+    ("fp8 runs V tile w4 n32 4 st", True, dict(run_addressing=True, v_dequant_in_tile=True, block_n=32, num_stages=4)),
+    ("fp8 runs V tile w8 n128", True, dict(run_addressing=True, v_dequant_in_tile=True, num_warps=8, block_n=128)),
 ]
 
 
