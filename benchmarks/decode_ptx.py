@@ -1,12 +1,15 @@
 """Compile the decode-attention kernel for an H100 (sm_90a) on any machine, CPU included, and print what
-the GPU would run: registers and spills per thread, shared memory, and the instruction mix of the PTX.
+the GPU would run: registers and spills per thread, shared memory, the instruction mix of the PTX, and the
+length and mix of the SASS tile loop (what each warp issues per tile of KV).
 
     python benchmarks/decode_ptx.py [--kv fp8|bf16] [--block-n 64] [--warps 4] [--stages 3] [--v-dequant-in-tile]
+                                    [--per-token-addressing]
 
 Triton compiles ahead of time here with the specialization the JIT applies on the GPU (pointers and
 strides divisible by 16; `stride_bt` is not specialized), and the cubin is built by the ptxas bundled
 with Triton. Use it to check a kernel change costs no registers or byte-wise shared-memory loads before
-spending device time on timing it.
+spending device time on timing it. The fp8 kernel is bound by instruction issue (Nsight Compute, RESULTS
+session 7), so there the tile loop's instruction count predicts speed; the bf16 kernel is bound by bandwidth.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def _decode_split_kernel(
     L2_PREFETCH: tl.constexpr,  # PDL: prefetch the program's K/V lines into L2 before waiting
     KV_LINES: tl.constexpr,  # 128-byte lines per cached head row (head_dim * element size / 128)
     V_CONVERT_AT_LOAD: tl.constexpr,  # fp8: V converted to fp16 where it is loaded (v_dequant_in_tile)
-    SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N)
+    SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N) (pages are powers of two)
     RUN_ADDR: tl.constexpr,  # K/V addresses per run of SUB tokens in a page (else per token)
 ):
     if PDL:
@@ -225,15 +225,15 @@ def _decode_split_kernel(
 
     # RUN_ADDR: a tile is RUNS runs of SUB tokens that share a page. Offsets inside a run do not change from tile
     # to tile, so each tile computes RUNS page addresses instead of BLOCK_N row addresses and gathers RUNS block
-    # ids instead of BLOCK_N (in SASS: 504 instructions per warp and tile instead of 778 for fp8, decode_ptx.py).
+    # ids instead of BLOCK_N (fp8, in SASS: 504 instructions per warp and tile instead of 823; decode_ptx.py).
     # Either way the ids are fetched one iteration ahead, so the K/V addresses never wait on a load issued in the
     # same iteration.
-    RUNS: tl.constexpr = BLOCK_N // SUB
-    offs_r = tl.arange(0, RUNS)  # [RUNS]
-    offs_s = tl.arange(0, SUB)  # [SUB]
-    k_in_run = (offs_s * stride_kt)[None, :, None] + offs_d[None, None, :]  # [1, SUB, HEAD_DIM]
-    v_in_run = (offs_s * stride_vt)[None, :, None] + offs_d[None, None, :]
     if RUN_ADDR:
+        RUNS: tl.constexpr = BLOCK_N // SUB
+        offs_r = tl.arange(0, RUNS)  # [RUNS]
+        offs_s = tl.arange(0, SUB)  # [SUB]
+        k_in_run = (offs_s * stride_kt)[None, :, None] + offs_d[None, None, :]  # [1, SUB, HEAD_DIM]
+        v_in_run = (offs_s * stride_vt)[None, :, None] + offs_d[None, None, :]
         id_pos = start + offs_r * SUB  # [RUNS]: first token of each run
     else:
         id_pos = start + offs_n  # [BLOCK_N]
@@ -523,7 +523,7 @@ def paged_decode_attention_triton(
         KV_LINES=max(1, head_dim * k_cache.element_size() // 128),
         V_CONVERT_AT_LOAD=v_convert_at_load,
         SUB=min(page, block_n),
-        RUN_ADDR=run_addressing and page & (page - 1) == 0,
+        RUN_ADDR=run_addressing,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),
