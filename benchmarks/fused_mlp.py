@@ -9,9 +9,8 @@ next), the graph is replayed 50 times after a warm-up, and the median replay is 
 
 from __future__ import annotations
 
-import statistics
-
 import torch
+from kernels import graph_seconds
 
 from nvcli.kernels.fused_mlp import MlpConfig, fused_mlp_triton
 from nvcli.kernels.skinny_gemm import norm_linear, silu_mul_linear
@@ -21,28 +20,13 @@ LAYERS, H, INTER, EPS = 28, 1024, 3072, 1e-6
 
 def time_graph(step, x0: torch.Tensor, r0: torch.Tensor) -> float:
     """Median µs per layer of a graph of LAYERS calls of `step`."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # compile outside the graph
-            x, r = x0, r0
-            for layer in range(LAYERS):
-                x, r = step(layer, x, r)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run() -> None:
         x, r = x0, r0
         for layer in range(LAYERS):
             x, r = step(layer, x, r)
-    times = []
-    for i in range(60):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        if i >= 10:
-            times.append(e0.elapsed_time(e1) * 1000 / LAYERS)
-    return statistics.median(times)
+
+    return graph_seconds(run, warm_runs=2, replays=60, skip=10) * 1e6 / LAYERS
 
 
 def main() -> None:

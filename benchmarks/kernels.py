@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -269,6 +270,32 @@ def bench(fn: Callable[[], object], on_gpu: bool) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def graph_seconds(run: Callable[[], object], warm_runs: int, replays: int, skip: int) -> float:
+    """Median seconds of one replay of a CUDA graph of `run`: `run` goes `warm_runs` times on a side stream first
+    (compiles, cuBLAS handles: nothing of that may happen inside the capture), then the graph is replayed
+    `replays` times under CUDA events and the first `skip` replays are dropped."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm_runs):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for i in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= skip:
+            times.append(start.elapsed_time(end) * 1e-3)
+    del graph
+    return statistics.median(times)
 
 
 def copy_bandwidth(device: str, on_gpu: bool, smoke: bool) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kernels import graph_seconds
 
 
 @dataclass(frozen=True)
@@ -86,28 +86,12 @@ def graph_time(
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, ws: list[torch.Tensor]
 ) -> float:
     """Seconds per call of fn(x, w) over the weight copies, inside one CUDA graph (median of replays)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile / cuBLAS handles before capture
-        for w in ws[:2]:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run() -> None:
         for w in ws:
             fn(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    del graph
-    return statistics.median(times) / len(ws)
+
+    return graph_seconds(run, warm_runs=1, replays=16, skip=1) / len(ws)
 
 
 def cpu_time(

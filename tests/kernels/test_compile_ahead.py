@@ -26,6 +26,20 @@ def _launch(x: torch.Tensor, y: torch.Tensor, block: int) -> None:
     _add_one_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
 
 
+def _two_variants(n: int, block: int) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]:
+    """Inputs of n and n - 1 elements (two integer specializations of the kernel), outputs filled with -7 (what a
+    skipped launch leaves them), and a pass that launches the kernel on both."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = [torch.arange(size, dtype=torch.float32, device=dev) for size in (n, n - 1)]
+    ys = [torch.full_like(x, -7.0) for x in xs]
+
+    def launch_both() -> None:
+        for x, y in zip(xs, ys):
+            _launch(x, y, block)
+
+    return xs, ys, launch_both
+
+
 def _compiles_during(run: Callable[[], None]) -> list[str]:
     """The keys of the variants Triton compiles while `run()` launches (then synchronizes the device)."""
     compiles: list[str] = []
@@ -41,39 +55,25 @@ def _compiles_during(run: Callable[[], None]) -> list[str]:
 
 def test_skipped_launches_are_recorded_then_compiled_ahead():
     dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.arange(48, dtype=torch.float32, device=dev)
-    x_odd = torch.arange(47, dtype=torch.float32, device=dev)  # n == 47: another integer specialization
-    y = torch.full_like(x, -7.0)
-    y_odd = torch.full_like(x_odd, -7.0)
-    block = 32
+    xs, ys, launch_both = _two_variants(48, block=32)
 
     with skipping_uncompiled_launches() as variants:
-        _launch(x, y, block)
-        _launch(x, y, block)  # the same variant again: recorded once
-        _launch(x_odd, y_odd, block)
+        _launch(xs[0], ys[0], 32)  # the same variant as launch_both's first: recorded once
+        launch_both()
     torch.cuda.synchronize()
     assert len(variants) == 2
-    assert bool((y == -7.0).all()) and bool((y_odd == -7.0).all()), "a skipped launch must write nothing"
+    assert all(bool((y == -7.0).all()) for y in ys), "a skipped launch must write nothing"
 
     compile_variants(variants, dev, max_workers=2)
 
-    def launch_both() -> None:
-        _launch(x, y, block)
-        _launch(x_odd, y_odd, block)
-
     assert _compiles_during(launch_both) == [], "the launches after compile_variants must find their kernels compiled"
-    torch.testing.assert_close(y, x + 1)
-    torch.testing.assert_close(y_odd, x_odd + 1)
+    for x, y in zip(xs, ys):
+        torch.testing.assert_close(y, x + 1)
 
 
 def test_compile_ahead_leaves_every_variant_of_the_dry_pass_compiled():
     dev = torch.device("cuda", torch.cuda.current_device())
-    xs = [torch.arange(n, dtype=torch.float32, device=dev) for n in (64, 63)]
-    ys = [torch.full_like(x, -7.0) for x in xs]
-
-    def dry_pass() -> None:
-        for x, y in zip(xs, ys):
-            _launch(x, y, 64)
+    xs, ys, dry_pass = _two_variants(64, block=64)
 
     num_variants, _ = compile_ahead(dry_pass, dev, max_workers=2)
     assert num_variants == 2
@@ -90,12 +90,7 @@ def test_compile_ahead_in_worker_processes(tmp_path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     dev = torch.device("cuda", torch.cuda.current_device())
-    xs = [torch.arange(n, dtype=torch.float32, device=dev) for n in (128, 127)]
-    ys = [torch.full_like(x, -7.0) for x in xs]
-
-    def dry_pass() -> None:
-        for x, y in zip(xs, ys):
-            _launch(x, y, 128)
+    xs, ys, dry_pass = _two_variants(128, block=128)
 
     workers = CompileWorkers(2)
     try:
