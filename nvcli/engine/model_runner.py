@@ -20,7 +20,6 @@ import torch
 
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.attention_metadata import AttentionMetadata
-from nvcli.engine.overlap import OVERLAP_MIN_BATCH, DecodeOverlap
 from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.models.layers.attention import Attention
@@ -453,10 +452,6 @@ class ModelRunner:
         self.stages = [views(blob) for blob in self.stage_blobs]
         self.num_replays = 0
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
-        # Big decode graphs run their batch as two overlapped halves (engine/overlap.py); not under tensor
-        # parallelism, whose all-reduces would then be ordered differently on each rank's two streams.
-        overlap = OVERLAP_MIN_BATCH > 0 and self.model.tp_size == 1 and hasattr(self.model, "forward_stages")
-        self.overlap = DecodeOverlap(self.device) if overlap and max_bs >= OVERLAP_MIN_BATCH else None
         # each graph's outputs: (hidden, residual) [bs, hidden] in the graphs' memory pool, rewritten by
         # every replay of that graph
         self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -466,8 +461,6 @@ class ModelRunner:
         writes no KV)."""
         meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
                                  self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True)
-        if self.overlap is not None and bs >= OVERLAP_MIN_BATCH:
-            return self.overlap.forward(self.model, self.g_input_ids[:bs], self.g_positions[:bs], meta, bs // 2)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
     @torch.inference_mode()

@@ -9,14 +9,12 @@ kernel for a few rows: the norm is the LM-head GEMM's prologue).
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
 
 import torch
 from torch import nn
 
 from nvcli.distributed import all_reduce, tp_size
 from nvcli.engine.attention_metadata import AttentionMetadata
-from nvcli.kernels import ops
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
@@ -56,49 +54,40 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x), meta)
+
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention output [num_tokens, num_heads, head_dim] from the qkv projection [num_tokens,
-        (num_heads + 2 * num_kv_heads) * head_dim]: rotary, KV-cache store and attention."""
-        if use_triton(qkv) and meta.decode_only and FUSED_DECODE_ROPE and qkv.shape[0] <= FUSED_DECODE_ROPE_MAX_ROWS:
-            # norm + rotary + KV store inside the attention kernel
-            from nvcli.kernels.decode_attention import DecodeRope
-
-            q, k, v = self._split_heads(qkv)
-            q_w, k_w, eps = self._qk_norm_args()
-            rope = DecodeRope(k, v, positions, self.rotary_emb.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps)
-            return self.attn.decode_with_rope(q, rope, meta)
-        return self.attn(self.rotate_and_store(positions, qkv, meta), None, None, meta, kv_stored=True)
-
-    def rotate_and_store(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q/k norm (Qwen3) and rotary on this step's q and k, and k and v written to the KV cache: the
-        rotated q [num_tokens, num_heads, head_dim], ready for attention."""
-        q, k, v = self._split_heads(qkv)
-        if use_triton(q):  # one fused kernel: per-head norm + rotary on q, k + the KV-cache store
-            from nvcli.kernels.rotary import rope_qk_norm_triton
-
-            q_w, k_w, eps = self._qk_norm_args()
-            attn = self.attn
-            q, _ = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
-                                       k_cache=attn.k_cache, v_cache=attn.v_cache, slot_mapping=meta.slot_mapping,
-                                       k_scale=attn.k_scale, v_scale=attn.v_scale)
-            return q
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        attn = self.attn
-        ops.store_kvcache(k, v, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale, attn.v_scale)
-        return q
-
-    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
-                v.view(-1, self.num_kv_heads, self.head_dim))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if use_triton(q):
+            q_w = self.q_norm.weight if self.qk_norm else None
+            k_w = self.k_norm.weight if self.qk_norm else None
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            attn = self.attn
+            if meta.decode_only and FUSED_DECODE_ROPE and q.shape[0] <= FUSED_DECODE_ROPE_MAX_ROWS:
+                # norm + rotary + KV store inside the attention kernel
+                from nvcli.kernels.decode_attention import DecodeRope
 
-    def _qk_norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-        if not self.qk_norm:
-            return None, None, 0.0
-        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+                rope = DecodeRope(k, v, positions, self.rotary_emb.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps)
+                o = attn.decode_with_rope(q, rope, meta)
+            else:  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
+                from nvcli.kernels.rotary import rope_qk_norm_triton
+
+                q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
+                                           k_cache=attn.k_cache, v_cache=attn.v_cache,
+                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale)
+                o = attn(q, k, v, meta, kv_stored=True)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(o.flatten(1))
 
 
 class DecoderMLP(nn.Module):
@@ -128,43 +117,10 @@ class DecoderLayer(nn.Module):
 
             norm, proj = self.input_layernorm, self.self_attn.qkv_proj
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-            return self.after_attention(self.self_attn.attend(positions, qkv, meta), residual)
-        q, residual = self.before_attention(positions, x, residual, meta)
-        return self.after_attention(self.attention(q, meta), residual)
-
-    def before_attention(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Norm, qkv projection, q/k norm and rotary, KV-cache store: (q [num_tokens, num_heads, head_dim],
-        the residual stream). With `attention` and `after_attention`, the layer in three stages, so a
-        caller can run the attention kernel on another stream (engine/overlap.py)."""
-        norm, proj = self.input_layernorm, self.self_attn.qkv_proj
-        if use_triton(x):
-            from nvcli.kernels.skinny_gemm import norm_linear
-
-            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        else:
-            if residual is None:
-                residual = x
-                x = norm(x)
-            else:
-                x, residual = norm(x, residual)
-            qkv = proj(x)
-        return self.self_attn.rotate_and_store(positions, qkv, meta), residual
-
-    def attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the KV cache (this step's k and v already stored): [num_tokens, num_heads, head_dim]."""
-        return self.self_attn.attn(q, None, None, meta, kv_stored=True)
-
-    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, add+norm and the MLP on the attention output o [num_tokens, num_heads, head_dim]: the layer's
-        (output, residual)."""
-        x = self.self_attn.o_proj(o.flatten(1))
-        norm, proj, down = self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj
-        if use_triton(x):  # add+RMSNorm fused into the next projection (one kernel for a few rows)
+            x = self.self_attn.attend(positions, qkv, meta)
             from nvcli.kernels.fused_mlp import fused_mlp_triton, use_fused_mlp
-            from nvcli.kernels.skinny_gemm import norm_linear
 
+            norm, proj, down = self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj
             if proj.bias is None and down.bias is None and use_fused_mlp(x, proj.weight, down.weight):
                 # one token: norm, gate_up, SiLU and down in one launch (kernels/fused_mlp.py; off by default:
                 # slower than the two kernels on the H100)
@@ -172,7 +128,13 @@ class DecoderLayer(nn.Module):
                 return all_reduce(out), residual
             gate_up, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             return down.forward_silu_mul(gate_up), residual
-        x, residual = norm(x, residual)
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
@@ -191,23 +153,6 @@ class DecoderModel(nn.Module):
         residual = torch.zeros_like(x) if not self.layers else None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        return x, residual
-
-    def forward_stages(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> Generator[torch.Tensor, None, tuple[torch.Tensor, torch.Tensor]]:
-        """`forward`, paused around each layer's attention: yields the layer's q [num_tokens, num_heads,
-        head_dim] just before the attention kernel and its output just after; returns (x, residual).
-        engine/overlap.py runs two halves of a decode batch this way, attention on one stream, the rest
-        on another."""
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        residual = torch.zeros_like(x) if not self.layers else None
-        for layer in self.layers:
-            q, residual = layer.before_attention(positions, x, residual, meta)
-            yield q
-            o = layer.attention(q, meta)
-            yield o
-            x, residual = layer.after_attention(o, residual)
         return x, residual
 
 
@@ -238,12 +183,6 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The last decoder layer's (output, residual), [num_tokens, hidden] each, before the final norm."""
         return self.model(input_ids, positions, meta)
-
-    def forward_stages(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> Generator[torch.Tensor, None, tuple[torch.Tensor, torch.Tensor]]:
-        """`forward` paused around each attention kernel (DecoderModel.forward_stages)."""
-        return self.model.forward_stages(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Logits [num_seqs, vocab] of LM-head(RMSNorm(hidden + residual)) for the selected rows [num_seqs, hidden]."""

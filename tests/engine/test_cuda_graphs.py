@@ -38,16 +38,6 @@ def test_graph_replay_equals_eager(tiny_model_dir, monkeypatch: pytest.MonkeyPat
     assert graphs == eager
 
 
-def test_overlapped_graphs_equal_eager(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode graphs that run their batch as two overlapped halves on two streams (engine/overlap.py; here
-    from 2 rows, so the 6 rows draining to 2 all take it) give the eager tokens."""
-    model_dir = tiny_model_dir("qwen3")
-    eager = _generate(model_dir, enforce_eager=True)
-    monkeypatch.setattr(model_runner, "OVERLAP_MIN_BATCH", 2)
-    graphs = _generate(model_dir)
-    assert graphs == eager
-
-
 def test_one_request_matches_cpu(tiny_model_dir) -> None:
     """A sequence decoding alone takes the one-row kernels (norm fused into the GEMMs, rotary into the
     attention, PDL): float32 on the GPU, from graphs, gives the CPU's tokens."""

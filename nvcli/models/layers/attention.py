@@ -30,8 +30,8 @@ class Attention(nn.Module):
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None with kv_stored
-        v: torch.Tensor | None,
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
         meta: AttentionMetadata,
         kv_stored: bool = False,  # the caller's fused rotary kernel already wrote k and v to the cache
     ) -> torch.Tensor:
