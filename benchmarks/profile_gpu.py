@@ -10,6 +10,8 @@ timeline: the DESIGN.md workload once after a warm-up, each engine step timed; t
   the launched batch's size (prefill-carrying steps apart), each bucket with the time its KV and
   weight reads take at the measured copy bandwidth (its floor) and what is left per step, so the
   cost of the shrinking tail and of prefill is visible next to the big-batch decode steps.
+prefill: the workload's first steps (prompts only, 16,384-token chunks) under torch.profiler: wall time per
+  step and the kernels that take it, against the step's GEMM FLOPs at the measured bf16 matmul rate.
 sweep: the decode-attention kernel at the workload's (batch, context) shapes as it shrinks
   (256 x 800 ... 8 x 1600, and 256 sequences of 100-2000 tokens), over block_n / warps / stages /
   splits / grid order (fp8: stages / splits / V dequantized per tile), bf16 and fp8; also the default
@@ -40,7 +42,7 @@ def short(name: str) -> str:
     for key, label in [("_decode_split", "decode_attn"), ("_decode_reduce", "decode_reduce"),
                        ("_skinny_gemm", "skinny_gemm"), ("_splitk_reduce", "splitk_reduce"),
                        ("rms_norm", "add_rms_norm"), ("rope", "rope_qk_norm"), ("_store_kv", "kv_store"),
-                       ("silu", "silu_mul"), ("_sample_chunk", "sampler_chunks"), ("gemm", "cublas_gemm"),
+                       ("silu", "silu_mul"), ("_sample_chunk", "sampler_chunks"), ("_prefill", "prefill_attn"), ("gemm", "cublas_gemm"),
                        ("nvjet", "cublas_gemm"), ("sm90_xmma", "cublas_gemm"), ("Memcpy", "memcpy"),
                        ("memcpy", "memcpy")]:
         if key in name:
@@ -139,6 +141,74 @@ def steps_section(model_dir: str, batches: list[tuple[int, int]], kv_cache_dtype
             out += layer_slots(prof)
         while engine.has_unfinished():
             engine.step()
+    llm.shutdown()
+    return out
+
+
+def prefill_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
+    """The workload's prefill: its first 4 steps (16,384 prompt tokens each) timed, then profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(6144, 1024, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ w.T
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ w.T
+    torch.cuda.synchronize()
+    tflops = 20 * 2 * a.shape[0] * w.shape[0] * a.shape[1] / (time.perf_counter() - t0) / 1e12
+    del a, w
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+              kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    cfg = engine.hf_config
+    # linear FLOPs per token: qkv, o, gate_up, down (the LM head runs on the last token of each prompt only)
+    per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (
+        (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim
+        + 3 * cfg.intermediate_size)
+    out = [f"bf16 matmul 16384 x 1024 x 6144: {tflops:.0f} TFLOP/s"]
+    for tag in ("timed", "profiled"):
+        engine.reset_prefix_cache()
+        work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+        for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+            engine.add_request(p, sp, request_id=f"prefill-{tag}-{i}")
+        torch.cuda.synchronize()
+        n = 4
+        if tag == "timed":
+            launch_s: list[float] = []
+            launch = engine.executor.launch
+
+            def timed_launch(*a, launch=launch, launch_s=launch_s, **kw):  # host time to enqueue a step
+                t = time.perf_counter()
+                handle = launch(*a, **kw)
+                launch_s.append(time.perf_counter() - t)
+                return handle
+
+            engine.executor.launch = timed_launch
+            t0 = time.perf_counter()
+            for _ in range(n):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / n * 1e3
+            engine.executor.launch = launch
+            out.append(f"prefill ({kv_cache_dtype}): {wall:.1f} ms per 16,384-token step (unprofiled); its linear "
+                       f"layers at {tflops:.0f} TFLOP/s would take {16384 * per_token / tflops / 1e9:.1f} ms; host "
+                       f"time to launch each step: " + ", ".join(f"{1e3 * t:.1f}" for t in launch_s) + " ms")
+        else:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    engine.step()
+                torch.cuda.synchronize()
+            count, busy, rows = kernel_table(prof, n)
+            out.append(f"  GPU busy {busy / 1e3:.1f} ms/step, {count} kernels/step")
+            out += [f"    {name:40s} {calls:6.1f} calls {us / 1e3:8.2f} ms" for name, calls, us in rows[:12]]
+        for i in range(len(work.prompts)):  # the decode steps are not what this section looks at
+            engine.abort(f"prefill-{tag}-{i}")
+        while engine.has_unfinished():
+            engine.step()
+    print("\n".join(out))
     llm.shutdown()
     return out
 
@@ -314,6 +384,8 @@ def main() -> None:
             bw = kb.copy_bandwidth("cuda", True, False)
             lines.append(f"copy bandwidth {bw / 1e9:.0f} GB/s")
             lines += timeline_section(model_dir, args.kv_cache_dtype, bw)
+        elif name == "prefill":
+            lines += prefill_section(model_dir, args.kv_cache_dtype)
         elif name == "sweep":
             lines += sweep_section()
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)

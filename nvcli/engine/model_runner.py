@@ -40,13 +40,18 @@ COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+# Token-level columns of a step: lists for decode steps (one token per sequence, where Python lists are
+# cheapest), numpy int64 arrays for steps that carry prompt chunks (16k tokens: per-token Python costs ms).
+Ints = list[int] | np.ndarray
+
+
 @dataclass
 class StepInput:
-    """Everything a rank needs to run one step; small lists, cheap to ship to TP workers."""
+    """Everything a rank needs to run one step; small lists or arrays, cheap to ship to TP workers."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
+    input_ids: Ints
+    positions: Ints
+    slot_mapping: Ints
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
@@ -57,30 +62,56 @@ class StepInput:
 
 def build_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int, int] | None = None) -> StepInput:
     """`prev_rows`: seq_id -> row of the step in flight, whose sampled tokens feed PENDING inputs."""
+    if not batch.is_decode_only:
+        return _build_chunked_step_input(batch, block_size, prev_rows)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     qsl = [0]
     seq_lens: list[int] = []
     pending: list[tuple[int, int]] = []
-    for seq, start, n in zip(batch.seqs, batch.start, batch.num_new_tokens):
-        end = start + n
-        tokens = seq.token_ids[start:end]
-        if tokens[-1] == PENDING:
+    for row, seq in enumerate(batch.seqs):
+        pos = batch.start[row]
+        token = seq.token_ids[pos]
+        if token == PENDING:
             if prev_rows is None:
                 raise RuntimeError("a step input waits for a token but no step is in flight")
-            pending.append((len(input_ids) + n - 1, prev_rows[seq.seq_id]))
-            tokens[-1] = 0
-        input_ids.extend(tokens)
-        positions.extend(range(start, end))
-        table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            pending.append((row, prev_rows[seq.seq_id]))
+            token = 0
+        input_ids.append(token)
+        positions.append(pos)
+        slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+        qsl.append(row + 1)
+        seq_lens.append(pos + 1)
+    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], True, pending)
+
+
+def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int, int] | None) -> StepInput:
+    """build_step_input for a step with prompt chunks: the token-level columns as numpy arrays."""
+    qsl = [0]
+    for n in batch.num_new_tokens:
         qsl.append(qsl[-1] + n)
+    num_tokens = qsl[-1]
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
+    slots = np.empty(num_tokens, dtype=np.int64)
+    seq_lens: list[int] = []
+    pending: list[tuple[int, int]] = []
+    for seq, start, n, row_start in zip(batch.seqs, batch.start, batch.num_new_tokens, qsl):
+        end = start + n
+        rows = slice(row_start, row_start + n)
+        input_ids[rows] = seq.token_ids[start:end]
+        if input_ids[row_start + n - 1] == PENDING:
+            if prev_rows is None:
+                raise RuntimeError("a step input waits for a token but no step is in flight")
+            pending.append((row_start + n - 1, prev_rows[seq.seq_id]))
+            input_ids[row_start + n - 1] = 0
+        pos = np.arange(start, end, dtype=np.int64)
+        positions[rows] = pos
+        table = np.asarray(seq.block_table[start // block_size : (end - 1) // block_size + 1], dtype=np.int64)
+        slots[rows] = table[pos // block_size - start // block_size] * block_size + pos % block_size
         seq_lens.append(end)
-    return StepInput(
-        input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], batch.is_decode_only,
-        pending,
-    )
+    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending)
 
 
 @dataclass
@@ -329,19 +360,21 @@ class ModelRunner:
         dev = self.device
         pin = dev.type == "cuda"
 
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, pin_memory=pin).to(dev, non_blocking=True)
+        def t(x: Ints, dtype: np.dtype) -> torch.Tensor:  # via numpy: torch.tensor(list) is ~3x slower
+            return _pinned(torch.from_numpy(np.asarray(x, dtype=dtype)), pin).to(dev, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=t(step.slot_mapping, torch.int64),
-            query_start_loc=t(step.query_start_loc, torch.int32),
-            seq_lens=t(step.seq_lens, torch.int32),
-            block_tables=torch.from_numpy(_pad_tables(step.block_tables)).to(dev, non_blocking=True),
+            slot_mapping=t(step.slot_mapping, np.int64),
+            query_start_loc=t(step.query_start_loc, np.int32),
+            seq_lens=t(step.seq_lens, np.int32),
+            # pinned like the rest: a copy from pageable memory waits for the device to finish the step
+            # before it (CUDA syncs the stream first), which stalls the host that async scheduling keeps ahead
+            block_tables=_pinned(torch.from_numpy(_pad_tables(step.block_tables)), pin).to(dev, non_blocking=True),
             max_query_len=max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])),
             max_seq_len=max(step.seq_lens),
             decode_only=step.decode_only,
         )
-        return t(step.input_ids, torch.int64), t(step.positions, torch.int64), meta
+        return t(step.input_ids, np.int64), t(step.positions, np.int64), meta
 
     def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens into this step's inputs, on the device."""
@@ -548,6 +581,10 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
         return hidden[:bs], residual[:bs]
+
+
+def _pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return t.pin_memory() if pin else t
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

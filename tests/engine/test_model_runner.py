@@ -1,9 +1,11 @@
-"""ModelRunner pieces that do not need a model: feeding the step in flight's tokens into the next inputs."""
+"""ModelRunner pieces: the step in flight's tokens fed into the next inputs; inputs built without waiting on the device."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from nvcli.engine.model_runner import ModelRunner, StepInput
@@ -29,3 +31,95 @@ def test_feed_back_identity_and_permuted_rows() -> None:
     ids = torch.full((2,), -1, dtype=torch.int64)
     ModelRunner._feed_back(runner, ids, _step(2, [(0, 0), (1, 2)]))  # looks steady at first, is not
     assert ids.tolist() == [11, 33]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host/device overlap needs a GPU")
+def test_step_inputs_do_not_wait_for_the_device(tiny_model_dir) -> None:
+    """Async scheduling builds step N+1's inputs while step N runs. A copy from pageable host memory (the block
+    tables were one) makes CUDA sync the stream first, so the host would sit idle until the device finished
+    step N: here the device is kept busy for ~0.5 s and building a prefill step's tensors must not wait for it."""
+    from nvcli import LLM
+
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=64,
+              enforce_eager=True)
+    try:
+        runner = llm.engine.executor.runner
+        lens = [40, 33]
+        qsl = [0, 40, 73]
+        step = StepInput([1] * 73, [p for n in lens for p in range(n)], [-1] * 73, qsl, lens, [[0, 1, 2], [3, 4, 5]],
+                         False)
+        runner._tensors(step)  # pinned-memory pools warm
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(0.5 * _cycles_per_second()))
+        t0 = time.perf_counter()
+        _, _, meta = runner._tensors(step)
+        elapsed = time.perf_counter() - t0
+        assert elapsed < 0.25, f"building the step's tensors waited {elapsed:.3f} s for the device"
+        torch.cuda.synchronize()
+        assert meta.block_tables.tolist() == [[0, 1, 2], [3, 4, 5]]
+    finally:
+        llm.shutdown()
+
+
+def _cycles_per_second() -> float:
+    """GPU clock cycles per second, measured (torch.cuda._sleep counts cycles)."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / (start.elapsed_time(end) / 1000)
+
+
+def _per_token_reference(batch, block_size: int, prev_rows: dict[int, int]) -> tuple[list, list, list, list]:
+    """The step's columns written out token by token."""
+    ids, pos, slots, pending = [], [], [], []
+    for seq, start, n in zip(batch.seqs, batch.start, batch.num_new_tokens):
+        for p in range(start, start + n):
+            token = seq.token_ids[p]
+            if token == -1:
+                pending.append((len(ids), prev_rows[seq.seq_id]))
+                token = 0
+            ids.append(token)
+            pos.append(p)
+            slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
+    return ids, pos, slots, pending
+
+
+def test_step_columns_of_prompt_chunks_and_decodes() -> None:
+    """A step mixing a prompt's later chunk (starting mid-block), a whole prompt and a decode row whose token is
+    still in flight (the array path), and a decode-only step (the list path), give every token its id, position
+    and cache slot, and every in-flight token its pending row."""
+    from nvcli.engine.block_manager import BlockManager
+    from nvcli.engine.model_runner import build_step_input
+    from nvcli.engine.scheduler import Scheduler
+    from nvcli.engine.sequence import Sequence
+    from nvcli.sampling_params import SamplingParams
+
+    bs = 4
+    sched = Scheduler(BlockManager(64, bs, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=23,
+                      max_model_len=128)
+    seqs = [Sequence(list(range(100 * i + 1, 100 * i + 1 + n)), SamplingParams(max_tokens=5, ignore_eos=True), bs)
+            for i, n in enumerate([9, 30, 6])]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule()  # 9 + 14 of 30 tokens: the second prompt is chunked mid-block
+    assert first.num_new_tokens == [9, 14]
+    prev_rows = {s.seq_id: i for i, s in enumerate(first.seqs)}
+    second = sched.schedule()  # a decode of seq 0 (token in flight), 16 more of seq 1, 6 of seq 2
+    assert second.num_new_tokens == [1, 16, 6] and not second.is_decode_only
+    step = build_step_input(second, bs, prev_rows)
+    ids, pos, slots, pending = _per_token_reference(second, bs, prev_rows)
+    assert list(step.input_ids) == ids and list(step.positions) == pos and list(step.slot_mapping) == slots
+    assert step.pending == pending == [(0, 0)]
+    assert step.query_start_loc == [0, 1, 17, 23] and step.seq_lens == [10, 30, 6]
+
+    sched.postprocess(first, [7, 0])
+    prev_rows = {s.seq_id: i for i, s in enumerate(second.seqs)}
+    third = sched.schedule()  # while the second step is in flight: every row waits for its token
+    assert third.is_decode_only
+    step = build_step_input(third, bs, prev_rows)
+    ids, pos, slots, pending = _per_token_reference(third, bs, prev_rows)
+    assert (step.input_ids, step.positions, step.slot_mapping, step.pending) == (ids, pos, slots, pending)
+    assert step.pending == [(0, 0), (1, 1), (2, 2)]
