@@ -367,8 +367,8 @@ class ModelRunner:
             slot_mapping=t(step.slot_mapping, np.int64),
             query_start_loc=t(step.query_start_loc, np.int32),
             seq_lens=t(step.seq_lens, np.int32),
-            # pinned like the rest: a copy from pageable memory waits for the device to finish the step
-            # before it (CUDA syncs the stream first), which stalls the host that async scheduling keeps ahead
+            # pinned like the rest: to stage a pageable copy CUDA may sync the stream first ("API synchronization
+            # behavior"), which would stall the host that async scheduling keeps a step ahead of the device
             block_tables=_pinned(torch.from_numpy(_pad_tables(step.block_tables)), pin).to(dev, non_blocking=True),
             max_query_len=max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])),
             max_seq_len=max(step.seq_lens),

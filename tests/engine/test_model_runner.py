@@ -35,9 +35,9 @@ def test_feed_back_identity_and_permuted_rows() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host/device overlap needs a GPU")
 def test_step_inputs_do_not_wait_for_the_device(tiny_model_dir) -> None:
-    """Async scheduling builds step N+1's inputs while step N runs. A copy from pageable host memory (the block
-    tables were one) makes CUDA sync the stream first, so the host would sit idle until the device finished
-    step N: here the device is kept busy for ~0.5 s and building a prefill step's tensors must not wait for it."""
+    """Async scheduling builds step N+1's inputs while step N runs, so building them must not wait for the device
+    (CUDA may sync the stream to stage a copy from pageable memory; every input is uploaded from pinned memory):
+    here the device is kept busy for ~0.5 s and building a prefill step's tensors must return long before."""
     from nvcli import LLM
 
     llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=64,
