@@ -16,6 +16,8 @@ run --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.rati
 VARIANTS="$variants" python3 - "$OUT/ncu_details.csv" "$OUT/ncu_stalls.csv" <<'PY'
 import csv, io, os, sys
 labels = os.environ["VARIANTS"].split(",")
+src = open("benchmarks/decode_variants.py").read()  # the variants launch in VARIANTS order, not the one given
+labels.sort(key=lambda label: src.find(f'("{label}"'))
 def rows(path):
     text = open(path).read()
     start = text.find('"ID"')
