@@ -146,22 +146,21 @@ def steps_section(model_dir: str, batches: list[tuple[int, int]], kv_cache_dtype
     return out
 
 
+def _matmul_tflops(m: int, k: int, n: int) -> float:
+    """bf16 [m, k] @ [k, n] on the GPU, TFLOP/s (median)."""
+    import kernels as kb
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    return 2 * m * n * k / kb.bench(lambda: a @ w.T, True) / 1e12
+
+
 def prefill_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
     """The workload's prefill: its first 4 steps (16,384 prompt tokens each) timed in a fresh engine, timed again
     (the first calls at new shapes pay one-time costs: cuBLAS at new row counts), then profiled."""
     from torch.profiler import ProfilerActivity, profile
 
-    a = torch.randn(16384, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(6144, 1024, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ w.T
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ w.T
-    torch.cuda.synchronize()
-    tflops = 20 * 2 * a.shape[0] * w.shape[0] * a.shape[1] / (time.perf_counter() - t0) / 1e12
-    del a, w
+    tflops = _matmul_tflops(16384, 1024, 6144)
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
               kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine

@@ -22,6 +22,7 @@ from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
+from nvcli.engine.uploads import upload
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
@@ -357,19 +358,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-        pin = dev.type == "cuda"
-
         def t(x: Ints, dtype: np.dtype) -> torch.Tensor:  # via numpy: torch.tensor(list) is ~3x slower
-            return _pinned(torch.from_numpy(np.asarray(x, dtype=dtype)), pin).to(dev, non_blocking=True)
+            return upload(torch.from_numpy(np.asarray(x, dtype=dtype)), self.device)
 
         meta = AttentionMetadata(
             slot_mapping=t(step.slot_mapping, np.int64),
             query_start_loc=t(step.query_start_loc, np.int32),
             seq_lens=t(step.seq_lens, np.int32),
-            # pinned like the rest: to stage a pageable copy CUDA may sync the stream first ("API synchronization
-            # behavior"), which would stall the host that async scheduling keeps a step ahead of the device
-            block_tables=_pinned(torch.from_numpy(_pad_tables(step.block_tables)), pin).to(dev, non_blocking=True),
+            block_tables=upload(torch.from_numpy(_pad_tables(step.block_tables)), self.device),
             max_query_len=max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:])),
             max_seq_len=max(step.seq_lens),
             decode_only=step.decode_only,
@@ -386,8 +382,7 @@ class ModelRunner:
             # index upload, a gather and a scatter (a token's latency pays for every launch)
             input_ids[:n].copy_(self.prev_tokens[:n])
             return
-        pin = self.device.type == "cuda"  # a pageable source could make the copy wait for the device
-        rows = torch.tensor(step.pending, dtype=torch.int64, pin_memory=pin).to(self.device, non_blocking=True)  # [n, 2]
+        rows = upload(torch.tensor(step.pending, dtype=torch.int64), self.device)  # [n, 2]
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     @torch.inference_mode()
@@ -581,10 +576,6 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
         return hidden[:bs], residual[:bs]
-
-
-def _pinned(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    return t.pin_memory() if pin else t
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

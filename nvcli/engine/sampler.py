@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
 
 _MASK = float("-inf")
@@ -52,12 +53,9 @@ class SamplingBatch:
             for i, (p, pos) in enumerate(zip(params, positions))
             if p.seed is not None and p.temperature > 0
         ]
-        pin = device.type == "cuda"
 
-        def to(t: torch.Tensor | None) -> torch.Tensor | None:  # pinned: the copy never waits for the device
-            if t is None:
-                return None
-            return (t.pin_memory() if pin else t).to(device, non_blocking=True)
+        def to(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else upload(t, device)
 
         philox = None
         if rng is not None and not all_greedy:
