@@ -1,6 +1,7 @@
 """Decode attention at the workload's shapes, code variants side by side (CUDA events, median).
 
     PYTHONPATH=. python3 benchmarks/decode_variants.py            # timing table
+    PYTHONPATH=. python3 benchmarks/decode_variants.py --layouts  # fp8 page layouts, decode and prefill
     PYTHONPATH=. python3 benchmarks/decode_variants.py --once     # one launch per variant, for a profiler:
     ncu --clock-control none -k regex:_decode_split --csv --page details python3 benchmarks/decode_variants.py --once
 
@@ -8,6 +9,12 @@ Variants are the kernel's keyword knobs: `run_addressing` (K/V addresses per run
 not per token) and `v_dequant_in_tile` (fp8: V converted to fp16 where it is loaded, so the PV dot reads it with
 ldmatrix instead of one byte per shared-memory load), plus tile shapes. Bandwidth is against a device-to-device
 copy measured in the same run; `err` is the largest difference from the first variant of the same cache dtype.
+
+`--layouts` times the fp8 KV page layouts (kv_layout.py) on the same values: 16-token token-major pages (the
+default before session 9), 32-token token-major pages, and 32-token pages with V dims-major (the default now),
+with each layout's default kernel knobs, for decode at the shapes above and for prefill attention at a
+16k-token prompt step; `err` against the first layout (the same logical cache: a 32-token page is two 16-token
+pages).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernels as kb  # noqa: E402
 
 from nvcli.kernels.decode_attention import paged_decode_attention_triton  # noqa: E402
+from nvcli.kernels.kv_layout import page_view  # noqa: E402
+from nvcli.kernels.prefill_attention import paged_prefill_attention_triton  # noqa: E402
 
 SHAPES = [("B=256 ctx=800", [800] * 256), ("B=128 ctx=1200", [1200] * 128), ("B=64 ctx=1400", [1400] * 64),
           ("B=256 ctx 100-2000", [100 + (1900 * i) // 255 for i in range(256)]), ("B=16 ctx=1600", [1600] * 16)]
@@ -47,11 +56,67 @@ VARIANTS = [
 ]
 
 
+def fp8_layouts(lens: list[int], dev: str) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(label, k_cache, v_cache, block_tables) of one logical fp8 cache in the three page layouts."""
+    k32, v32, bt32 = kb.paged_kv(lens, 8, 128, 32, torch.bfloat16, dev, table_width=128)
+    k32, _ = kb.quantize(k32, 0.02)
+    v32, _ = kb.quantize(v32, 0.02)
+    nb = k32.shape[0]
+    bt16 = torch.stack([2 * bt32, 2 * bt32 + 1], dim=2).reshape(bt32.shape[0], -1).contiguous()
+    k16, v16 = k32.view(2 * nb, 16, 8, 128), v32.view(2 * nb, 16, 8, 128)
+    v32_dm = page_view(torch.empty(nb, 32 * 8 * 128, dtype=v32.dtype, device=dev), 32, 8, 128, dims_major=True)
+    v32_dm.copy_(v32)
+    return [("16-token pages", k16, v16, bt16), ("32-token pages", k32, v32, bt32),
+            ("32-token pages, V dims-major", k32, v32_dm, bt32)]
+
+
+def layouts(dev: str) -> None:
+    bw = kb.copy_bandwidth(dev, True, False)
+    scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+    rows = []
+    for label, lens in SHAPES:
+        q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
+        sl = kb.i32(lens, dev)
+        base = None
+        for name, kc, vc, bt in fp8_layouts(lens, dev):
+            call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
+            out = call()
+            base = out if base is None else base
+            t = kb.bench(call, True)
+            nbytes = 2 * sum(lens) * 8 * 128
+            rows.append(f"decode {label}, {name}: {t * 1e6:.0f} us ({nbytes / t / bw:.0%} of copy, "
+                        f"err {(out.float() - base.float()).abs().max().item():.1e})")
+            print(rows[-1], flush=True)
+    # prefill: 16 prompts of 1024 tokens in one step (the workload's 16k-token prompt steps)
+    lens = [1024] * 16
+    qsl = kb.i32([1024 * i for i in range(17)], dev)
+    sl = kb.i32(lens, dev)
+    q = torch.randn(sum(lens), 16, 128, device=dev).to(torch.bfloat16)
+    base = None
+    flops = 4 * 16 * (1024 * 1025 // 2) * 16 * 128  # causal QK^T and PV
+    for name, kc, vc, bt in fp8_layouts(lens, dev):
+        call = functools.partial(paged_prefill_attention_triton, q, kc, vc, qsl, sl, bt, 1024, 1024, 128**-0.5,
+                                 *scales)
+        out = call()
+        base = out if base is None else base
+        t = kb.bench(call, True)
+        rows.append(f"prefill 16 x 1024, {name}: {t * 1e6:.0f} us ({flops / t / 1e12:.0f} TFLOP/s, "
+                    f"err {(out.float() - base.float()).abs().max().item():.1e})")
+        print(rows[-1], flush=True)
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
+    print("\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--once", action="store_true", help="one launch per variant at the first shape (profilers)")
+    ap.add_argument("--layouts", action="store_true", help="fp8 page layouts side by side (decode and prefill)")
     ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
+    if args.layouts:
+        torch.manual_seed(0)
+        layouts("cuda")
+        return 0
     variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
     dev = "cuda"
     torch.manual_seed(0)

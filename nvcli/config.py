@@ -28,7 +28,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the KV cache)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    kvcache_block_size: int = 16
+    # None: 32 tokens for an fp8 cache (its V pages are then stored dims-major, see kernels/kv_layout.py), else 16
+    kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # None: sized from free memory
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -60,6 +61,8 @@ class EngineConfig:
         need(self.max_model_len is None or _pos_int(self.max_model_len), "--max-model-len", "must be a positive integer")
         need(_pos_int(self.max_num_seqs), "--max-num-seqs", "must be a positive integer")
         need(_pos_int(self.max_num_batched_tokens), "--max-num-batched-tokens", "must be a positive integer")
+        if self.kvcache_block_size is None:
+            self.kvcache_block_size = 32 if str(self.kv_cache_dtype).startswith("fp8") else 16
         need(
             _pos_int(self.kvcache_block_size) and self.kvcache_block_size & (self.kvcache_block_size - 1) == 0,
             "--block-size",

@@ -20,7 +20,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
-        kvcache_block_size: int = 16,
+        kvcache_block_size: int | None = None,  # None: 16, or 32 for an fp8 cache
         num_kvcache_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,

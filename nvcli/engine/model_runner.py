@@ -23,6 +23,7 @@ from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
+from nvcli.kernels.kv_layout import allocate_kv_cache
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
@@ -251,17 +252,17 @@ class ModelRunner:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)  # every rank the same size
             num_blocks = int(agreed.item())
         layer = self.attn_layers[0]
-        shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         try:
-            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype(), device=self.device)
+            # [2, num_layers, num_blocks, page elements]; each layer's K and V are page views of it (kv_layout.py)
+            self.kv_cache, caches = allocate_kv_cache(len(self.attn_layers), num_blocks, self.block_size,
+                                                      layer.num_kv_heads, layer.head_dim, self.kv_dtype(), self.device)
         except torch.OutOfMemoryError as e:
             raise ConfigError(
                 f"--num-kvcache-blocks / --gpu-memory-utilization: {num_blocks} KV blocks "
                 f"({num_blocks * per_block / 2**30:.1f} GiB) do not fit in device memory"
             ) from e
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache = self.kv_cache[0, i]
-            attn.v_cache = self.kv_cache[1, i]
+        for attn, (k_cache, v_cache) in zip(self.attn_layers, caches):
+            attn.k_cache, attn.v_cache = k_cache, v_cache
             attn.k_scale.fill_(self.config.kv_cache_scale)  # in place: graphs captured later read these
             attn.v_scale.fill_(self.config.kv_cache_scale)
         return num_blocks
@@ -303,12 +304,13 @@ class ModelRunner:
         seq_len = min(n, self.config.max_model_len or n)
         num_seqs = -(-n // seq_len)
         layer = self.attn_layers[0]
-        # Attention must read real blocks; every sequence and layer shares one scratch cache.
+        # Attention must read real blocks; every sequence and layer shares one scratch cache (in the real
+        # cache's page layouts, so the kernel variants are the job's).
         blocks = -(-seq_len // self.block_size)
-        dummy = torch.zeros((blocks, self.block_size, layer.num_kv_heads, layer.head_dim), dtype=self.kv_dtype(),
-                            device=self.device)
+        _, ((dummy_k, dummy_v),) = allocate_kv_cache(1, blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                                      self.kv_dtype(), self.device)
         for attn in self.attn_layers:
-            attn.k_cache = attn.v_cache = dummy
+            attn.k_cache, attn.v_cache = dummy_k, dummy_v
         qsl = [min(i * seq_len, n) for i in range(num_seqs + 1)]
         step = StepInput([0] * n, [i % seq_len for i in range(n)], [-1] * n, qsl,
                          [qsl[i + 1] - qsl[i] for i in range(num_seqs)], [list(range(blocks))] * num_seqs, False)

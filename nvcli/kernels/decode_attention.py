@@ -25,6 +25,10 @@ prefetches its K/V lines into L2 before `griddepcontrol.wait`.
 fp8 caches (`torch.float8_e4m3fn`) are dequantised in the kernel: the fp8 tile is converted
 up, k_scale is folded into the softmax scale and v_scale into the output (both are
 per-tensor, so this equals multiplying every loaded element by its scale).
+
+A dims-major V cache (fp8 with 32-token pages, `kv_layout.py`) is read per run of a page's tokens
+as V transposed, `[head_dim, tokens]`, the way K is read, so the PV product's operand needs no
+transpose through shared memory.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.arrival_counters import arrival_counters
+from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
 from nvcli.kernels.pdl import (
     L2_PREFETCH,
@@ -124,6 +129,7 @@ def _decode_split_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_vd,  # 1, or PAGE for a dims-major V cache (V_T)
     stride_bt,
     stride_os,
     stride_oh,
@@ -150,6 +156,8 @@ def _decode_split_kernel(
     V_CONVERT_AT_LOAD: tl.constexpr,  # fp8: V converted to fp16 where it is loaded (v_dequant_in_tile)
     SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N) (pages are powers of two)
     RUN_ADDR: tl.constexpr,  # K/V addresses per run of SUB tokens in a page (else per token)
+    V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py), read as V transposed; needs RUN_ADDR
+    V_LINES: tl.constexpr,  # V_T: 128-byte lines of one head's page (HEAD_DIM * PAGE * element size / 128)
 ):
     if PDL:
         gdc_launch_dependents()
@@ -183,7 +191,13 @@ def _decode_split_kernel(
                 blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
                 in_page = (pos % PAGE).to(tl.int64)
                 prefetch_l2(k_head + (blk * stride_kb + in_page * stride_kt)[:, None] + lines[None, :])
-                prefetch_l2(v_head + (blk * stride_vb + in_page * stride_vt)[:, None] + lines[None, :])
+                if V_T:  # a head's page is one contiguous [HEAD_DIM, PAGE] block: every line of each run's page
+                    run_pos = tl.minimum(tile + tl.arange(0, BLOCK_N // SUB) * SUB, end - 1)
+                    run_blk = tl.load(bt_row + run_pos // PAGE).to(tl.int64)
+                    page_lines = tl.arange(0, V_LINES) * (HEAD_DIM * PAGE // V_LINES)
+                    prefetch_l2(v_head + (run_blk * stride_vb)[:, None] + page_lines[None, :])
+                else:
+                    prefetch_l2(v_head + (blk * stride_vb + in_page * stride_vt)[:, None] + lines[None, :])
         gdc_wait()
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
 
@@ -199,7 +213,7 @@ def _decode_split_kernel(
             slot_ptr, k_scale, v_scale, eps,
             stride_qs, stride_qh, HEAD_DIM * GROUP * num_kv_heads, HEAD_DIM, stride_knt, stride_knh, stride_vnt,
             stride_vnh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
             GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX,
         )
         tl.debug_barrier()
@@ -234,6 +248,8 @@ def _decode_split_kernel(
         offs_s = tl.arange(0, SUB)  # [SUB]
         k_in_run = (offs_s * stride_kt)[None, :, None] + offs_d[None, None, :]  # [1, SUB, HEAD_DIM]
         v_in_run = (offs_s * stride_vt)[None, :, None] + offs_d[None, None, :]
+        # V_T: [HEAD_DIM, 1, SUB], each (dim, run) row SUB contiguous tokens of one page
+        vt_in_run = (offs_d * PAGE)[:, None, None] + offs_s[None, None, :]
         id_pos = start + offs_r * SUB  # [RUNS]: first token of each run
     else:
         id_pos = start + offs_n  # [BLOCK_N]
@@ -251,7 +267,14 @@ def _decode_split_kernel(
             v_run = (ids * stride_vb + in_page * stride_vt)[:, None, None]
             run_mask = ((run_start[:, None] + offs_s[None, :]) < end)[:, :, None]  # [RUNS, SUB, 1]
             k = tl.reshape(tl.load(k_head + k_run + k_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
-            v = tl.reshape(tl.load(v_head + v_run + v_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
+            if V_T:
+                # whole runs: a per-token mask along the contiguous axis makes Triton load byte by byte; the
+                # slots past the end hold finite values (kv_layout.py) and get p = 0
+                vt_run = (ids * stride_vb + in_page)[None, :, None]  # [1, RUNS, 1]
+                vt = tl.load(v_head + vt_run + vt_in_run, mask=(run_start < end)[None, :, None], other=0.0)
+                v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
+            else:
+                v = tl.reshape(tl.load(v_head + v_run + v_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
         else:
             in_page = (pos % PAGE).to(tl.int64)
             k_off = ids * stride_kb + in_page * stride_kt  # [BLOCK_N]
@@ -369,7 +392,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n
 def paged_decode_attention_triton(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] view, token- or dims-major
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
@@ -403,7 +426,8 @@ def paged_decode_attention_triton(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
+    v_t = is_dims_major(v_cache)
     assert block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
@@ -414,6 +438,7 @@ def paged_decode_attention_triton(
     fp8 = is_fp8(k_cache.dtype)
     if not fp8:
         k_scale = v_scale = None
+    assert fp8 or not v_t, "dims-major V pages are fp8-only (kv_layout.py)"
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
     # Defaults from `benchmarks/profile_gpu.py --sections sweep` on an H100 (2026-11-22, session 3, at the
@@ -443,9 +468,10 @@ def paged_decode_attention_triton(
     fp8_big_batch = fp8 and f16_dot and num_splits == 1
     if v_dequant_in_tile is None:
         v_dequant_in_tile = fp8_big_batch if _V_DEQUANT_TILE is None else _V_DEQUANT_TILE
-    v_convert_at_load = bool(v_dequant_in_tile and fp8 and f16_dot)
+    v_convert_at_load = bool(v_dequant_in_tile and fp8 and f16_dot and not v_t)  # V_T: no transpose to keep it from
     if run_addressing is None:
         run_addressing = fp8_big_batch if _RUN_ADDR is None else _RUN_ADDR
+    run_addressing = run_addressing or v_t  # dims-major V is read per run
     fused_reduce = fused_reduce and num_splits > 1
 
     pdl = use_pdl(q, num_seqs)
@@ -493,6 +519,7 @@ def paged_decode_attention_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        v_cache.stride(3),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -524,6 +551,8 @@ def paged_decode_attention_triton(
         V_CONVERT_AT_LOAD=v_convert_at_load,
         SUB=min(page, block_n),
         RUN_ADDR=run_addressing,
+        V_T=v_t,
+        V_LINES=max(1, head_dim * page * v_cache.element_size() // 128),
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),

@@ -1,10 +1,10 @@
 """Triton kernel writing a step's keys/values into the paged KV cache.
 
 Layouts (see `reference.py`): key/value `[num_tokens, num_kv_heads, head_dim]`, caches
-`[num_blocks, block_size, num_kv_heads, head_dim]`, slot = block_id * block_size + offset,
-slot -1 = padding (skipped). An fp8 (`torch.float8_e4m3fn`) cache stores
-`clamp(x / scale, -448, 448)` cast to fp8 with a per-tensor scale (python float or a
-1-element tensor, default 1.0).
+`[num_blocks, block_size, num_kv_heads, head_dim]` views (V may be dims-major, see `kv_layout.py`),
+slot = block_id * block_size + offset, slot -1 = padding (skipped). An fp8
+(`torch.float8_e4m3fn`) cache stores `clamp(x / scale, -448, 448)` cast to fp8 with a per-tensor
+scale (python float or a 1-element tensor, default 1.0), and NaN as 0.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Union
 import torch
 import triton
 import triton.language as tl
+
+from nvcli.kernels.kv_layout import is_dims_major
 
 Scale = Union[float, torch.Tensor, None]
 
@@ -64,9 +66,11 @@ def load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR
 @triton.jit
 def store_to_cache(ptrs, x, scale, mask, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     """Write x into cache slots: an fp8 cache gets x / scale saturated to +-FP8_MAX (div_rn: IEEE
-    division, so it rounds like torch; plain / is div.full.f32, ~2 ulp), others x in their dtype."""
+    division, so it rounds like torch; plain / is div.full.f32, ~2 ulp) and NaN as 0 (no slot of an fp8
+    cache may hold a NaN: see kv_layout.py), others x in their dtype."""
     if QUANT:
-        x = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
+        x = tl.div_rn(x.to(tl.float32), scale)
+        x = tl.clamp(tl.where(x == x, x, 0.0), -FP8_MAX, FP8_MAX)
     if mask is None:
         tl.store(ptrs, x.to(ptrs.dtype.element_ty))
     else:
@@ -94,6 +98,7 @@ def _store_kvcache_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
+    stride_vcd,  # 1, or block_size for a dims-major V cache
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -118,7 +123,7 @@ def _store_kvcache_kernel(
     k = tl.load(key_ptr + tok64 * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(value_ptr + tok64 * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + offs_h * stride_kch + offs_d
-    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h * stride_vch + offs_d
+    vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + offs_h * stride_vch + offs_d * stride_vcd
     ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     store_to_cache(kc, k, ks, mask, QUANT, FP8_MAX)
     store_to_cache(vc, v, vs, mask, QUANT, FP8_MAX)
@@ -128,7 +133,7 @@ def store_kvcache_triton(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] view, token- or dims-major
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
     *,
     k_scale: Scale = None,
@@ -142,7 +147,8 @@ def store_kvcache_triton(
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
     assert slot_mapping.shape[0] == num_tokens
     assert key.stride(-1) == 1 and value.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
+    is_dims_major(v_cache)  # asserts one of the two layouts
     block_size = k_cache.shape[1]
     quant = is_fp8(k_cache.dtype)
     if not quant:
@@ -170,6 +176,7 @@ def store_kvcache_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        v_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,

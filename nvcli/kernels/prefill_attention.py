@@ -12,7 +12,8 @@ BLOCK_M = BLOCK_Q * GROUP_PAD rows of the tile (so K/V tiles are shared by the g
 walks KV tiles of BLOCK_N tokens whose physical slots are gathered through the block table. KV tiles entirely
 visible to every row run without masks; the diagonal tiles are masked; tiles past the
 causal limit are never visited. fp8 caches are dequantised in the kernel (k_scale folded
-into the softmax scale, v_scale into the output).
+into the softmax scale, v_scale into the output). A dims-major V cache (`kv_layout.py`) is read
+per run of a page's tokens as V transposed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 
 LOG2E = 1.4426950408889634
@@ -35,6 +37,7 @@ def _prefill_tile(
     l_i,
     q,
     blk,  # [BLOCK_N] int64 physical block of every token of this tile (fetched one tile ahead)
+    run_blk,  # V_T: [BLOCK_N // SUB] int64 physical block of each run of the tile (fetched one tile ahead)
     bt_row,
     k_head,
     v_head,
@@ -48,10 +51,15 @@ def _prefill_tile(
     stride_vt,
     offs_n,
     offs_d,
+    offs_r,  # [BLOCK_N // SUB]
+    vt_in_run,  # V_T: [HEAD_DIM, 1, SUB] element offsets inside a run
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N)
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py): read as V transposed, per run
 ):
     pos = tile + offs_n  # [BLOCK_N]
     # next tile's block ids, loaded now so the next K/V addresses do not wait on this load
@@ -63,10 +71,24 @@ def _prefill_tile(
     if MASKED:
         n_mask = pos < kv_limit
         k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
     else:
         k = tl.load(k_head + k_off[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
+    if V_T:
+        run_start = tile + offs_r * SUB  # [RUNS]
+        run_next = run_start + BLOCK_N
+        run_blk_next = tl.load(bt_row + run_next // PAGE, mask=run_next < kv_limit, other=0).to(tl.int64)
+        vt_ptrs = v_head + (run_blk * stride_vb + run_start % PAGE)[None, :, None] + vt_in_run  # [HEAD_DIM, RUNS, SUB]
+        if MASKED:  # whole runs (see decode_attention.py); the slots past the limit are finite and get p = 0
+            vt = tl.load(vt_ptrs, mask=(run_start < kv_limit)[None, :, None], other=0.0)
+        else:
+            vt = tl.load(vt_ptrs)
+        v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
+    else:
+        run_blk_next = run_blk
+        if MASKED:
+            v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        else:
+            v = tl.load(v_head + v_off[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * score_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -77,7 +99,7 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_new, l_i, blk_next
+    return acc, m_new, l_i, blk_next, run_blk_next
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # batch shape changes every step: one compile
@@ -116,6 +138,8 @@ def _prefill_kernel(
     SCALE_IS_PTR: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,
+    SUB: tl.constexpr,  # min(PAGE, BLOCK_N)
+    V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py): [head, dim, token] per page
 ):
     kvh = tl.program_id(0)
     # Flattened (sequence, query block) index: sequence s owns the ids starting at
@@ -176,17 +200,23 @@ def _prefill_kernel(
     kv_end = last_pos + 1
     pos0 = offs_n
     blk = tl.load(bt_row + pos0 // PAGE, mask=pos0 < kv_end, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_N // SUB)
+    vt_in_run = (offs_d * PAGE)[:, None, None] + tl.arange(0, SUB)[None, None, :]  # [HEAD_DIM, 1, SUB]
+    if V_T:
+        run_blk = tl.load(bt_row + offs_r * SUB // PAGE, mask=offs_r * SUB < kv_end, other=0).to(tl.int64)
+    else:
+        run_blk = blk  # unused
     for tile in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i, blk = _prefill_tile(
-            acc, m_i, l_i, q, blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-            PAGE, BLOCK_N, False, DOT_PREC,
+        acc, m_i, l_i, blk, run_blk = _prefill_tile(
+            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
+            PAGE, BLOCK_N, HEAD_DIM, SUB, False, DOT_PREC, V_T,
         )  # fmt: skip
     for tile in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i, blk = _prefill_tile(
-            acc, m_i, l_i, q, blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-            PAGE, BLOCK_N, True, DOT_PREC,
+        acc, m_i, l_i, blk, run_blk = _prefill_tile(
+            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
+            PAGE, BLOCK_N, HEAD_DIM, SUB, True, DOT_PREC, V_T,
         )  # fmt: skip
 
     o = acc * (v_scale / l_i)[:, None]
@@ -200,7 +230,7 @@ def _prefill_kernel(
 def paged_prefill_attention_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] view, token- or dims-major
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
@@ -228,7 +258,8 @@ def paged_prefill_attention_triton(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
+    v_t = is_dims_major(v_cache)
     assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -238,6 +269,7 @@ def paged_prefill_attention_triton(
     fp8 = is_fp8(k_cache.dtype)
     if not fp8:
         k_scale = v_scale = None
+    assert fp8 or not v_t, "dims-major V pages are fp8-only (kv_layout.py)"
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
     group = num_heads // num_kv_heads
@@ -292,6 +324,8 @@ def paged_prefill_attention_triton(
         SCALE_IS_PTR=scale_is_ptr,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=fp8 and q.dtype != torch.float32,
+        SUB=min(page, block_n),
+        V_T=v_t,
         num_warps=num_warps,
         num_stages=num_stages,
     )

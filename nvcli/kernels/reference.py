@@ -1,7 +1,8 @@
 """Pure-torch references for the paged KV cache and attention kernels.
 
 Layouts shared by every implementation:
-- KV cache, one pair per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+- KV cache, one pair per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, addressed through
+  its strides (a V cache may be a dims-major view, see `kv_layout.py`).
 - slot of a token = block_id * block_size + offset inside the block; slot -1 is skipped
   (padding in CUDA-graph batches).
 - block_tables: `[num_seqs, max_blocks_per_seq]` int32, rows padded with any valid id.
@@ -9,7 +10,7 @@ Layouts shared by every implementation:
   and its KV length after this step is seq_lens[s], so query row j of s sits at position
   seq_lens[s] - q_len + j and attends causally to KV positions [0, that position].
 - fp8 caches (`torch.float8_e4m3fn` / `float8_e5m2`) hold `clamp(x / scale, -max, max)` cast with
-  round-to-nearest, one scale per tensor (k_scale, v_scale: None = 1.0, a float or a 1-element
+  round-to-nearest (NaN stored as 0, so no slot ever holds a NaN), one scale per tensor (k_scale, v_scale: None = 1.0, a float or a 1-element
   tensor); attention reads `cache.float() * scale`. Other caches ignore the scales: the store
   casts to the cache dtype and attention upcasts to float32.
 """
@@ -38,11 +39,12 @@ def _scale(s: Scale) -> float | torch.Tensor:
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: Scale = None) -> torch.Tensor:
-    """x as stored in a cache of `dtype`: fp8 saturates x / scale (float32 division), else a cast."""
+    """x as stored in a cache of `dtype`: fp8 saturates x / scale (float32 division) and stores NaN as 0,
+    else a cast."""
     if not is_fp8(dtype):
         return x.to(dtype)
     fmax = torch.finfo(dtype).max
-    return (x.float() / _scale(scale)).clamp(-fmax, fmax).to(dtype)
+    return torch.nan_to_num(x.float() / _scale(scale), nan=0.0).clamp(-fmax, fmax).to(dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: Scale = None) -> torch.Tensor:
@@ -61,11 +63,12 @@ def store_kvcache_ref(
     k_scale: Scale = None,
     v_scale: Scale = None,
 ) -> None:
-    nb, bs, h, d = k_cache.shape
+    bs = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache.view(nb * bs, h, d)[slots] = quantize_kv(key[valid], k_cache.dtype, k_scale)
-    v_cache.view(nb * bs, h, d)[slots] = quantize_kv(value[valid], v_cache.dtype, v_scale)
+    blocks, offsets = slots // bs, slots % bs  # indexing, not a flat view: the caches may be strided views
+    k_cache[blocks, offsets] = quantize_kv(key[valid], k_cache.dtype, k_scale)
+    v_cache[blocks, offsets] = quantize_kv(value[valid], v_cache.dtype, v_scale)
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args, store_to_cache
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
@@ -25,7 +26,7 @@ def rope_qk_norm_store(
     q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k_scale, v_scale, eps,
     stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
@@ -81,11 +82,11 @@ def rope_qk_norm_store(
             blk = slot // PAGE
             off = slot % PAGE
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs
-            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs
+            vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + kvh * stride_vch + offs * stride_vcd
             store_to_cache(kc, kr1, k_scale, None, QUANT, FP8_MAX)
             store_to_cache(kc + HALF, kr2, k_scale, None, QUANT, FP8_MAX)
             store_to_cache(vc, v1, v_scale, None, QUANT, FP8_MAX)
-            store_to_cache(vc + HALF, v2, v_scale, None, QUANT, FP8_MAX)
+            store_to_cache(vc + HALF * stride_vcd, v2, v_scale, None, QUANT, FP8_MAX)
 
 
 @triton.jit
@@ -117,6 +118,7 @@ def _rope_store_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
+    stride_vcd,  # 1, or block_size for a dims-major V cache (kv_layout.py)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     HALF: tl.constexpr,
@@ -134,7 +136,7 @@ def _rope_store_kernel(
         tl.program_id(0).to(tl.int64), tl.program_id(1), True,
         q_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks, vs,
         eps, stride_qt, stride_qh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+        stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
         GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX,
     )
 
@@ -150,7 +152,7 @@ def rope_qk_norm_triton(
     *,
     v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: with the caches, store k and v
     k_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,  # the same shape; a token- or dims-major view (kv_layout.py)
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
     k_scale: Scale = None,
     v_scale: Scale = None,
@@ -169,7 +171,8 @@ def rope_qk_norm_triton(
         assert v is not None and v_cache is not None and slot_mapping is not None
         assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape[0] == num_tokens
         assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
-        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        assert k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
+        is_dims_major(v_cache)  # asserts one of the two layouts
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions
     quant = store and is_fp8(k_cache.dtype)
@@ -186,6 +189,7 @@ def rope_qk_norm_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1) if k_cache.dim() > 1 else 0, k_cache.stride(2) if k_cache.dim() > 2 else 0,
         v_cache.stride(0), v_cache.stride(1) if v_cache.dim() > 1 else 0, v_cache.stride(2) if v_cache.dim() > 2 else 0,
+        v_cache.stride(3) if v_cache.dim() > 3 else 1,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head_dim // 2,
         PAGE=k_cache.shape[1] if store else 1, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,

@@ -3,8 +3,8 @@
 Tiny random Qwen3 in float32. A float32 KV cache is the reference; fp8 (e4m3, per-tensor scale)
 must stay close in logits (teacher-forced over prompt + 24 reference tokens) and greedy decoding
 may only diverge from it at near-ties. A run with the scales deliberately broken shows the bounds
-catch a quantisation bug. Block accounting: the same byte budget holds 2x the blocks of a
-16-bit cache (4x float32).
+catch a quantisation bug. Block accounting: the same byte budget holds 2x the tokens of a
+16-bit cache (4x float32); fp8 pages default to 32 tokens with V stored dims-major.
 """
 
 from __future__ import annotations
@@ -117,12 +117,31 @@ def test_block_accounting_same_budget(tiny_model_dir, ref) -> None:
     for kv in ("bfloat16", "fp8"):
         runners[kv] = runner_of(make_llm(tiny_model_dir("qwen3"), kv_cache_dtype=kv))
     blocks = {k: r.num_kvcache_blocks for k, r in runners.items()}
-    assert blocks["float32"] == 64
-    assert blocks["bfloat16"] == 2 * blocks["float32"]
-    assert blocks["fp8"] == 2 * blocks["bfloat16"]  # fp8 doubles a 16-bit cache's blocks
+    tokens = {k: r.num_kvcache_blocks * r.block_size for k, r in runners.items()}
+    assert blocks["float32"] == 64 and runners["float32"].block_size == 16
+    assert tokens["bfloat16"] == 2 * tokens["float32"]
+    assert runners["fp8"].block_size == 32  # the fp8 default: 32-token pages, V dims-major
+    assert tokens["fp8"] == 2 * tokens["bfloat16"]  # fp8 doubles a 16-bit cache's tokens
     for kv, r in runners.items():
         assert r.kv_cache.nbytes == blocks[kv] * r.kv_bytes_per_block() <= BUDGET_GIB * 2**30
-    assert runners["fp8"].kv_bytes_per_block() * 2 == runners["bfloat16"].kv_bytes_per_block()
+    assert runners["fp8"].kv_bytes_per_block() == runners["bfloat16"].kv_bytes_per_block()  # twice the tokens
+
+
+def test_fp8_default_pages_store_v_dims_major(tiny_model_dir) -> None:
+    """fp8 caches default to 32-token pages with V stored dims-major (kernels/kv_layout.py). The layout is
+    invisible to the results: greedy outputs are token for token those of 16-token token-major pages."""
+    from nvcli.kernels.kv_layout import is_dims_major
+
+    dims_major = make_llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8")
+    token_major = make_llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8", kvcache_block_size=16)
+    for llm, expect in ((dims_major, True), (token_major, False)):
+        attn = runner_of(llm).attn_layers[0]
+        assert is_dims_major(attn.v_cache) is expect and not is_dims_major(attn.k_cache)
+    outs = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] for llm in (dims_major, token_major)]
+    assert outs[0] == outs[1]
+    # the cache really holds the prompts' values in dims-major storage: the written V slots are nonzero there
+    storage = runner_of(dims_major).kv_cache[1, 0]  # [num_blocks, page elements] of layer 0's V
+    assert storage.float().abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------- reference kernels
