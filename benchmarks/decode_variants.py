@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/decode_variants.py            # timing table
     PYTHONPATH=. python3 benchmarks/decode_variants.py --layouts  # fp8 page layouts, decode and prefill
+    PYTHONPATH=. python3 benchmarks/decode_variants.py --dims-major-sweep  # tile knobs of the dims-major loop;
+                                                                # bf16 with 16- and 32-token pages
     PYTHONPATH=. python3 benchmarks/decode_variants.py --once     # one launch per variant, for a profiler:
     ncu --clock-control none -k regex:_decode_split --csv --page details python3 benchmarks/decode_variants.py --once
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -66,27 +69,36 @@ def fp8_layouts(lens: list[int], dev: str) -> list[tuple[str, torch.Tensor, torc
     k16, v16 = k32.view(2 * nb, 16, 8, 128), v32.view(2 * nb, 16, 8, 128)
     v32_dm = page_view(torch.empty(nb, 32 * 8 * 128, dtype=v32.dtype, device=dev), 32, 8, 128, dims_major=True)
     v32_dm.copy_(v32)
+    k32_hm = torch.empty(nb, 8, 32, 128, dtype=k32.dtype, device=dev).permute(0, 2, 1, 3)  # [block, head, token, dim]
+    k32_hm.copy_(k32)
     return [("16-token pages", k16, v16, bt16), ("32-token pages", k32, v32, bt32),
-            ("32-token pages, V dims-major", k32, v32_dm, bt32)]
+            ("32-token pages, V dims-major", k32, v32_dm, bt32),
+            ("32-token pages, V dims-major, K heads-major", k32_hm, v32_dm, bt32)]
 
 
-def layouts(dev: str) -> None:
+def layouts(dev: str, once: bool) -> None:
+    """once: one decode launch per layout at the first shape (profilers), nothing timed."""
     bw = kb.copy_bandwidth(dev, True, False)
     scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
     rows = []
-    for label, lens in SHAPES:
+    for label, lens in SHAPES[:1] if once else SHAPES:
         q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
         sl = kb.i32(lens, dev)
         base = None
         for name, kc, vc, bt in fp8_layouts(lens, dev):
             call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
             out = call()
+            if once:
+                torch.cuda.synchronize()
+                continue
             base = out if base is None else base
             t = kb.bench(call, True)
             nbytes = 2 * sum(lens) * 8 * 128
             rows.append(f"decode {label}, {name}: {t * 1e6:.0f} us ({nbytes / t / bw:.0%} of copy, "
                         f"err {(out.float() - base.float()).abs().max().item():.1e})")
             print(rows[-1], flush=True)
+    if once:
+        return
     # prefill: 16 prompts of 1024 tokens in one step (the workload's 16k-token prompt steps)
     lens = [1024] * 16
     qsl = kb.i32([1024 * i for i in range(17)], dev)
@@ -107,15 +119,59 @@ def layouts(dev: str) -> None:
     print("\n".join(rows))
 
 
+DIMS_MAJOR_KNOBS = [dict(), dict(num_stages=2), dict(num_stages=4), dict(num_warps=8), dict(block_n=128, num_stages=2),
+                    dict(block_n=128, num_warps=8), dict(block_n=32, num_stages=4), dict(block_n=32, num_warps=2)]
+
+
+def dims_major_sweep(dev: str) -> None:
+    """The dims-major fp8 loop's tile knobs at the big-batch shapes (the defaults first), and the bf16 kernel on
+    16- and 32-token pages of the same values."""
+    bw = kb.copy_bandwidth(dev, True, False)
+    scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+    rows = []
+    for label, lens in SHAPES[:2] + SHAPES[3:4]:
+        q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
+        sl = kb.i32(lens, dev)
+        _, kc, vc, bt = fp8_layouts(lens, dev)[3 if os.environ.get("NV_SWEEP_K_HEADS_MAJOR") else 2]
+        base = None
+        for kw in DIMS_MAJOR_KNOBS:
+            call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales, **kw)
+            out = call()
+            base = out if base is None else base
+            t = kb.bench(call, True)
+            rows.append(f"fp8 dims-major {label} {kw or 'defaults'}: {t * 1e6:.0f} us "
+                        f"({2 * sum(lens) * 8 * 128 / t / bw:.0%} of copy, err {(out.float() - base.float()).abs().max():.1e})")
+            print(rows[-1], flush=True)
+        del kc, vc
+        k32, v32, bt32 = kb.paged_kv(lens, 8, 128, 32, torch.bfloat16, dev, table_width=128)
+        bt16 = torch.stack([2 * bt32, 2 * bt32 + 1], dim=2).reshape(bt32.shape[0], -1).contiguous()
+        heads_major = [torch.empty(x.shape[0], 8, 32, 128, dtype=x.dtype, device=dev).permute(0, 2, 1, 3) for x in (k32, v32)]
+        for x, y in zip(heads_major, (k32, v32)):
+            x.copy_(y)
+        for page, kc, vc, bt in ((16, k32.view(-1, 16, 8, 128), v32.view(-1, 16, 8, 128), bt16), (32, k32, v32, bt32),
+                                 ("32 heads-major", *heads_major, bt32)):
+            t = kb.bench(functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5), True)
+            rows.append(f"bf16 {label} {page}-token pages: {t * 1e6:.0f} us ({4 * sum(lens) * 8 * 128 / t / bw:.0%} of copy)")
+            print(rows[-1], flush=True)
+        del k32, v32
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
+    print("\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--once", action="store_true", help="one launch per variant at the first shape (profilers)")
     ap.add_argument("--layouts", action="store_true", help="fp8 page layouts side by side (decode and prefill)")
+    ap.add_argument("--dims-major-sweep", action="store_true", help="tile knobs of the dims-major fp8 loop")
     ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
+    if args.dims_major_sweep:
+        torch.manual_seed(0)
+        dims_major_sweep("cuda")
+        return 0
     if args.layouts:
         torch.manual_seed(0)
-        layouts("cuda")
+        layouts("cuda", args.once)
         return 0
     variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
     dev = "cuda"

@@ -2,13 +2,20 @@
 # Nsight Compute on one decode-attention launch per variant at B=256 x 800 tokens (benchmarks/decode_variants.py
 # --once), from the repo root with the project on PYTHONPATH:
 #   bash benchmarks/ncu_decode.sh ["LABEL,LABEL"]        (labels: decode_variants.py VARIANTS)
+#   bash benchmarks/ncu_decode.sh layouts              (the fp8 page layouts of decode_variants.py --layouts)
 # Collects speed of light, memory workload, occupancy, scheduler statistics and the warp-stall breakdown
 # (cycles per issued instruction spent in each stall reason); prints one column per variant. CSVs go to $OUT.
 set -u
 OUT=${OUT:-/tmp}
 variants=${1:-"bf16 per-token,fp8 runs V tile"}
+if [ "$variants" = layouts ]; then
+  args=(--layouts --once)
+  variants="16-token pages,32-token pages,32-token pages V dims-major,32-token pages V dims-major K heads-major"
+else
+  args=(--once --variants "$variants")
+fi
 run() { timeout 240 ncu --clock-control none -k regex:_decode_split "$@" \
-          python3 benchmarks/decode_variants.py --once --variants "$variants"; }
+          python3 benchmarks/decode_variants.py "${args[@]}"; }
 run --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section SchedulerStats \
   --csv --page details > "$OUT/ncu_details.csv" 2> "$OUT/ncu_details.err"; echo "ncu details exit $?"
 run --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
@@ -17,7 +24,8 @@ VARIANTS="$variants" python3 - "$OUT/ncu_details.csv" "$OUT/ncu_stalls.csv" <<'P
 import csv, io, os, sys
 labels = os.environ["VARIANTS"].split(",")
 src = open("benchmarks/decode_variants.py").read()  # the variants launch in VARIANTS order, not the one given
-labels.sort(key=lambda label: src.find(f'("{label}"'))
+if src.find(f'("{labels[0]}"') >= 0:
+    labels.sort(key=lambda label: src.find(f'("{label}"'))
 def rows(path):
     text = open(path).read()
     start = text.find('"ID"')

@@ -16,7 +16,7 @@ num_kv_heads, block_tables.shape[1]) and the device's SM count; each program der
 token range from seq_lens on the device. A split that starts past the sequence end writes
 lse = -inf and a zero partial, which the reduce ignores; seq_len 0 gives a zero output.
 
-With `rope` (decode steps of at most 16 sequences) the kernel also does the rotary step that
+With `rope` (every decode step on the GPU, see models/llama.py) the kernel also does the rotary step that
 otherwise precedes it: every program norms and rotates its query heads from the raw projections,
 and the program whose split holds the new position also rotates the new key and writes it and the
 value to the cache before its tile loop reads them. Launched with PDL (see pdl.py), a program

@@ -51,9 +51,10 @@ def page_view(
 
 def is_dims_major(cache: torch.Tensor) -> bool:
     """Whether a `[num_blocks, block_size, num_kv_heads, head_dim]` cache view is stored dims-major
-    (`page_view(..., dims_major=True)`); any other layout than the two is refused."""
+    (`page_view(..., dims_major=True)`). Pages of contiguous (token, head) rows in any order are not (the
+    kernels take their strides); any other layout is refused."""
     nb, bs, h, d = cache.shape
-    if cache.stride(-1) == 1 and (bs == 1 or cache.stride(1) == h * d) and (h == 1 or cache.stride(2) == d):
+    if cache.stride(-1) == 1:
         return False
     assert cache.stride(1) == 1 and cache.stride(3) == bs and (h == 1 or cache.stride(2) == d * bs), (
         f"KV cache strides {cache.stride()} are neither token-major nor dims-major pages"

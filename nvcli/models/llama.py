@@ -23,12 +23,13 @@ from nvcli.models.layers.linear import MergedColumnParallelLinear, QKVParallelLi
 from nvcli.models.layers.norm import RMSNorm
 from nvcli.models.layers.rotary import RotaryEmbedding
 
-# Decode steps of a few sequences on the GPU fold the rotary step into the attention kernel (one launch
-# per layer fewer, which is what a small step pays for); at larger batches the fatter attention kernel
-# cost more than the launch (fp8 cache: 25,962 -> 24,475 tok/s on the H100). NV_DECODE_ROPE=0 keeps the
-# separate rotary kernel everywhere (A/B runs).
+# Decode steps on the GPU fold the rotary step into the attention kernel: one launch per layer fewer.
+# Session 3 kept it to 16 rows (at larger batches the fatter kernel then cost more than the launch: fp8
+# 25,962 -> 24,475 tok/s); with session 9's kernels it pays at every batch size (H100, two rounds each:
+# fp8 27,667 / 27,791 -> 28,169 / 28,258 tok/s, bf16 19,018 / 19,108 -> 19,319 / 19,055).
+# NV_DECODE_ROPE=0 keeps the separate rotary kernel everywhere, NV_DECODE_ROPE_MAX_ROWS bounds the rows (A/B runs).
 FUSED_DECODE_ROPE = os.environ.get("NV_DECODE_ROPE", "1") != "0"
-FUSED_DECODE_ROPE_MAX_ROWS = 16
+FUSED_DECODE_ROPE_MAX_ROWS = int(os.environ.get("NV_DECODE_ROPE_MAX_ROWS", str(1 << 30)))
 
 
 class DecoderAttention(nn.Module):
