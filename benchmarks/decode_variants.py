@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from pathlib import Path
 
@@ -59,21 +58,36 @@ VARIANTS = [
 ]
 
 
+def as_16_token_pages(k32: torch.Tensor, v32: torch.Tensor, bt32: torch.Tensor):
+    """The same logical cache on 16-token pages: each 32-token page is two (views, no copy)."""
+    bt16 = torch.stack([2 * bt32, 2 * bt32 + 1], dim=2).reshape(bt32.shape[0], -1).contiguous()
+    return k32.view(-1, 16, 8, 128), v32.view(-1, 16, 8, 128), bt16
+
+
+def heads_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    """The same values with each page stored [head, token, dim]."""
+    nb, bs, h, d = cache.shape
+    out = torch.empty(nb, h, bs, d, dtype=cache.dtype, device=cache.device).permute(0, 2, 1, 3)
+    return out.copy_(cache)
+
+
 def fp8_layouts(lens: list[int], dev: str) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(label, k_cache, v_cache, block_tables) of one logical fp8 cache in the three page layouts."""
+    """(label, k_cache, v_cache, block_tables) of one logical fp8 cache in each page layout."""
     k32, v32, bt32 = kb.paged_kv(lens, 8, 128, 32, torch.bfloat16, dev, table_width=128)
     k32, _ = kb.quantize(k32, 0.02)
     v32, _ = kb.quantize(v32, 0.02)
-    nb = k32.shape[0]
-    bt16 = torch.stack([2 * bt32, 2 * bt32 + 1], dim=2).reshape(bt32.shape[0], -1).contiguous()
-    k16, v16 = k32.view(2 * nb, 16, 8, 128), v32.view(2 * nb, 16, 8, 128)
-    v32_dm = page_view(torch.empty(nb, 32 * 8 * 128, dtype=v32.dtype, device=dev), 32, 8, 128, dims_major=True)
-    v32_dm.copy_(v32)
-    k32_hm = torch.empty(nb, 8, 32, 128, dtype=k32.dtype, device=dev).permute(0, 2, 1, 3)  # [block, head, token, dim]
-    k32_hm.copy_(k32)
-    return [("16-token pages", k16, v16, bt16), ("32-token pages", k32, v32, bt32),
+    v32_dm = page_view(torch.empty(k32.shape[0], 32 * 8 * 128, dtype=v32.dtype, device=dev), 32, 8, 128,
+                       dims_major=True).copy_(v32)
+    return [("16-token pages", *as_16_token_pages(k32, v32, bt32)), ("32-token pages", k32, v32, bt32),
             ("32-token pages, V dims-major", k32, v32_dm, bt32),
-            ("32-token pages, V dims-major, K heads-major", k32_hm, v32_dm, bt32)]
+            ("32-token pages, V dims-major, K heads-major", heads_major_copy(k32), v32_dm, bt32)]
+
+
+def timed(call: functools.partial, base: torch.Tensor | None) -> tuple[float, torch.Tensor, float]:
+    """(seconds per call, output, max |output - base|; base None: this output is the base)."""
+    out = call()
+    base = out if base is None else base
+    return kb.bench(call, True), base, (out.float() - base.float()).abs().max().item()
 
 
 def layouts(dev: str, once: bool) -> None:
@@ -87,15 +101,13 @@ def layouts(dev: str, once: bool) -> None:
         base = None
         for name, kc, vc, bt in fp8_layouts(lens, dev):
             call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
-            out = call()
             if once:
+                call()
                 torch.cuda.synchronize()
                 continue
-            base = out if base is None else base
-            t = kb.bench(call, True)
+            t, base, err = timed(call, base)
             nbytes = 2 * sum(lens) * 8 * 128
-            rows.append(f"decode {label}, {name}: {t * 1e6:.0f} us ({nbytes / t / bw:.0%} of copy, "
-                        f"err {(out.float() - base.float()).abs().max().item():.1e})")
+            rows.append(f"decode {label}, {name}: {t * 1e6:.0f} us ({nbytes / t / bw:.0%} of copy, err {err:.1e})")
             print(rows[-1], flush=True)
     if once:
         return
@@ -109,11 +121,8 @@ def layouts(dev: str, once: bool) -> None:
     for name, kc, vc, bt in fp8_layouts(lens, dev):
         call = functools.partial(paged_prefill_attention_triton, q, kc, vc, qsl, sl, bt, 1024, 1024, 128**-0.5,
                                  *scales)
-        out = call()
-        base = out if base is None else base
-        t = kb.bench(call, True)
-        rows.append(f"prefill 16 x 1024, {name}: {t * 1e6:.0f} us ({flops / t / 1e12:.0f} TFLOP/s, "
-                    f"err {(out.float() - base.float()).abs().max().item():.1e})")
+        t, base, err = timed(call, base)
+        rows.append(f"prefill 16 x 1024, {name}: {t * 1e6:.0f} us ({flops / t / 1e12:.0f} TFLOP/s, err {err:.1e})")
         print(rows[-1], flush=True)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
     print("\n".join(rows))
@@ -132,24 +141,18 @@ def dims_major_sweep(dev: str) -> None:
     for label, lens in SHAPES[:2] + SHAPES[3:4]:
         q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
         sl = kb.i32(lens, dev)
-        _, kc, vc, bt = fp8_layouts(lens, dev)[3 if os.environ.get("NV_SWEEP_K_HEADS_MAJOR") else 2]
+        _, kc, vc, bt = fp8_layouts(lens, dev)[2]
         base = None
         for kw in DIMS_MAJOR_KNOBS:
             call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales, **kw)
-            out = call()
-            base = out if base is None else base
-            t = kb.bench(call, True)
+            t, base, err = timed(call, base)
             rows.append(f"fp8 dims-major {label} {kw or 'defaults'}: {t * 1e6:.0f} us "
-                        f"({2 * sum(lens) * 8 * 128 / t / bw:.0%} of copy, err {(out.float() - base.float()).abs().max():.1e})")
+                        f"({2 * sum(lens) * 8 * 128 / t / bw:.0%} of copy, err {err:.1e})")
             print(rows[-1], flush=True)
         del kc, vc
         k32, v32, bt32 = kb.paged_kv(lens, 8, 128, 32, torch.bfloat16, dev, table_width=128)
-        bt16 = torch.stack([2 * bt32, 2 * bt32 + 1], dim=2).reshape(bt32.shape[0], -1).contiguous()
-        heads_major = [torch.empty(x.shape[0], 8, 32, 128, dtype=x.dtype, device=dev).permute(0, 2, 1, 3) for x in (k32, v32)]
-        for x, y in zip(heads_major, (k32, v32)):
-            x.copy_(y)
-        for page, kc, vc, bt in ((16, k32.view(-1, 16, 8, 128), v32.view(-1, 16, 8, 128), bt16), (32, k32, v32, bt32),
-                                 ("32 heads-major", *heads_major, bt32)):
+        for page, kc, vc, bt in ((16, *as_16_token_pages(k32, v32, bt32)), (32, k32, v32, bt32),
+                                 ("32 heads-major", heads_major_copy(k32), heads_major_copy(v32), bt32)):
             t = kb.bench(functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5), True)
             rows.append(f"bf16 {label} {page}-token pages: {t * 1e6:.0f} us ({4 * sum(lens) * 8 * 128 / t / bw:.0%} of copy)")
             print(rows[-1], flush=True)

@@ -426,7 +426,7 @@ def paged_decode_attention_triton(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
     v_t = is_dims_major(v_cache)
     assert block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
@@ -438,7 +438,6 @@ def paged_decode_attention_triton(
     fp8 = is_fp8(k_cache.dtype)
     if not fp8:
         k_scale = v_scale = None
-    assert fp8 or not v_t, "dims-major V pages are fp8-only (kv_layout.py)"
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
     # Defaults from `benchmarks/profile_gpu.py --sections sweep` on an H100 (2026-11-22, session 3, at the
@@ -468,7 +467,7 @@ def paged_decode_attention_triton(
     fp8_big_batch = fp8 and f16_dot and num_splits == 1
     if v_dequant_in_tile is None:
         v_dequant_in_tile = fp8_big_batch if _V_DEQUANT_TILE is None else _V_DEQUANT_TILE
-    v_convert_at_load = bool(v_dequant_in_tile and fp8 and f16_dot and not v_t)  # V_T: no transpose to keep it from
+    v_convert_at_load = bool(v_dequant_in_tile and fp8 and f16_dot and not v_t)  # V_T: no transpose to work around
     if run_addressing is None:
         run_addressing = fp8_big_batch if _RUN_ADDR is None else _RUN_ADDR
     run_addressing = run_addressing or v_t  # dims-major V is read per run

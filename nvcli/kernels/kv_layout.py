@@ -52,13 +52,14 @@ def page_view(
 def is_dims_major(cache: torch.Tensor) -> bool:
     """Whether a `[num_blocks, block_size, num_kv_heads, head_dim]` cache view is stored dims-major
     (`page_view(..., dims_major=True)`). Pages of contiguous (token, head) rows in any order are not (the
-    kernels take their strides); any other layout is refused."""
+    kernels take their strides); any other layout is refused, and so is a dims-major cache that is not fp8."""
     nb, bs, h, d = cache.shape
     if cache.stride(-1) == 1:
         return False
     assert cache.stride(1) == 1 and cache.stride(3) == bs and (h == 1 or cache.stride(2) == d * bs), (
         f"KV cache strides {cache.stride()} are neither token-major nor dims-major pages"
     )
+    assert is_fp8(cache.dtype), "dims-major V pages are fp8-only (kv_layout.py)"
     return True
 
 

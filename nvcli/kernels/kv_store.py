@@ -147,8 +147,8 @@ def store_kvcache_triton(
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
     assert slot_mapping.shape[0] == num_tokens
     assert key.stride(-1) == 1 and value.stride(-1) == 1
-    assert k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
-    is_dims_major(v_cache)  # asserts one of the two layouts
+    assert k_cache.stride(-1) == 1
+    is_dims_major(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
     block_size = k_cache.shape[1]
     quant = is_fp8(k_cache.dtype)
     if not quant:

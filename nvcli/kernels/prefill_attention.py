@@ -258,7 +258,7 @@ def paged_prefill_attention_triton(
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
     v_t = is_dims_major(v_cache)
     assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
@@ -269,7 +269,6 @@ def paged_prefill_attention_triton(
     fp8 = is_fp8(k_cache.dtype)
     if not fp8:
         k_scale = v_scale = None
-    assert fp8 or not v_t, "dims-major V pages are fp8-only (kv_layout.py)"
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
     group = num_heads // num_kv_heads

@@ -171,8 +171,8 @@ def rope_qk_norm_triton(
         assert v is not None and v_cache is not None and slot_mapping is not None
         assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape[0] == num_tokens
         assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
-        assert k_cache.stride(-1) == 1 and not is_dims_major(k_cache)
-        is_dims_major(v_cache)  # asserts one of the two layouts
+        assert k_cache.stride(-1) == 1
+        is_dims_major(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions
     quant = store and is_fp8(k_cache.dtype)
