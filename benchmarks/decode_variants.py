@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 benchmarks/decode_variants.py --layouts  # fp8 page layouts, decode and prefill
     PYTHONPATH=. python3 benchmarks/decode_variants.py --dims-major-sweep  # tile knobs of the dims-major loop;
                                                                 # bf16 with 16- and 32-token pages
+    PYTHONPATH=. python3 benchmarks/decode_variants.py --order-rope  # fp8 default kernel with the rotary step:
+                                                                # its cost, L2 prefetch before it, program order
     PYTHONPATH=. python3 benchmarks/decode_variants.py --once     # one launch per variant, for a profiler:
     ncu --clock-control none -k regex:_decode_split --csv --page details python3 benchmarks/decode_variants.py --once
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import random
 import sys
 from pathlib import Path
 
@@ -161,13 +164,81 @@ def dims_major_sweep(dev: str) -> None:
     print("\n".join(rows))
 
 
+def workload_lens(n: int, step: int, seed: int) -> list[int]:
+    """Context lengths of n sequences `step` decode steps into the DESIGN.md workload (random prompt lengths of
+    100-1024 tokens, in admission order)."""
+    rng = random.Random(seed)
+    return [rng.randint(100, 1024) + step for _ in range(n)]
+
+
+def order_rope(dev: str) -> None:
+    """The default fp8 decode kernel (32-token pages, V dims-major) at the workload's big batches: without and
+    with the rotary step folded in (as the engine runs it), with the first tiles prefetched into L2 before the
+    rotary step, and with the programs taking the sequences longest first (`order`) or in a pre-sorted batch.
+    err: against the rotary launch in batch order (the order variants must give it bit for bit)."""
+    from nvcli.kernels.decode_attention import DecodeRope
+    from nvcli.models.layers.rotary import RotaryEmbedding
+
+    bw = kb.copy_bandwidth(dev, True, False)
+    scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+    cos_sin = RotaryEmbedding(128, 4096, 1e6, None).cos_sin_cache.to(dev)
+    norm_w = (1 + 0.1 * torch.randn(128)).to(dev).to(torch.bfloat16)
+    shapes = [("256 x 800", [800] * 256), ("256 x workload step 300", workload_lens(256, 300, 1)),
+              ("128 x workload step 700", workload_lens(128, 700, 2)),
+              ("256 x 100-2000 shuffled", random.Random(3).sample([100 + (1900 * i) // 255 for i in range(256)], 256))]
+    rows = []
+    for label, lens in shapes:
+        sl = kb.i32(lens, dev)
+        _, kc, vc, bt = fp8_layouts(lens, dev)[2]
+        qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
+        q = qkv[:, : 16 * 128].view(-1, 16, 128)
+        k = qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128)
+        v = qkv[:, 24 * 128 :].view(-1, 8, 128)
+        last = sl.long() - 1
+        slots = bt.long().gather(1, (last // 32)[:, None]).squeeze(1) * 32 + last % 32
+        rope = DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
+        longest_first = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
+        perm = longest_first.long()
+        sorted_rope = DecodeRope(k[perm], v[perm], last[perm], cos_sin, slots[perm], norm_w, norm_w, 1e-6)
+        base_call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
+        variants = [("no rotary", base_call, None), ("rotary (engine)", functools.partial(base_call, rope=rope), None)]
+        variants += [(f"rotary, {n} tiles prefetched", functools.partial(base_call, rope=rope, rope_prefetch_tiles=n),
+                      None) for n in (1, 2)]
+        variants += [("rotary, longest first", functools.partial(base_call, rope=rope, order=longest_first), None),
+                     ("rotary, longest first, 1 tile prefetched",
+                      functools.partial(base_call, rope=rope, order=longest_first, rope_prefetch_tiles=1), None),
+                     ("rotary, batch pre-sorted", functools.partial(
+                         paged_decode_attention_triton, q[perm], kc, vc, bt[perm].contiguous(), sl[perm].contiguous(),
+                         128**-0.5, *scales, rope=sorted_rope), perm)]
+        base = None
+        nbytes = 2 * sum(lens) * 8 * 128
+        for name, call, out_perm in variants:
+            out = call()
+            if out_perm is not None:  # back to batch order
+                out = torch.empty_like(out).index_copy_(0, out_perm, out)
+            if name.startswith("rotary") and base is None:
+                base = out
+            err = 0.0 if base is None else (out.float() - base.float()).abs().max().item()
+            t = kb.bench(call, True)
+            rows.append(f"{label}, {name}: {t * 1e6:.1f} us ({nbytes / t / bw:.1%} of copy, err {err:.1e})")
+            print(rows[-1], flush=True)
+        del kc, vc
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
+    print("\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--once", action="store_true", help="one launch per variant at the first shape (profilers)")
     ap.add_argument("--layouts", action="store_true", help="fp8 page layouts side by side (decode and prefill)")
     ap.add_argument("--dims-major-sweep", action="store_true", help="tile knobs of the dims-major fp8 loop")
+    ap.add_argument("--order-rope", action="store_true", help="the rotary step's cost, prefetch and program order")
     ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
+    if args.order_rope:
+        torch.manual_seed(0)
+        order_rope("cuda")
+        return 0
     if args.dims_major_sweep:
         torch.manual_seed(0)
         dims_major_sweep("cuda")

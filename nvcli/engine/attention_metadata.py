@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,3 +17,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_only: bool  # every sequence has exactly one query token (decode kernel, CUDA graphs)
+    # [num_seqs] int32 permutation, longest sequence first: the order decode attention's programs take the
+    # sequences in (decode graphs; None: batch order)
+    decode_order: Optional[torch.Tensor] = None

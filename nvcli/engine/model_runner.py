@@ -36,6 +36,9 @@ log = logging.getLogger("nvcli")
 
 # A decode step whose graph inputs (tables included) fit in this many bytes uploads them in one H2D copy.
 SINGLE_UPLOAD_BYTES = 64 << 10
+# Decode graphs hand attention the step's sequences longest first (AttentionMetadata.decode_order);
+# NV_DECODE_LONGEST_FIRST=0 keeps batch order (A/B runs).
+LONGEST_FIRST = os.environ.get("NV_DECODE_LONGEST_FIRST", "1") != "0"
 # Start-up compiles its Triton kernels side by side first (kernels/compile_ahead.py), in worker processes;
 # NV_COMPILE_AHEAD=threads compiles on threads of this process instead, 0 turns it off (A/B runs).
 COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
@@ -461,18 +464,19 @@ class ModelRunner:
         max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
         self.g_max_blocks = max_blocks
         # byte layout: int64 [3, max_bs] (input ids, positions, slots) | int32 [max_bs] seq lens |
-        # int32 [max_bs, max_blocks] block tables; a step of bs rows needs the bytes below tables row bs
+        # int32 [max_bs] decode order | int32 [max_bs, max_blocks] block tables; a step of bs rows needs the
+        # bytes below tables row bs
         self.g_off_lens = 3 * max_bs * 8
-        self.g_off_tables = self.g_off_lens + max_bs * 4
+        self.g_off_tables = self.g_off_lens + 2 * max_bs * 4
         size = self.g_off_tables + max_bs * max_blocks * 4
 
-        def views(blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return (blob[: self.g_off_lens].view(torch.int64).view(3, max_bs),
-                    blob[self.g_off_lens : self.g_off_tables].view(torch.int32),
-                    blob[self.g_off_tables :].view(torch.int32).view(max_bs, max_blocks))
+        def views(blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            lens_order = blob[self.g_off_lens : self.g_off_tables].view(torch.int32)
+            return (blob[: self.g_off_lens].view(torch.int64).view(3, max_bs), lens_order[:max_bs],
+                    lens_order[max_bs:], blob[self.g_off_tables :].view(torch.int32).view(max_bs, max_blocks))
 
         self.g_blob = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        self.g_i64, self.g_seq_lens, self.g_block_tables = views(self.g_blob)
+        self.g_i64, self.g_seq_lens, self.g_order, self.g_block_tables = views(self.g_blob)
         self.g_i64[2] = -1
         self.g_input_ids, self.g_positions, self.g_slots = self.g_i64[0], self.g_i64[1], self.g_i64[2]
         # Pinned host staging buffers, filled through numpy views and copied without a sync. Two sets,
@@ -490,7 +494,8 @@ class ModelRunner:
         """The decode step a graph of `bs` rows holds, on the static buffers (seq_len 0, slot -1: reads and
         writes no KV)."""
         meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
-                                 self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True)
+                                 self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True,
+                                 self.g_order[:bs] if LONGEST_FIRST else None)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
     @torch.inference_mode()
@@ -552,7 +557,7 @@ class ModelRunner:
         if width > self.g_max_blocks:
             raise RuntimeError("sequence longer than max_model_len reached the decode graph")
         i = self.num_replays % 2
-        stage_blob, (stage_i64, stage_seq_lens, stage_tables) = self.stage_blobs[i], self.stages[i]
+        stage_blob, (stage_i64, stage_seq_lens, stage_order, stage_tables) = self.stage_blobs[i], self.stages[i]
         self.num_replays += 1
         ints = stage_i64.numpy()  # [3, max_bs]: input ids, positions, slots
         ints[0, :bs] = step.input_ids
@@ -564,6 +569,8 @@ class ModelRunner:
         lens = stage_seq_lens.numpy()
         lens[:bs] = step.seq_lens
         lens[bs:graph_bs] = 0
+        # decode attention's programs take the longest sequences first (padding rows, length 0, last)
+        stage_order.numpy()[:graph_bs] = np.argsort(-lens[:graph_bs], kind="stable")
         tables = stage_tables.numpy()  # [max_bs, max_blocks]
         for row, b in enumerate(step.block_tables):
             tables[row, : len(b)] = b
@@ -572,7 +579,8 @@ class ModelRunner:
             self.g_blob[:prefix].copy_(stage_blob[:prefix], non_blocking=True)
         else:  # only the rows and table columns in use
             self.g_i64[:, :graph_bs].copy_(stage_i64[:, :graph_bs], non_blocking=True)
-            self.g_seq_lens[:graph_bs].copy_(stage_seq_lens[:graph_bs], non_blocking=True)
+            lens_order = slice(self.g_off_lens, self.g_off_tables)  # lengths and order: adjacent, one copy
+            self.g_blob[lens_order].copy_(stage_blob[lens_order], non_blocking=True)
             self.g_block_tables[:bs, :width].copy_(stage_tables[:bs, :width], non_blocking=True)
         self._feed_back(self.g_input_ids, step)
         self.graphs[graph_bs].replay()

@@ -50,11 +50,13 @@ def paged_decode_attention(
     scale: float,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    order: torch.Tensor | None = None,  # [num_seqs] int32: the Triton kernel's program order (same output)
 ) -> torch.Tensor:
     if use_triton(q):
         from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                                             order=order)
     return reference.paged_decode_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     )

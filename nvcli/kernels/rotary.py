@@ -40,6 +40,11 @@ def rope_qk_norm_store(
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)  # [HALF] fp32
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs)
+    if STORE:  # every load first, so their latencies overlap (decode attention waits for this step)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        v_base = v_ptr + t * stride_vt + kvh * stride_vh + offs
+        v1 = tl.load(v_base)
+        v2 = tl.load(v_base + HALF)
 
     # queries of this KV head's group: [GROUP_PAD, HALF] halves
     q_base = q_ptr + t * stride_qt + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs[None, :]
@@ -74,11 +79,7 @@ def rope_qk_norm_store(
             tl.store(k_base, kr1)
             tl.store(k_base + HALF, kr2)
     else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         if store_kv & (slot >= 0):
-            v_base = v_ptr + t * stride_vt + kvh * stride_vh + offs
-            v1 = tl.load(v_base)
-            v2 = tl.load(v_base + HALF)
             blk = slot // PAGE
             off = slot % PAGE
             kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + kvh * stride_kch + offs

@@ -175,6 +175,16 @@ def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
     assert torch.equal(fused_qkv.cpu(), dev(qkv).cpu())  # the raw projections are left as they were
     assert not torch.equal(kc.cpu().view(torch.uint8), k_cache.view(torch.uint8))  # the new keys did land
 
+    # programs taking the sequences longest first, and the first tiles prefetched into L2 before the rotary
+    # step: the same output and cache bytes
+    order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    kc2, vc2 = dev(k_cache.clone()), dev(v_cache.clone())
+    again = paged_decode_attention_triton(q, kc2, vc2, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
+                                          rope=r, order=order, rope_prefetch_tiles=2, **scales)
+    assert torch.equal(again.cpu(), ref.cpu())
+    assert torch.equal(kc2.cpu().view(torch.uint8), ref_kc.cpu().view(torch.uint8))
+    assert torch.equal(vc2.cpu().view(torch.uint8), ref_vc.cpu().view(torch.uint8))
+
 
 @pytest.mark.parametrize("block_size", [64, 128])
 def test_decode_large_pages(block_size: int) -> None:
@@ -246,6 +256,27 @@ def test_decode_run_addressing(block_size: int, block_n: int, num_splits: int, f
                                          run_addressing=True, v_dequant_in_tile=fp8, **kw)
     assert torch.equal(runs, per_token)
     assert_close(runs, decode_ref(q, k_deq, v_deq, tables, seq_lens), **(dict(atol=2e-3, rtol=2e-3) if fp8 else {}))
+
+
+@pytest.mark.parametrize("fp8,num_splits", [(False, 1), (True, 1), (False, 3)])
+def test_decode_program_order(fp8: bool, num_splits: int) -> None:
+    """`order` only changes which program takes which sequence: any permutation gives the batch-order output bit
+    for bit, rows stay in sequence order (not program order), with splits and empty sequences."""
+    gen = torch.Generator().manual_seed(41 + fp8 + num_splits)
+    lens = [40, 17, 1, 0, 70, 33]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    scales = (0.05, 0.05) if fp8 else (None, None)
+    if fp8:
+        k_cache, _ = quantize(k_cache, 0.05)
+        v_cache, _ = quantize(v_cache, 0.05)
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(num_splits=num_splits, block_n=16)
+    base = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, *scales, **kw)
+    for order in (torch.argsort(seq_lens, descending=True, stable=True), torch.randperm(len(lens), generator=gen)):
+        out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, *scales,
+                                            order=order.to(torch.int32), **kw)
+        assert torch.equal(out, base)
 
 
 # ----------------------------------------------------------------------------- prefill

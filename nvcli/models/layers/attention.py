@@ -40,7 +40,7 @@ class Attention(nn.Module):
         if meta.decode_only:
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                self.k_scale, self.v_scale,
+                self.k_scale, self.v_scale, meta.decode_order,
             )
         return ops.paged_prefill_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -53,4 +53,5 @@ class Attention(nn.Module):
         from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                             self.scale, self.k_scale, self.v_scale, rope=rope)
+                                             self.scale, self.k_scale, self.v_scale, rope=rope,
+                                             order=meta.decode_order)
