@@ -31,21 +31,27 @@ WATCH = ["ld.global", "cp.async.cg", "cp.async.ca", "ld.shared.b8", "ld.shared",
          "mma.sync", "wgmma", "cvt.rn.f16x2.e4m3x2", "cvt.f32.f16", "ex2.approx", "st.local", "ld.local"]
 
 
-def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool, run_addr: bool = True):
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool, run_addr: bool = True,
+                   rope: bool = False, ordered: bool = False, page: int | None = None):
+    """The kernel as the engine launches it at big batches (no splits, no PDL); fp8 with 32-token pages has V
+    dims-major (kv_layout.py), as the engine's default fp8 cache does."""
     fp8 = kv == "fp8"
+    page = page or (32 if fp8 else 16)
+    v_t = fp8 and page == 32
     kv_t = "*fp8e4nv" if fp8 else "*bf16"
     pointers = {
         "q_ptr": "*bf16", "k_cache_ptr": kv_t, "v_cache_ptr": kv_t, "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
         "counter_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_rot_ptr": "*bf16",
         "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "qw_ptr": "*bf16",
-        "kw_ptr": "*bf16", "slot_ptr": "*i64",
+        "kw_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i32",
     }
     floats = {"k_scale_val", "v_scale_val", "qk_scale", "eps"}
-    const = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=block_n, DIRECT=True, SCALE_IS_PTR=True,
+    const = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PAGE=page, BLOCK_N=block_n, DIRECT=True, SCALE_IS_PTR=True,
                  DOT_PREC="tf32", F16_DOT=fp8, PDL=False, KVH_MAJOR=True, FUSED_REDUCE=False, SPLITS_PAD=1,
-                 ROPE=False, ROPE_NORM=False, ROPE_GROUP_PAD=2, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
-                 KV_LINES=1 if fp8 else 2, V_CONVERT_AT_LOAD=v_tile and fp8, SUB=min(16, block_n), RUN_ADDR=run_addr)
+                 ROPE=rope, ROPE_NORM=rope, ROPE_GROUP_PAD=2, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
+                 KV_LINES=1 if fp8 else 2, V_CONVERT_AT_LOAD=v_tile and fp8 and not v_t, SUB=min(page, block_n),
+                 RUN_ADDR=run_addr or v_t, V_T=v_t, V_LINES=128 * page * (1 if fp8 else 2) // 128, ORDERED=ordered)
     names = _decode_split_kernel.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n) or ("fp32" if n in floats else "i32") for n in names}
     aligned = [n for n in names if sig[n].startswith("*") or (n.startswith("stride") and n != "stride_bt")]
@@ -63,9 +69,12 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--v-dequant-in-tile", action="store_true")
     ap.add_argument("--per-token-addressing", action="store_true", help="K/V addresses per token (the old loop)")
+    ap.add_argument("--rope", action="store_true", help="the rotary step folded in (the engine's decode launches)")
+    ap.add_argument("--ordered", action="store_true", help="programs take sequences through an order array")
+    ap.add_argument("--page", type=int, default=0, help="KV page size (default: 32 for fp8, 16 for bf16)")
     args = ap.parse_args()
     kernel = compile_decode(args.kv, args.block_n, args.warps, args.stages, args.v_dequant_in_tile,
-                            not args.per_token_addressing)
+                            not args.per_token_addressing, args.rope, args.ordered, args.page or None)
     cubin = Path("/tmp") / f"nv_decode_{args.kv}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -81,7 +90,8 @@ def main() -> int:
                 break
     per_sm = min(65536 // max(1, ((regs + 7) // 8 * 8) * 32 * args.warps), (228 << 10) // max(1, kernel.metadata.shared))
     print(f"decode attention, {args.kv} cache, block_n {args.block_n}, {args.warps} warps, {args.stages} stages"
-          f"{', V dequantized per tile' if args.v_dequant_in_tile else ''}: {regs} registers/thread, {stack} bytes "
+          f"{', V dequantized per tile' if args.v_dequant_in_tile else ''}{', rotary' if args.rope else ''}"
+          f"{', ordered' if args.ordered else ''}: {regs} registers/thread, {stack} bytes "
           f"of stack (spills), {kernel.metadata.shared} bytes of shared memory -> {per_sm} programs per SM")
     print("PTX instructions (static count in the kernel body): "
           + ", ".join(f"{w} {counts[w]}" for w in WATCH if counts[w]))

@@ -202,11 +202,7 @@ def order_rope(dev: str) -> None:
         sorted_rope = DecodeRope(k[perm], v[perm], last[perm], cos_sin, slots[perm], norm_w, norm_w, 1e-6)
         base_call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
         variants = [("no rotary", base_call, None), ("rotary (engine)", functools.partial(base_call, rope=rope), None)]
-        variants += [(f"rotary, {n} tiles prefetched", functools.partial(base_call, rope=rope, rope_prefetch_tiles=n),
-                      None) for n in (1, 2)]
         variants += [("rotary, longest first", functools.partial(base_call, rope=rope, order=longest_first), None),
-                     ("rotary, longest first, 1 tile prefetched",
-                      functools.partial(base_call, rope=rope, order=longest_first, rope_prefetch_tiles=1), None),
                      ("rotary, batch pre-sorted", functools.partial(
                          paged_decode_attention_triton, q[perm], kc, vc, bt[perm].contiguous(), sl[perm].contiguous(),
                          128**-0.5, *scales, rope=sorted_rope), perm)]

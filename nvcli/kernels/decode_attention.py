@@ -73,8 +73,6 @@ def _env_switch(name: str) -> Optional[bool]:
 
 _V_DEQUANT_TILE = _env_switch("NV_FP8_V_DEQUANT_TILE")
 _RUN_ADDR = _env_switch("NV_DECODE_RUN_ADDR")
-# tiles prefetched into L2 before the rotary step of a non-PDL launch (A/B switch)
-_ROPE_PREFETCH_TILES = int(os.environ.get("NV_DECODE_ROPE_PREFETCH", "0"))
 
 
 @dataclass
@@ -94,13 +92,13 @@ class DecodeRope:
 
 
 @triton.jit
-def _prefetch_kv_l2(bt_row, k_head, v_head, start, stop, end, stride_kb, stride_kt, stride_vb, stride_vt,
+def _prefetch_kv_l2(bt_row, k_head, v_head, start, end, stride_kb, stride_kt, stride_vb, stride_vt,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
                     KV_LINES: tl.constexpr, V_T: tl.constexpr, V_LINES: tl.constexpr):
-    """`prefetch_l2` of the K/V lines of the tiles from `start` up to `stop` (positions clamped below `end`)."""
+    """`prefetch_l2` of the K/V lines of the tokens from `start` up to `end`, a tile at a time."""
     offs_n = tl.arange(0, BLOCK_N)
     lines = tl.arange(0, KV_LINES) * (HEAD_DIM // KV_LINES)  # first element of each 128-byte line
-    for tile in range(start, stop, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):
         pos = tl.minimum(tile + offs_n, end - 1)
         blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
         in_page = (pos % PAGE).to(tl.int64)
@@ -183,7 +181,6 @@ def _decode_split_kernel(
     V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py), read as V transposed; needs RUN_ADDR
     V_LINES: tl.constexpr,  # V_T: 128-byte lines of one head's page (HEAD_DIM * PAGE * element size / 128)
     ORDERED: tl.constexpr,  # program row i takes sequence order[i] (longest first: no long program starts last)
-    ROPE_PREFETCH_TILES: tl.constexpr,  # ROPE without PDL: prefetch this many first tiles into L2 before the rotary step
 ):
     if PDL:
         gdc_launch_dependents()
@@ -213,7 +210,7 @@ def _decode_split_kernel(
         if L2_PREFETCH:
             # Block tables, lengths and the cached K/V of earlier steps do not depend on the previous
             # kernel: stream this program's KV lines into L2 while it finishes.
-            _prefetch_kv_l2(bt_row, k_head, v_head, start, end, end, stride_kb, stride_kt, stride_vb, stride_vt,
+            _prefetch_kv_l2(bt_row, k_head, v_head, start, end, stride_kb, stride_kt, stride_vb, stride_vt,
                             HEAD_DIM, PAGE, BLOCK_N, SUB, KV_LINES, V_T, V_LINES)
         gdc_wait()
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
@@ -238,11 +235,6 @@ def _decode_split_kernel(
     ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < end, other=0)
 
     if ROPE:
-        if not PDL and ROPE_PREFETCH_TILES > 0:
-            # the tile loop's first loads wait behind the rotary step and its barrier: start their lines now
-            _prefetch_kv_l2(bt_row, k_head, v_head, start, tl.minimum(end, start + ROPE_PREFETCH_TILES * BLOCK_N),
-                            end, stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, PAGE, BLOCK_N, SUB, KV_LINES,
-                            V_T, V_LINES)
         # Every split rotates the group's raw queries into q_rot (the splits write identical values; the raw
         # q is never overwritten, so no split can read a rotated one) and reads them back below; the split
         # holding the new token's position also writes its key and value to the cache, where its own tile
@@ -433,7 +425,6 @@ def paged_decode_attention_triton(
     v_dequant_in_tile: Optional[bool] = None,
     run_addressing: Optional[bool] = None,
     order: Optional[torch.Tensor] = None,
-    rope_prefetch_tiles: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
@@ -523,8 +514,6 @@ def paged_decode_attention_triton(
         rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, 0, 0, 0, 0)  # unused
     if order is not None:
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
-    if rope_prefetch_tiles is None:
-        rope_prefetch_tiles = _ROPE_PREFETCH_TILES
     grid = (num_kv_heads, num_seqs, num_splits) if kvh_major else (num_seqs, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
         q,
@@ -588,7 +577,6 @@ def paged_decode_attention_triton(
         V_LINES=max(1, head_dim * page * v_cache.element_size() // 128),
         # with splits the programs fit in about one wave (choose_num_splits): nothing starts last, batch order
         ORDERED=order is not None and num_splits == 1,
-        ROPE_PREFETCH_TILES=rope_prefetch_tiles if rope is not None and not pdl and q.is_cuda else 0,  # inline asm
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),

@@ -175,12 +175,11 @@ def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
     assert torch.equal(fused_qkv.cpu(), dev(qkv).cpu())  # the raw projections are left as they were
     assert not torch.equal(kc.cpu().view(torch.uint8), k_cache.view(torch.uint8))  # the new keys did land
 
-    # programs taking the sequences longest first, and the first tiles prefetched into L2 before the rotary
-    # step: the same output and cache bytes
+    # programs taking the sequences longest first: the same output and cache bytes
     order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
     kc2, vc2 = dev(k_cache.clone()), dev(v_cache.clone())
     again = paged_decode_attention_triton(q, kc2, vc2, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
-                                          rope=r, order=order, rope_prefetch_tiles=2, **scales)
+                                          rope=r, order=order, **scales)
     assert torch.equal(again.cpu(), ref.cpu())
     assert torch.equal(kc2.cpu().view(torch.uint8), ref_kc.cpu().view(torch.uint8))
     assert torch.equal(vc2.cpu().view(torch.uint8), ref_vc.cpu().view(torch.uint8))
