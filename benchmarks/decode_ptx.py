@@ -42,7 +42,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool,
     pointers = {
         "q_ptr": "*bf16", "k_cache_ptr": kv_t, "v_cache_ptr": kv_t, "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-        "counter_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_rot_ptr": "*fp16" if fp8 else "*bf16",
+        "counter_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_rot_ptr": "*bf16",
         "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "qw_ptr": "*bf16",
         "kw_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i32",
     }

@@ -505,10 +505,7 @@ def paged_decode_attention_triton(
         assert (rope.q_weight is None) == (rope.k_weight is None)
         r = rope
         norm = r.q_weight is not None
-        # fp16 dots: the rotated queries stored as fp16 (the model-dtype values, converted), so the tile loop's
-        # first dot does not wait on a conversion after reading them back
-        q_rot = torch.empty((num_seqs, num_heads, head_dim), dtype=torch.float16 if f16_dot else q.dtype,
-                            device=q.device)
+        q_rot = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
         rope_args = (q_rot, r.k, r.v, r.positions, r.cos_sin_cache, r.q_weight if norm else r.cos_sin_cache,
                      r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps, r.k.stride(0), r.k.stride(1),
                      r.v.stride(0), r.v.stride(1))

@@ -40,17 +40,11 @@ def rope_qk_norm_store(
     pos = tl.load(pos_ptr + t)
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs)  # [HALF] fp32
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs)
-    # every load first, so their latencies overlap (decode attention's tile loop waits for this step)
-    if STORE:
+    if STORE:  # every load first, so their latencies overlap (decode attention waits for this step)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         v_base = v_ptr + t * stride_vt + kvh * stride_vh + offs
         v1 = tl.load(v_base)
         v2 = tl.load(v_base + HALF)
-    if NORM:
-        qw1 = tl.load(qw_ptr + offs).to(tl.float32)[None, :]
-        qw2 = tl.load(qw_ptr + HALF + offs).to(tl.float32)[None, :]
-        kw1 = tl.load(kw_ptr + offs).to(tl.float32)
-        kw2 = tl.load(kw_ptr + HALF + offs).to(tl.float32)
 
     # queries of this KV head's group: [GROUP_PAD, HALF] halves
     q_base = q_ptr + t * stride_qt + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs[None, :]
@@ -64,18 +58,19 @@ def rope_qk_norm_store(
     k2 = tl.load(k_base + HALF).to(tl.float32)
     if NORM:
         # Round like the torch path: normalized value in the model dtype, then times the weight.
-        # one reduction per row (each cross-warp reduction is a shared-memory round trip and a barrier)
-        q_rstd = tl.rsqrt(tl.sum(q1 * q1 + q2 * q2, axis=1) / (2 * HALF) + eps)[:, None]
+        q_rstd = tl.rsqrt((tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)) / (2 * HALF) + eps)[:, None]
+        qw1 = tl.load(qw_ptr + offs).to(tl.float32)[None, :]
+        qw2 = tl.load(qw_ptr + HALF + offs).to(tl.float32)[None, :]
         q1 = ((q1 * q_rstd).to(dtype).to(tl.float32) * qw1).to(dtype).to(tl.float32)
         q2 = ((q2 * q_rstd).to(dtype).to(tl.float32) * qw2).to(dtype).to(tl.float32)
-        k_rstd = tl.rsqrt(tl.sum(k1 * k1 + k2 * k2, axis=0) / (2 * HALF) + eps)
+        k_rstd = tl.rsqrt((tl.sum(k1 * k1, axis=0) + tl.sum(k2 * k2, axis=0)) / (2 * HALF) + eps)
+        kw1 = tl.load(kw_ptr + offs).to(tl.float32)
+        kw2 = tl.load(kw_ptr + HALF + offs).to(tl.float32)
         k1 = ((k1 * k_rstd).to(dtype).to(tl.float32) * kw1).to(dtype).to(tl.float32)
         k2 = ((k2 * k_rstd).to(dtype).to(tl.float32) * kw2).to(dtype).to(tl.float32)
     qo_base = q_out_ptr + t * stride_qot + (kvh * GROUP + offs_g)[:, None] * stride_qoh + offs[None, :]
-    # rounded to the model dtype, then stored as q_out's (decode attention's fp16 dots read fp16 rotated queries)
-    qo_dtype = q_out_ptr.dtype.element_ty
-    tl.store(qo_base, (q1 * cos[None, :] - q2 * sin[None, :]).to(dtype).to(qo_dtype), mask=g_mask)
-    tl.store(qo_base + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(dtype).to(qo_dtype), mask=g_mask)
+    tl.store(qo_base, (q1 * cos[None, :] - q2 * sin[None, :]).to(dtype), mask=g_mask)
+    tl.store(qo_base + HALF, (q2 * cos[None, :] + q1 * sin[None, :]).to(dtype), mask=g_mask)
     # the rotated key, rounded to the model dtype (what a separate store would read back)
     kr1 = (k1 * cos - k2 * sin).to(dtype)
     kr2 = (k2 * cos + k1 * sin).to(dtype)
