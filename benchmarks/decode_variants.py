@@ -203,9 +203,6 @@ def order_rope(dev: str) -> None:
         base_call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
         variants = [("no rotary", base_call, None), ("rotary (engine)", functools.partial(base_call, rope=rope), None)]
         variants += [("rotary, longest first", functools.partial(base_call, rope=rope, order=longest_first), None),
-                     *[(f"rotary, longest first, L2 prefetch {n} tiles ahead",
-                        functools.partial(base_call, rope=rope, order=longest_first, l2_ahead=n), None)
-                       for n in (2, 3, 4, 6)],
                      ("rotary, batch pre-sorted", functools.partial(
                          paged_decode_attention_triton, q[perm], kc, vc, bt[perm].contiguous(), sl[perm].contiguous(),
                          128**-0.5, *scales, rope=sorted_rope), perm)]

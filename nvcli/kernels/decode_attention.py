@@ -73,8 +73,6 @@ def _env_switch(name: str) -> Optional[bool]:
 
 _V_DEQUANT_TILE = _env_switch("NV_FP8_V_DEQUANT_TILE")
 _RUN_ADDR = _env_switch("NV_DECODE_RUN_ADDR")
-# tiles ahead at which the run-addressed loop prefetches K/V into L2 (A/B switch; 0: off)
-_L2_AHEAD = int(os.environ.get("NV_DECODE_L2_AHEAD", "0"))
 
 
 @dataclass
@@ -183,7 +181,6 @@ def _decode_split_kernel(
     V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py), read as V transposed; needs RUN_ADDR
     V_LINES: tl.constexpr,  # V_T: 128-byte lines of one head's page (HEAD_DIM * PAGE * element size / 128)
     ORDERED: tl.constexpr,  # program row i takes sequence order[i] (longest first: no long program starts last)
-    L2_AHEAD: tl.constexpr,  # RUN_ADDR: each tile prefetches the K/V lines of the tile this many ahead into L2 (0: off)
 ):
     if PDL:
         gdc_launch_dependents()
@@ -272,27 +269,7 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
-    if L2_AHEAD > 0:
-        # The shared-memory stages hold about two tiles in flight per program; prefetches into L2 put more of the
-        # program's KV in flight without holding shared memory or registers, so the staged loads hit L2. Their block
-        # ids are fetched one tile ahead of use, like ids_next; positions past the end re-fetch the last run.
-        pf_pos = start + L2_AHEAD * BLOCK_N + offs_r * SUB  # [RUNS]
-        pf_ids_next = tl.load(bt_row + tl.maximum(tl.minimum(pf_pos, end - 1), 0) // PAGE)
-        kv_lines = tl.arange(0, KV_LINES) * (HEAD_DIM // KV_LINES)  # first element of each 128-byte line of a row
     for tile in range(start, end, BLOCK_N):
-        if L2_AHEAD > 0:
-            pf_ids = pf_ids_next.to(tl.int64)
-            pf_in_page = (tl.minimum(pf_pos, end - 1) % PAGE).to(tl.int64)  # [RUNS]
-            pf_pos += BLOCK_N
-            pf_ids_next = tl.load(bt_row + tl.minimum(pf_pos, end - 1) // PAGE)
-            k_rows = (pf_ids * stride_kb + pf_in_page * stride_kt)[:, None] + (offs_s * stride_kt)[None, :]
-            prefetch_l2(k_head + k_rows[:, :, None] + kv_lines[None, None, :])  # [RUNS, SUB, KV_LINES]
-            if V_T:  # the runs' pages of this head: contiguous [HEAD_DIM, PAGE] blocks
-                page_lines = tl.arange(0, V_LINES) * (HEAD_DIM * PAGE // V_LINES)
-                prefetch_l2(v_head + (pf_ids * stride_vb)[:, None] + page_lines[None, :])  # [RUNS, V_LINES]
-            else:
-                v_rows = (pf_ids * stride_vb + pf_in_page * stride_vt)[:, None] + (offs_s * stride_vt)[None, :]
-                prefetch_l2(v_head + v_rows[:, :, None] + kv_lines[None, None, :])
         pos = tile + offs_n  # [BLOCK_N]
         n_mask = pos < end
         ids = ids_next.to(tl.int64)
@@ -448,7 +425,6 @@ def paged_decode_attention_triton(
     v_dequant_in_tile: Optional[bool] = None,
     run_addressing: Optional[bool] = None,
     order: Optional[torch.Tensor] = None,
-    l2_ahead: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
 
@@ -601,8 +577,6 @@ def paged_decode_attention_triton(
         V_LINES=max(1, head_dim * page * v_cache.element_size() // 128),
         # with splits the programs fit in about one wave (choose_num_splits): nothing starts last, batch order
         ORDERED=order is not None and num_splits == 1,
-        # inline asm: not in the interpreter
-        L2_AHEAD=(_L2_AHEAD if l2_ahead is None else l2_ahead) if run_addressing and q.is_cuda else 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),
