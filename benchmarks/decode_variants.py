@@ -171,11 +171,12 @@ def workload_lens(n: int, step: int, seed: int) -> list[int]:
     return [rng.randint(100, 1024) + step for _ in range(n)]
 
 
-def order_rope(dev: str) -> None:
+def order_rope(dev: str, once: bool = False) -> None:
     """The default fp8 decode kernel (32-token pages, V dims-major) at the workload's big batches: without and
     with the rotary step folded in (as the engine runs it), with the first tiles prefetched into L2 before the
     rotary step, and with the programs taking the sequences longest first (`order`) or in a pre-sorted batch.
-    err: against the rotary launch in batch order (the order variants must give it bit for bit)."""
+    err: against the rotary launch in batch order (the order variants must give it bit for bit). once: one launch
+    each of the first two variants at the first shape (profilers: `ncu_decode.sh rope`), nothing timed."""
     from nvcli.kernels.decode_attention import DecodeRope
     from nvcli.models.layers.rotary import RotaryEmbedding
 
@@ -187,7 +188,7 @@ def order_rope(dev: str) -> None:
               ("128 x workload step 700", workload_lens(128, 700, 2)),
               ("256 x 100-2000 shuffled", random.Random(3).sample([100 + (1900 * i) // 255 for i in range(256)], 256))]
     rows = []
-    for label, lens in shapes:
+    for label, lens in shapes[:1] if once else shapes:
         sl = kb.i32(lens, dev)
         _, kc, vc, bt = fp8_layouts(lens, dev)[2]
         qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
@@ -208,6 +209,11 @@ def order_rope(dev: str) -> None:
                          128**-0.5, *scales, rope=sorted_rope), perm)]
         base = None
         nbytes = 2 * sum(lens) * 8 * 128
+        if once:
+            for _, call, _ in variants[:2]:
+                call()
+                torch.cuda.synchronize()
+            return
         for name, call, out_perm in variants:
             out = call()
             if out_perm is not None:  # back to batch order
@@ -233,7 +239,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.order_rope:
         torch.manual_seed(0)
-        order_rope("cuda")
+        order_rope("cuda", args.once)
         return 0
     if args.dims_major_sweep:
         torch.manual_seed(0)

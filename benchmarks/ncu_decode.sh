@@ -3,12 +3,16 @@
 # --once), from the repo root with the project on PYTHONPATH:
 #   bash benchmarks/ncu_decode.sh ["LABEL,LABEL"]        (labels: decode_variants.py VARIANTS)
 #   bash benchmarks/ncu_decode.sh layouts              (the fp8 page layouts of decode_variants.py --layouts)
+#   bash benchmarks/ncu_decode.sh rope                 (the fp8 default kernel without and with the rotary step)
 # Collects speed of light, memory workload, occupancy, scheduler statistics and the warp-stall breakdown
 # (cycles per issued instruction spent in each stall reason); prints one column per variant. CSVs go to $OUT.
 set -u
 OUT=${OUT:-/tmp}
 variants=${1:-"bf16 per-token,fp8 runs V tile"}
-if [ "$variants" = layouts ]; then
+if [ "$variants" = rope ]; then
+  args=(--order-rope --once)
+  variants="no rotary,rotary (engine)"
+elif [ "$variants" = layouts ]; then
   args=(--layouts --once)
   variants="16-token pages,32-token pages,32-token pages V dims-major,32-token pages V dims-major K heads-major"
 else
