@@ -173,8 +173,8 @@ def workload_lens(n: int, step: int, seed: int) -> list[int]:
 
 def order_rope(dev: str, once: bool = False) -> None:
     """The default fp8 decode kernel (32-token pages, V dims-major) at the workload's big batches: without and
-    with the rotary step folded in (as the engine runs it), with the first tiles prefetched into L2 before the
-    rotary step, and with the programs taking the sequences longest first (`order`) or in a pre-sorted batch.
+    with the rotary step folded in (as the engine runs it), and with the programs taking the sequences longest
+    first (`order`) or in a pre-sorted batch.
     err: against the rotary launch in batch order (the order variants must give it bit for bit). once: one launch
     each of the first two variants at the first shape (profilers: `ncu_decode.sh rope`), nothing timed."""
     from nvcli.kernels.decode_attention import DecodeRope
@@ -202,11 +202,11 @@ def order_rope(dev: str, once: bool = False) -> None:
         perm = longest_first.long()
         sorted_rope = DecodeRope(k[perm], v[perm], last[perm], cos_sin, slots[perm], norm_w, norm_w, 1e-6)
         base_call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
-        variants = [("no rotary", base_call, None), ("rotary (engine)", functools.partial(base_call, rope=rope), None)]
-        variants += [("rotary, longest first", functools.partial(base_call, rope=rope, order=longest_first), None),
-                     ("rotary, batch pre-sorted", functools.partial(
-                         paged_decode_attention_triton, q[perm], kc, vc, bt[perm].contiguous(), sl[perm].contiguous(),
-                         128**-0.5, *scales, rope=sorted_rope), perm)]
+        variants = [("no rotary", base_call, None), ("rotary (engine)", functools.partial(base_call, rope=rope), None),
+                    ("rotary, longest first", functools.partial(base_call, rope=rope, order=longest_first), None),
+                    ("rotary, batch pre-sorted", functools.partial(
+                        paged_decode_attention_triton, q[perm], kc, vc, bt[perm].contiguous(), sl[perm].contiguous(),
+                        128**-0.5, *scales, rope=sorted_rope), perm)]
         base = None
         nbytes = 2 * sum(lens) * 8 * 128
         if once:
