@@ -6,6 +6,7 @@
                                                                 # bf16 with 16- and 32-token pages
     PYTHONPATH=. python3 benchmarks/decode_variants.py --order-rope  # fp8 default kernel with the rotary step:
                                                                 # its cost, L2 prefetch before it, program order
+    PYTHONPATH=. python3 benchmarks/decode_variants.py --split-sweep  # fp8 at the batches that take KV splits
     PYTHONPATH=. python3 benchmarks/decode_variants.py --once     # one launch per variant, for a profiler:
     ncu --clock-control none -k regex:_decode_split --csv --page details python3 benchmarks/decode_variants.py --once
 
@@ -229,14 +230,72 @@ def order_rope(dev: str, once: bool = False) -> None:
     print("\n".join(rows))
 
 
+def split_sweep(dev: str) -> None:
+    """The default fp8 kernel (32-token pages, V dims-major, rotary step folded in, as the engine launches it) at
+    the batches that take KV splits (fewer than 4 programs per SM): split count, tile, warps and stages. The first
+    row of each shape is the default launch; err against it."""
+    from nvcli.kernels.decode_attention import DecodeRope, choose_num_splits
+    from nvcli.models.layers.rotary import RotaryEmbedding
+
+    bw = kb.copy_bandwidth(dev, True, False)
+    scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+    cos_sin = RotaryEmbedding(128, 4096, 1e6, None).cos_sin_cache.to(dev)
+    norm_w = (1 + 0.1 * torch.randn(128)).to(dev).to(torch.bfloat16)
+    shapes = [("64 x 1400", [1400] * 64), ("64 x workload step 900", workload_lens(64, 900, 4)),
+              ("32 x 1500", [1500] * 32), ("16 x 1600", [1600] * 16)]
+    rows = []
+    for label, lens in shapes:
+        sl = kb.i32(lens, dev)
+        _, kc, vc, bt = fp8_layouts(lens, dev)[2]
+        qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
+        q, k, v = qkv[:, : 16 * 128].view(-1, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128), qkv[:, 24 * 128 :].view(-1, 8, 128)
+        last = sl.long() - 1
+        slots = bt.long().gather(1, (last // 32)[:, None]).squeeze(1) * 32 + last % 32
+        rope = DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
+        auto = choose_num_splits(len(lens), 8, bt.shape[1] * 32, 64, 132)
+        configs: list[dict] = [{}]
+        for splits in sorted({max(1, auto // 2), auto, 2 * auto, 4 * auto}):
+            for bn, warps, stages in ((64, 4, 3), (64, 4, 4), (64, 4, 2), (32, 4, 4), (32, 2, 4), (128, 4, 2),
+                                      (128, 8, 3), (64, 8, 3)):
+                configs.append(dict(num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages))
+        nbytes = 2 * sum(lens) * 8 * 128
+        results = []
+        base = None
+        for cfg in configs:
+            call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales, rope=rope,
+                                     **cfg)
+            try:
+                t, base, err = timed(call, base)
+            except Exception as e:  # out of shared memory etc.
+                print(f"  {cfg}: {type(e).__name__}", flush=True)
+                continue
+            results.append((t, err, cfg))
+        default = results[0]
+        best = sorted(results[1:], key=lambda r: r[0])[:5]
+        line = (f"{label} (auto splits {auto}): default {default[0] * 1e6:.1f} us ({nbytes / default[0] / bw:.0%} of "
+                f"copy); best " + ", ".join(
+                    f"{c['num_splits']}/{c['block_n']}/{c['num_warps']}/{c['num_stages']} {t * 1e6:.1f} us "
+                    f"({nbytes / t / bw:.0%}, err {e:.0e})" for t, e, c in best))
+        print(line, flush=True)
+        rows.append(line)
+        del kc, vc
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; config = splits/block_n/warps/stages")
+    print("\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--once", action="store_true", help="one launch per variant at the first shape (profilers)")
     ap.add_argument("--layouts", action="store_true", help="fp8 page layouts side by side (decode and prefill)")
     ap.add_argument("--dims-major-sweep", action="store_true", help="tile knobs of the dims-major fp8 loop")
     ap.add_argument("--order-rope", action="store_true", help="the rotary step's cost, prefetch and program order")
+    ap.add_argument("--split-sweep", action="store_true", help="fp8 split count and tile knobs at small batches")
     ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
+    if args.split_sweep:
+        torch.manual_seed(0)
+        split_sweep("cuda")
+        return 0
     if args.order_rope:
         torch.manual_seed(0)
         order_rope("cuda", args.once)
