@@ -172,6 +172,22 @@ def workload_lens(n: int, step: int, seed: int) -> list[int]:
     return [rng.randint(100, 1024) + step for _ in range(n)]
 
 
+def engine_decode_step(lens: list[int], dev: str, cos_sin: torch.Tensor, norm_w: torch.Tensor):
+    """One decode step as the engine launches it over the default fp8 cache (32-token pages, V dims-major): seq_lens,
+    k_cache, v_cache, block tables, the raw queries and the rotary step (new token at position len - 1)."""
+    from nvcli.kernels.decode_attention import DecodeRope
+
+    sl = kb.i32(lens, dev)
+    _, kc, vc, bt = fp8_layouts(lens, dev)[2]
+    qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
+    q = qkv[:, : 16 * 128].view(-1, 16, 128)
+    k = qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128)
+    v = qkv[:, 24 * 128 :].view(-1, 8, 128)
+    last = sl.long() - 1
+    slots = bt.long().gather(1, (last // 32)[:, None]).squeeze(1) * 32 + last % 32
+    return sl, kc, vc, bt, q, DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
+
+
 def order_rope(dev: str, once: bool = False) -> None:
     """The default fp8 decode kernel (32-token pages, V dims-major) at the workload's big batches: without and
     with the rotary step folded in (as the engine runs it), and with the programs taking the sequences longest
@@ -190,18 +206,11 @@ def order_rope(dev: str, once: bool = False) -> None:
               ("256 x 100-2000 shuffled", random.Random(3).sample([100 + (1900 * i) // 255 for i in range(256)], 256))]
     rows = []
     for label, lens in shapes[:1] if once else shapes:
-        sl = kb.i32(lens, dev)
-        _, kc, vc, bt = fp8_layouts(lens, dev)[2]
-        qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
-        q = qkv[:, : 16 * 128].view(-1, 16, 128)
-        k = qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128)
-        v = qkv[:, 24 * 128 :].view(-1, 8, 128)
-        last = sl.long() - 1
-        slots = bt.long().gather(1, (last // 32)[:, None]).squeeze(1) * 32 + last % 32
-        rope = DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
+        sl, kc, vc, bt, q, rope = engine_decode_step(lens, dev, cos_sin, norm_w)
         longest_first = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
         perm = longest_first.long()
-        sorted_rope = DecodeRope(k[perm], v[perm], last[perm], cos_sin, slots[perm], norm_w, norm_w, 1e-6)
+        sorted_rope = DecodeRope(rope.k[perm], rope.v[perm], rope.positions[perm], cos_sin, rope.slot_mapping[perm],
+                                 norm_w, norm_w, 1e-6)
         base_call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales)
         variants = [("no rotary", base_call, None), ("rotary (engine)", functools.partial(base_call, rope=rope), None),
                     ("rotary, longest first", functools.partial(base_call, rope=rope, order=longest_first), None),
@@ -234,7 +243,7 @@ def split_sweep(dev: str) -> None:
     """The default fp8 kernel (32-token pages, V dims-major, rotary step folded in, as the engine launches it) at
     the batches that take KV splits (fewer than 4 programs per SM): split count, tile, warps and stages. The first
     row of each shape is the default launch; err against it."""
-    from nvcli.kernels.decode_attention import DecodeRope, choose_num_splits
+    from nvcli.kernels.decode_attention import choose_num_splits
     from nvcli.models.layers.rotary import RotaryEmbedding
 
     bw = kb.copy_bandwidth(dev, True, False)
@@ -245,13 +254,7 @@ def split_sweep(dev: str) -> None:
               ("32 x 1500", [1500] * 32), ("16 x 1600", [1600] * 16)]
     rows = []
     for label, lens in shapes:
-        sl = kb.i32(lens, dev)
-        _, kc, vc, bt = fp8_layouts(lens, dev)[2]
-        qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
-        q, k, v = qkv[:, : 16 * 128].view(-1, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128), qkv[:, 24 * 128 :].view(-1, 8, 128)
-        last = sl.long() - 1
-        slots = bt.long().gather(1, (last // 32)[:, None]).squeeze(1) * 32 + last % 32
-        rope = DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
+        sl, kc, vc, bt, q, rope = engine_decode_step(lens, dev, cos_sin, norm_w)
         auto = choose_num_splits(len(lens), 8, bt.shape[1] * 32, 64, 132)
         configs: list[dict] = [{}]
         for splits in sorted({max(1, auto // 2), auto, 2 * auto, 4 * auto}):
@@ -292,22 +295,13 @@ def main() -> int:
     ap.add_argument("--split-sweep", action="store_true", help="fp8 split count and tile knobs at small batches")
     ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
-    if args.split_sweep:
-        torch.manual_seed(0)
-        split_sweep("cuda")
-        return 0
-    if args.order_rope:
-        torch.manual_seed(0)
-        order_rope("cuda", args.once)
-        return 0
-    if args.dims_major_sweep:
-        torch.manual_seed(0)
-        dims_major_sweep("cuda")
-        return 0
-    if args.layouts:
-        torch.manual_seed(0)
-        layouts("cuda", args.once)
-        return 0
+    studies = [(args.split_sweep, lambda: split_sweep("cuda")), (args.order_rope, lambda: order_rope("cuda", args.once)),
+               (args.dims_major_sweep, lambda: dims_major_sweep("cuda")), (args.layouts, lambda: layouts("cuda", args.once))]
+    for chosen, study in studies:
+        if chosen:
+            torch.manual_seed(0)
+            study()
+            return 0
     variants = [v for v in VARIANTS if not args.variants or v[0] in args.variants.split(",")]
     dev = "cuda"
     torch.manual_seed(0)

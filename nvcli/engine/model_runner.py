@@ -30,6 +30,7 @@ from nvcli.models.registry import model_class
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from nvcli.engine.sequence import Sequence
     from nvcli.kernels.compile_ahead import CompileWorkers, StartupMarker
 
 log = logging.getLogger("nvcli")
@@ -65,6 +66,13 @@ class StepInput:
     pending: list[tuple[int, int]] = field(default_factory=list)
 
 
+def _feeding_row(seq: Sequence, prev_rows: dict[int, int] | None) -> int:
+    """The row of the step in flight whose sampled token is `seq`'s PENDING input."""
+    if prev_rows is None:
+        raise RuntimeError("a step input waits for a token but no step is in flight")
+    return prev_rows[seq.seq_id]
+
+
 def build_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int, int] | None = None) -> StepInput:
     """`prev_rows`: seq_id -> row of the step in flight, whose sampled tokens feed PENDING inputs."""
     if not batch.is_decode_only:
@@ -79,9 +87,7 @@ def build_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int
         pos = batch.start[row]
         token = seq.token_ids[pos]
         if token == PENDING:
-            if prev_rows is None:
-                raise RuntimeError("a step input waits for a token but no step is in flight")
-            pending.append((row, prev_rows[seq.seq_id]))
+            pending.append((row, _feeding_row(seq, prev_rows)))
             token = 0
         input_ids.append(token)
         positions.append(pos)
@@ -107,9 +113,7 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
         rows = slice(row_start, row_start + n)
         input_ids[rows] = seq.token_ids[start:end]
         if input_ids[row_start + n - 1] == PENDING:
-            if prev_rows is None:
-                raise RuntimeError("a step input waits for a token but no step is in flight")
-            pending.append((row_start + n - 1, prev_rows[seq.seq_id]))
+            pending.append((row_start + n - 1, _feeding_row(seq, prev_rows)))
             input_ids[row_start + n - 1] = 0
         pos = np.arange(start, end, dtype=np.int64)
         positions[rows] = pos

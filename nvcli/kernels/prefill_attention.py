@@ -67,7 +67,6 @@ def _prefill_tile(
     blk_next = tl.load(bt_row + pos_next // PAGE, mask=pos_next < kv_limit, other=0).to(tl.int64)
     in_page = (pos % PAGE).to(tl.int64)
     k_off = blk * stride_kb + in_page * stride_kt  # [BLOCK_N]
-    v_off = blk * stride_vb + in_page * stride_vt
     if MASKED:
         n_mask = pos < kv_limit
         k = tl.load(k_head + k_off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
@@ -85,6 +84,7 @@ def _prefill_tile(
         v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
     else:
         run_blk_next = run_blk
+        v_off = blk * stride_vb + in_page * stride_vt  # [BLOCK_N]
         if MASKED:
             v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         else:
