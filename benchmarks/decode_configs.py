@@ -3,17 +3,17 @@ swapped into the real chain (CUDA graph, PDL) in one process, and timed as one r
 token (or, with --rows N, as ms per decode step of N requests).
 
     PYTHONPATH=. python3 benchmarks/decode_configs.py [--repeats 3] [--output-len 512]
-    PYTHONPATH=. python3 benchmarks/decode_configs.py --rows 8 --output-len 256 --repeats 2 --rounds 2 [--sampler]
+    PYTHONPATH=. python3 benchmarks/decode_configs.py --rows 8 --output-len 256 --repeats 2 --rounds 2
     PYTHONPATH=. python3 benchmarks/decode_configs.py --batches 1,2,4,8,16 --output-len 256 --rounds 2
 
 One request: phase 1 runs session 5's looped GEMM tiles, the defaults, and the defaults with 16 attention
 splits in turn (the batch-1 graph is recaptured for each). Phase 2 changes one layer shape at a time around
 the defaults (CANDIDATES; with --rows, the tensor-core ROWS_CANDIDATES), with the defaults again after each
 shape to show drift. Phase 3 combines the variants that beat the defaults by 1% and runs them against the
-defaults in turn. --sampler first times the sampling kernel at 256 rows. --batches only times decode steps
-of those batch sizes under each of BATCH_MODES (which rows take which tiles), in turn. The kernel isolation
-benchmarks (skinny_gemm.py) time a GEMM alone; here a config also pays for how it overlaps its neighbours
-under PDL, which is what a small batch's step is made of. Prints a table last.
+defaults in turn. --batches only times decode steps of those batch sizes under each of BATCH_MODES (which
+rows take which tiles), in turn. The kernel isolation benchmarks (skinny_gemm.py) time a GEMM alone; here a
+config also pays for how it overlaps its neighbours under PDL, which is what a small batch's step is made of.
+Prints a table last. (The sampler's own benchmark is sampler_gpu.py.)
 """
 
 from __future__ import annotations
@@ -152,36 +152,6 @@ def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int
     return lines
 
 
-def sampler_phase() -> None:
-    """The fused Gumbel-max sampler on [256, vocab] bf16 logits: the default and other chunk sizes / warps,
-    against the bytes it reads (us, median of triton.testing.do_bench)."""
-    import triton
-    import triton.testing
-
-    from nvcli.kernels import sampling
-
-    rows, vocab = 256, 151936
-    logits = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
-    temps = torch.full((rows,), 0.6, device="cuda")
-    seeds = torch.arange(rows, device="cuda", dtype=torch.int64) * 7919
-    greedy = torch.zeros(rows, device="cuda")
-    for chunk in (2048, 4096, 8192, 16384):
-        for warps in (4, 8, 16):
-            def run(t=temps, chunk=chunk, warps=warps):
-                chunks = triton.cdiv(vocab, chunk)
-                best = torch.empty((rows, chunks), dtype=torch.float32, device="cuda")
-                idx = torch.empty((rows, chunks), dtype=torch.int32, device="cuda")
-                sampling._sample_chunk_kernel[(rows, chunks)](logits, t, seeds, best, idx, logits.stride(0), vocab, chunks,
-                                                             CHUNK=chunk, num_warps=warps)
-            us = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e3
-            us_greedy = triton.testing.do_bench(lambda: run(greedy), warmup=25, rep=100, return_mode="median") * 1e3
-            print(f"sampler chunk {chunk} warps {warps}: {us:.1f} us (greedy rows {us_greedy:.1f} us; "
-                  f"{logits.numel() * 2 / us / 1e3:.0f} GB/s)", flush=True)
-    full = triton.testing.do_bench(lambda: sampling.gumbel_sample_triton(logits, temps, seeds), warmup=25, rep=100,
-                                   return_mode="median") * 1e3
-    print(f"gumbel_sample_triton (default, with the argmax over chunks): {full:.1f} us", flush=True)
-
-
 def describe(cfg: SkinnyConfig) -> str:
     return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (f" split{cfg.split_k}" if cfg.split_k > 1 else "")
 
@@ -192,7 +162,6 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, default=1, help="sweep the configs of this batch size (ms per decode step)")
-    ap.add_argument("--sampler", action="store_true", help="first time the sampling kernel at 256 rows")
     ap.add_argument("--batches", default="", help="e.g. 1,2,4,8,16: only compare BATCH_MODES per batch size")
     ap.add_argument("--only", default="", help="comma-separated shape names (and/or 'attention') to sweep")
     args = ap.parse_args()
@@ -204,8 +173,6 @@ def main() -> None:
         llm.shutdown()
         print("\n".join(lines))
         return
-    if args.sampler:
-        sampler_phase()
     ov = Overrides(args.rows)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     defaults = {name: skinny_gemm.choose_config(args.rows, n, k, 2, sms) for name, (n, k) in SHAPES.items()}

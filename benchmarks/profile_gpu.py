@@ -43,7 +43,7 @@ def short(name: str) -> str:
     for key, label in [("_decode_split", "decode_attn"), ("_decode_reduce", "decode_reduce"),
                        ("_skinny_gemm", "skinny_gemm"), ("_splitk_reduce", "splitk_reduce"),
                        ("rms_norm", "add_rms_norm"), ("rope", "rope_qk_norm"), ("_store_kv", "kv_store"),
-                       ("silu", "silu_mul"), ("_sample_chunk", "sampler_chunks"), ("_prefill", "prefill_attn"), ("gemm", "cublas_gemm"),
+                       ("silu", "silu_mul"), ("_sample_", "sampler"), ("_prefill", "prefill_attn"), ("gemm", "cublas_gemm"),
                        ("nvjet", "cublas_gemm"), ("sm90_xmma", "cublas_gemm"), ("Memcpy", "memcpy"),
                        ("memcpy", "memcpy")]:
         if key in name:

@@ -357,7 +357,7 @@ class ModelRunner:
                 final = self._forward(step)
             if self.rank == 0 and not dry_run:
                 logits = self.model.compute_logits(*final)
-                for temperature in (0.0, 0.7):  # argmax, fused Gumbel sampler
+                for temperature in (0.0, 0.7):  # argmax, fused sampler
                     params = [SamplingParams(temperature=temperature)] * rows
                     sample(logits, SamplingBatch.build(params, [0] * rows, logits.shape[1], self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))  # leaves the job's RNG alone

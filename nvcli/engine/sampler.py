@@ -1,8 +1,10 @@
-"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p, seeded Gumbel-max.
+"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Sampling uses the exponential-race form of Gumbel-max: argmax(p / q) with q ~ Exp(1) picks
-token i with probability p_i. Rows with a seed draw q from their own generator seeded by
-(seed, output position), so a seeded request gets the same tokens whatever shares its batch.
+On the GPU, batches without top-k / top-p / min-p go to the fused inverse-CDF kernels
+(kernels/sampling.py), whose noise is keyed per row. Elsewhere sampling uses the
+exponential-race form of Gumbel-max: argmax(p / q) with q ~ Exp(1) picks token i with
+probability p_i. Either way a seeded row draws from its own seed mixed with the output
+position, so a seeded request gets the same tokens whatever shares its batch.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ class SamplingBatch:
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [num_seqs, vocab] (any float dtype; the fused kernel reads it as is) -> token ids [num_seqs] int64."""
     if use_triton(logits) and batch.philox_seeds is not None and not batch.needs_filter:
-        from nvcli.kernels.sampling import gumbel_sample_triton
+        from nvcli.kernels.sampling import sample_triton
 
-        return gumbel_sample_triton(logits, batch.temperatures, batch.philox_seeds)
+        return sample_triton(logits, batch.temperatures, batch.philox_seeds)
     greedy = logits.argmax(dim=-1)  # exact in any dtype
     if batch.all_greedy:
         return greedy

@@ -1,15 +1,16 @@
-"""Fused Gumbel-max sampler: greedy rows are argmax, samples follow softmax(logits / T), seeds are per row."""
+"""Fused inverse-CDF sampler: greedy rows are argmax, samples follow softmax(logits / T), seeds are per row."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kernel_device import DEVICE
 
 
 def sample(logits: torch.Tensor, temps: list[float], seeds: list[int], chunk: int = 4096) -> torch.Tensor:
-    from nvcli.kernels.sampling import gumbel_sample_triton
+    from nvcli.kernels.sampling import sample_triton
 
-    return gumbel_sample_triton(
+    return sample_triton(
         logits.to(DEVICE), torch.tensor(temps, dtype=torch.float32, device=DEVICE),
         torch.tensor(seeds, dtype=torch.int64, device=DEVICE), chunk=chunk,
     ).cpu()
@@ -44,3 +45,74 @@ def test_a_seeded_row_draws_the_same_token_wherever_it_sits() -> None:
     assert mixed[3] == alone[0]
     draws = {int(sample(row, [1.0], [s])[0]) for s in range(20)}
     assert len(draws) > 1  # the seed matters
+
+
+def test_tokens_of_zero_probability_are_never_drawn() -> None:
+    n, vocab = 200, 40  # chunks of 16: the last one holds 8 columns and 8 past the vocabulary
+    torch.manual_seed(2)
+    logits = torch.randn(n, vocab)
+    logits[:, 39] = 6.0  # most mass next to the columns past the vocabulary
+    logits[:, 0] = float("-inf")
+    logits[:, 16:32] = float("-inf")  # a whole chunk without weight
+    logits[:, 38] = float("-inf")
+    logits[1::2, 39] = float("-inf")  # odd rows: the mass in the first chunk, the last column barred
+    temps = [0.3 + 0.7 * (i % 3) for i in range(n)]
+    out = sample(logits, temps, list(range(n)), chunk=16)
+    assert ((out >= 0) & (out < vocab)).all(), out
+    drawn = logits.gather(1, out.unsqueeze(1)).squeeze(1)
+    assert torch.isfinite(drawn).all(), out[~torch.isfinite(drawn)]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy meets -inf - -inf
+def test_a_row_without_finite_logits_gets_a_column_not_a_crash() -> None:
+    logits = torch.full((2, 40), float("-inf"))
+    out = sample(logits, [1.0, 0.0], [1, 2], chunk=16)
+    assert ((out >= 0) & (out < 40)).all(), out
+
+
+def test_samples_follow_the_tempered_softmax_across_chunks() -> None:
+    n, t = 200, 0.7
+    # three chunks of 16: the mass split between many equal tokens (chunk 0) and one hot token (chunk 1),
+    # so that chunk weights without the chunk's sum, or without its max, and a temperature of 1, 0.49 or
+    # 0.7 * ln 2 each move some token's frequency by more than 0.2
+    base = torch.full((48,), -3.0)
+    base[:16] = 1.0
+    base[20] = 3.0
+    base[[34, 41]] = 0.0
+    base[46] = 1.0
+    out = sample(base.repeat(n, 1), [t] * n, list(range(1000, 1000 + n)), chunk=16)
+    freq = torch.bincount(out, minlength=48).float() / n
+    expected = torch.softmax(base / t, dim=0)
+    # 0.11 is about 3 standard deviations of a frequency near 1/2 at n = 200
+    assert (freq - expected).abs().max() < 0.11, (freq, expected)
+    chunk_freq, chunk_expected = freq.view(3, 16).sum(1), expected.view(3, 16).sum(1)
+    assert (chunk_freq - chunk_expected).abs().max() < 0.11, (chunk_freq, chunk_expected)
+
+
+def test_mass_in_the_first_or_the_last_chunk() -> None:
+    n, vocab, t = 100, 40, 1.0  # the last chunk of 16 is partial: columns 32..39
+    edge = torch.tensor([3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, 2.0])  # distinct weights inside the edge chunk
+    last = torch.zeros(vocab)
+    last[32:] = edge
+    first = torch.zeros(vocab)
+    first[:8] = edge
+    logits = torch.cat([last.repeat(n, 1), first.repeat(n, 1)])
+    out = sample(logits, [t] * (2 * n), list(range(2 * n)), chunk=16)
+    assert (out < vocab).all()
+    for rows, row_logits in ((out[:n], last), (out[n:], first)):
+        freq = torch.bincount(rows, minlength=vocab).float() / n
+        expected = torch.softmax(row_logits / t, dim=0)
+        # ~3 standard deviations at n=100 for the largest probability (~0.3)
+        assert (freq - expected).abs().max() < 0.14, (freq, expected)
+
+
+def test_greedy_rows_among_sampled_rows_are_argmax() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(16, 100)  # 7 chunks of 16, the last one partial
+    logits[0, 99] = 40.0  # max in the partial last chunk
+    logits[2, [20, 33, 70]] = 30.0  # ties across chunks: the first index wins
+    logits[1::2, 5] = 100.0  # the sampled rows' mass sits elsewhere
+    temps = [0.0, 1.0] * 8
+    out = sample(logits, temps, list(range(16)), chunk=16)
+    assert out[::2].tolist() == logits[::2].argmax(dim=1).tolist()
+    assert (out[1::2] == 5).all()
