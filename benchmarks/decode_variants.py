@@ -7,6 +7,8 @@
     PYTHONPATH=. python3 benchmarks/decode_variants.py --order-rope  # fp8 default kernel with the rotary step:
                                                                 # its cost, L2 prefetch before it, program order
     PYTHONPATH=. python3 benchmarks/decode_variants.py --split-sweep  # fp8 at the batches that take KV splits
+    PYTHONPATH=. python3 benchmarks/decode_variants.py --prefill-sweep  # prefill attention tile knobs, bf16 and
+                                                                # fp8, at the workload's 16k-token prompt step
     PYTHONPATH=. python3 benchmarks/decode_variants.py --once     # one launch per variant, for a profiler:
     ncu --clock-control none -k regex:_decode_split --csv --page details python3 benchmarks/decode_variants.py --once
 
@@ -286,6 +288,44 @@ def split_sweep(dev: str) -> None:
     print("\n".join(rows))
 
 
+PREFILL_KNOBS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2),
+                 (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2),
+                 (256, 64, 8, 3), (256, 32, 8, 3)]  # (block_m, block_n, num_warps, num_stages); the first: defaults
+
+
+def prefill_sweep(dev: str) -> None:
+    """Prefill attention at the workload's first prompt step (prompts of random 100-1024 tokens packed up to 16,384),
+    bf16 (16-token pages) and fp8 (32-token pages, V dims-major), over tile knobs; TFLOP/s of the causal products,
+    err against the defaults."""
+    rng = random.Random(0)
+    lens: list[int] = []
+    while sum(lens) < 16384 - 1024:
+        lens.append(rng.randint(100, 1024))
+    qsl = kb.i32([sum(lens[:i]) for i in range(len(lens) + 1)], dev)
+    sl = kb.i32(lens, dev)
+    q = torch.randn(sum(lens), 16, 128, device=dev).to(torch.bfloat16)
+    flops = sum(4 * (n * (n + 1) // 2) * 16 * 128 for n in lens)
+    k16, v16, bt16 = kb.paged_kv(lens, 8, 128, 16, torch.bfloat16, dev, table_width=128)
+    _, k8, v8, bt8 = fp8_layouts(lens, dev)[2]
+    scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+    rows = []
+    for name, kc, vc, bt, sc in (("bf16", k16, v16, bt16, (None, None)), ("fp8", k8, v8, bt8, scales)):
+        base = None
+        for bm, bn, warps, stages in PREFILL_KNOBS:
+            call = functools.partial(paged_prefill_attention_triton, q, kc, vc, qsl, sl, bt, max(lens), max(lens),
+                                     128**-0.5, *sc, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+            try:
+                t, base, err = timed(call, base)
+            except Exception as e:  # out of shared memory etc.
+                print(f"{name} {bm}/{bn}/{warps}/{stages}: {type(e).__name__}", flush=True)
+                continue
+            rows.append(f"prefill {len(lens)} prompts / {sum(lens)} tokens, {name} {bm}/{bn}/{warps}/{stages}: "
+                        f"{t * 1e6:.0f} us ({flops / t / 1e12:.0f} TFLOP/s, err {err:.1e})")
+            print(rows[-1], flush=True)
+    print("\nknobs = block_m/block_n/warps/stages, the first of each dtype the defaults")
+    print("\n".join(rows))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--once", action="store_true", help="one launch per variant at the first shape (profilers)")
@@ -293,9 +333,11 @@ def main() -> int:
     ap.add_argument("--dims-major-sweep", action="store_true", help="tile knobs of the dims-major fp8 loop")
     ap.add_argument("--order-rope", action="store_true", help="the rotary step's cost, prefetch and program order")
     ap.add_argument("--split-sweep", action="store_true", help="fp8 split count and tile knobs at small batches")
+    ap.add_argument("--prefill-sweep", action="store_true", help="prefill attention tile knobs, bf16 and fp8")
     ap.add_argument("--variants", default="", help="comma-separated labels (default: all)")
     args = ap.parse_args()
-    studies = [(args.split_sweep, lambda: split_sweep("cuda")), (args.order_rope, lambda: order_rope("cuda", args.once)),
+    studies = [(args.prefill_sweep, lambda: prefill_sweep("cuda")), (args.split_sweep, lambda: split_sweep("cuda")),
+               (args.order_rope, lambda: order_rope("cuda", args.once)),
                (args.dims_major_sweep, lambda: dims_major_sweep("cuda")), (args.layouts, lambda: layouts("cuda", args.once))]
     for chosen, study in studies:
         if chosen:

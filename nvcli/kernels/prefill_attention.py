@@ -278,7 +278,9 @@ def paged_prefill_attention_triton(
     if block_n is None:
         block_n = 64
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4
+        # fp8 at 128-row tiles: 4 warps, 254 against 286 us with 8 at a 16k-token prompt step on the H100; bf16
+        # keeps 8 (238 against 657 us) (decode_variants.py --prefill-sweep, RESULTS session 12)
+        num_warps = 8 if block_m >= 128 and not fp8 else 4
     if num_stages is None:
         num_stages = 3 if head_dim <= 128 else 2
     # rows per program: BLOCK_Q tokens x GROUP_PAD heads, BLOCK_Q no larger than needed
