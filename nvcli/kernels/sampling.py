@@ -1,4 +1,4 @@
-"""Temperature sampling over the vocabulary by inverse CDF: one read of the logits, one uniform per row.
+"""Temperature sampling over the vocabulary by inverse CDF: one read of the logits, two uniforms per row.
 
 P(token i) = exp2(y_i - M) / W with y = logits * log2(e) / T, M = max y and W = sum exp2(y - M):
 the softmax of logits / T, in base 2. Two kernels:
