@@ -83,6 +83,16 @@ def test_decode_gqa_block_boundaries(num_heads: int, num_kv_heads: int, block_si
     assert (out[seq_lens == 0] == 0).all()
 
 
+def test_split_count_keeps_mid_batches_within_one_wave() -> None:
+    """132 SMs, 8 KV heads, 4096-token tables: one program per (sequence, KV head) from 66 sequences on; from 17
+    to 65 the most splits that fit one wave of 4 programs per SM (never a second, partial wave); small batches
+    round up to at least a wave."""
+    splits = {n: choose_num_splits(n, 8, 4096, 64, 132) for n in (1, 8, 16, 17, 24, 32, 33, 48, 64, 65, 66, 256)}
+    assert splits == {1: 32, 8: 16, 16: 8, 17: 2, 24: 2, 32: 2, 33: 2, 48: 1, 64: 1, 65: 1, 66: 1, 256: 1}
+    for n in range(17, 66):
+        assert n * 8 * splits.get(n, choose_num_splits(n, 8, 4096, 64, 132)) <= 4 * 132
+
+
 @pytest.mark.parametrize("num_splits,block_n", [(None, 16), (3, 16), (8, 64)])
 def test_decode_splits(num_splits: int | None, block_n: int) -> None:
     """Split-KV paths, including splits that start past a sequence's end and seq_len 0."""
