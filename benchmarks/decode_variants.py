@@ -77,13 +77,29 @@ def heads_major_copy(cache: torch.Tensor) -> torch.Tensor:
     return out.copy_(cache)
 
 
+def fp8_token_major(lens: list[int], dev: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k_cache, v_cache, block_tables: random fp8 values on 32-token token-major pages (8 KV heads of 128)."""
+    k32, v32, bt32 = kb.paged_kv(lens, 8, 128, 32, torch.bfloat16, dev, table_width=128)
+    return kb.quantize(k32, 0.02)[0], kb.quantize(v32, 0.02)[0], bt32
+
+
+def dims_major_copy(v32: torch.Tensor) -> torch.Tensor:
+    """The same V values with each 32-token page stored dims-major (kv_layout.py)."""
+    return page_view(torch.empty(v32.shape[0], 32 * 8 * 128, dtype=v32.dtype, device=v32.device), 32, 8, 128,
+                     dims_major=True).copy_(v32)
+
+
+def engine_fp8_cache(lens: list[int], dev: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k_cache, v_cache, block_tables in the engine's default fp8 layout (32-token pages, V dims-major); the values
+    of fp8_layouts' third layout, without building the other three."""
+    k32, v32, bt32 = fp8_token_major(lens, dev)
+    return k32, dims_major_copy(v32), bt32
+
+
 def fp8_layouts(lens: list[int], dev: str) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(label, k_cache, v_cache, block_tables) of one logical fp8 cache in each page layout."""
-    k32, v32, bt32 = kb.paged_kv(lens, 8, 128, 32, torch.bfloat16, dev, table_width=128)
-    k32, _ = kb.quantize(k32, 0.02)
-    v32, _ = kb.quantize(v32, 0.02)
-    v32_dm = page_view(torch.empty(k32.shape[0], 32 * 8 * 128, dtype=v32.dtype, device=dev), 32, 8, 128,
-                       dims_major=True).copy_(v32)
+    k32, v32, bt32 = fp8_token_major(lens, dev)
+    v32_dm = dims_major_copy(v32)
     return [("16-token pages", *as_16_token_pages(k32, v32, bt32)), ("32-token pages", k32, v32, bt32),
             ("32-token pages, V dims-major", k32, v32_dm, bt32),
             ("32-token pages, V dims-major, K heads-major", heads_major_copy(k32), v32_dm, bt32)]
@@ -147,7 +163,7 @@ def dims_major_sweep(dev: str) -> None:
     for label, lens in SHAPES[:2] + SHAPES[3:4]:
         q = torch.randn(len(lens), 16, 128, device=dev).to(torch.bfloat16)
         sl = kb.i32(lens, dev)
-        _, kc, vc, bt = fp8_layouts(lens, dev)[2]
+        kc, vc, bt = engine_fp8_cache(lens, dev)
         base = None
         for kw in DIMS_MAJOR_KNOBS:
             call = functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales, **kw)
@@ -180,7 +196,7 @@ def engine_decode_step(lens: list[int], dev: str, cos_sin: torch.Tensor, norm_w:
     from nvcli.kernels.decode_attention import DecodeRope
 
     sl = kb.i32(lens, dev)
-    _, kc, vc, bt = fp8_layouts(lens, dev)[2]
+    kc, vc, bt = engine_fp8_cache(lens, dev)
     qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
     q = qkv[:, : 16 * 128].view(-1, 16, 128)
     k = qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128)
@@ -306,7 +322,7 @@ def prefill_sweep(dev: str) -> None:
     q = torch.randn(sum(lens), 16, 128, device=dev).to(torch.bfloat16)
     flops = sum(4 * (n * (n + 1) // 2) * 16 * 128 for n in lens)
     k16, v16, bt16 = kb.paged_kv(lens, 8, 128, 16, torch.bfloat16, dev, table_width=128)
-    _, k8, v8, bt8 = fp8_layouts(lens, dev)[2]
+    k8, v8, bt8 = engine_fp8_cache(lens, dev)
     scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
     rows = []
     for name, kc, vc, bt, sc in (("bf16", k16, v16, bt16, (None, None)), ("fp8", k8, v8, bt8, scales)):
