@@ -31,6 +31,13 @@ _MAX_CHUNKS = 1024  # kernel 2 holds a row's chunk list in one tile
 
 
 @triton.jit
+def _tempered_log2(x, temp):
+    """y = x * log2(e) / T: softmax(x / T) in base 2. Both kernels compute it here, so the max kernel 1 stores
+    for a chunk is the max kernel 2 sees when it re-reads it."""
+    return x * (1.4426950408889634 / temp)
+
+
+@triton.jit
 def _sample_chunk_sums_kernel(
     logits_ptr,  # [num_rows, vocab]
     temps_ptr,  # [num_rows] fp32
@@ -50,7 +57,7 @@ def _sample_chunk_sums_kernel(
     out = row * num_chunks + chunk
     temp = tl.load(temps_ptr + row)
     if temp > 0:
-        y = x * (1.4426950408889634 / temp)  # log2(e) / T: softmax(x / T) in base 2
+        y = _tempered_log2(x, temp)
         m = tl.max(y, axis=0)
         # -inf columns (masked ones too) weigh exp2(-inf) = 0; an all -inf chunk subtracts 0, not -inf (NaN)
         p = tl.exp2(y - tl.where(m == float("-inf"), 0.0, m))
@@ -100,7 +107,7 @@ def _sample_pick_kernel(
         cols = j * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                     other=float("-inf")).to(tl.float32)  # [CHUNK]
-        y = x * (1.4426950408889634 / temp)  # as kernel 1 computed it, so m_j is this chunk's max
+        y = _tempered_log2(x, temp)  # as kernel 1 computed it, so m_j is this chunk's max
         p = tl.exp2(y - m_j)  # [CHUNK]; m_j is finite, as chunk j has weight
         cum_p = tl.cumsum(p, axis=0)  # [CHUNK] inclusive
         col = tl.min(tl.where((cum_p > u2 * tl.max(cum_p, axis=0)) & (p > 0), cols, big), axis=0)
