@@ -29,8 +29,8 @@ import torch
 
 from nvcli import LLM, SamplingParams
 from nvcli.bench import latency
-from nvcli.kernels import decode_attention, skinny_gemm
-from nvcli.kernels.skinny_gemm import SkinnyConfig
+from nvcli.kernels import decode_attention, pdl, skinny_gemm
+from nvcli.kernels.skinny_gemm import MidTiles, SkinnyConfig
 from nvcli.models.presets import preset_dir
 
 C = SkinnyConfig
@@ -152,6 +152,52 @@ def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int
     return lines
 
 
+# (label, use_skinny's row bound, PDL's row bound, tiles of 17+ rows, rows up to which SiLU is fused into down_proj)
+MID_MODES: list[tuple[str, int, int, MidTiles, int]] = [
+    ("cuBLAS", 16, 16, MidTiles(), 16),
+    ("cuBLAS, PDL", 16, 256, MidTiles(), 16),
+    ("tiles, no PDL", 256, 16, MidTiles(), 256),
+    ("tiles", 256, 256, MidTiles(), 256),
+    ("tiles, SiLU kernel", 256, 256, MidTiles(), 16),
+    ("tiles bm64", 256, 256, MidTiles(max_block_m=64), 256),
+    ("tiles bm256 w8 s3", 256, 256, MidTiles(max_block_m=256, num_warps=8, num_stages=3), 256),
+    ("tiles bk128 s3", 256, 256, MidTiles(block_k=128, num_stages=3), 256),
+    ("tiles fill1", 256, 256, MidTiles(fill=1.0), 256),
+    ("tiles bn128 w8 s3", 256, 256, MidTiles(block_n=128, num_warps=8, num_stages=3), 256),
+]
+
+
+def mid_phase(engine, runner, batches: list[int], rounds: int, output_len: int, only: str) -> list[str]:
+    """Decode steps of 17-256 rows with cuBLAS or the tensor-core tiles (MID_MODES; `only`: labels to keep,
+    comma-separated), the chain with or without PDL, in turn."""
+    modes = [m for m in MID_MODES if not only or m[0] in only.split(",")]
+    times: dict[tuple[int, str], list[float]] = {}
+    default = skinny_gemm.MAX_M, pdl.MAX_ROWS, skinny_gemm.MID_TILES, skinny_gemm.SILU_FUSED_MAX_M
+    for r in range(rounds):
+        for label, max_m, pdl_rows, tiles, silu in modes:
+            skinny_gemm.MAX_M, pdl.MAX_ROWS, skinny_gemm.MID_TILES, skinny_gemm.SILU_FUSED_MAX_M = max_m, pdl_rows, tiles, silu
+            skinny_gemm.choose_config.cache_clear()
+            try:
+                recapture_graphs(runner, max(batches))
+                for b in batches:
+                    times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{label}"))
+            except Exception as e:  # out of registers / shared memory
+                print(f"{label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            print(label, {b: round(times[(b, label)][-1], 4) for b in batches}, flush=True)
+    skinny_gemm.MAX_M, pdl.MAX_ROWS, skinny_gemm.MID_TILES, skinny_gemm.SILU_FUSED_MAX_M = default
+    skinny_gemm.choose_config.cache_clear()
+    recapture_graphs(runner, max(batches))
+    labels = [m[0] for m in modes]
+    lines = ["| rows | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for b in batches:
+        cells = [f"{statistics.median(times[(b, lb)]):.4f}" if (b, lb) in times else "-" for lb in labels]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    lines.append("(ms per decode step, median of the rounds)")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 def describe(cfg: SkinnyConfig) -> str:
     return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}" + (f" split{cfg.split_k}" if cfg.split_k > 1 else "")
 
@@ -163,11 +209,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, default=1, help="sweep the configs of this batch size (ms per decode step)")
     ap.add_argument("--batches", default="", help="e.g. 1,2,4,8,16: only compare BATCH_MODES per batch size")
-    ap.add_argument("--only", default="", help="comma-separated shape names (and/or 'attention') to sweep")
+    ap.add_argument("--only", default="", help="comma-separated shape names (and/or 'attention') to sweep; "
+                    "with --mid, MID_MODES labels")
+    ap.add_argument("--mid", default="", help="e.g. 32,64,128,256: only compare MID_MODES per batch size")
     args = ap.parse_args()
     model_dir = str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp())))
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384)
     engine, runner = llm.engine, llm.engine.executor.runner
+    if args.mid:
+        lines = mid_phase(engine, runner, [int(b) for b in args.mid.split(",")], args.rounds, args.output_len, args.only)
+        llm.shutdown()
+        print("\n".join(lines))
+        return
     if args.batches:
         lines = batch_phase(engine, runner, [int(b) for b in args.batches.split(",")], args.rounds, args.output_len)
         llm.shutdown()

@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < D
@@ -27,6 +30,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d]
     if n == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
-                                                      num_warps=4)
+    pdl = use_pdl(x, n)
+    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl,
+                                                      num_warps=4, **launch_kwargs(pdl))
     return out

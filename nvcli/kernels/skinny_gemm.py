@@ -33,9 +33,10 @@ loads, the FMAs and the store are left. That took one request from 1.03 to 0.80 
 the H100 (`benchmarks/decode_configs.py`).
 
 Mid-sized batches (a config with block_m: tensor-core tiles of block_m rows, a third grid
-dimension over row blocks) are supported and tested but not dispatched by default: on the H100
-these tiles lost to cuBLAS at 32-256 rows (`benchmarks/skinny_gemm.py --mid`, RESULTS.md session
-3). NV_SKINNY_MAX_M raises use_skinny's bound for A/B runs.
+dimension over row blocks; MID_TILES) are supported and tested but not dispatched by default: on the
+H100 these tiles lost to cuBLAS at 32-256 rows, alone (`benchmarks/skinny_gemm.py --mid`, RESULTS.md
+session 3) and in the real decode chain under PDL with every tile shape tried (`benchmarks/decode_configs.py
+--mid`, session 13). NV_SKINNY_MAX_M raises use_skinny's bound for A/B runs.
 
 CUDA-graph safety: the config is a pure function of (M, N, K, element size, SM count),
 cached on the host; no autotuning, no host syncs, the only allocations are the output and
@@ -70,6 +71,10 @@ SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (deco
 # use_skinny's bound: above SMALL_M the kernel runs tensor-core tiles of block_m rows (mid-sized decode
 # batches); NV_SKINNY_MAX_M overrides it for A/B runs
 MAX_M = int(os.environ.get("NV_SKINNY_MAX_M", "16"))
+# rows up to which down_proj takes SiLU(gate) * up in its prologue; past it every column block of the
+# tensor-core tiles would re-read and re-activate the [M, 2K] gate_up rows, and the SiLU kernel first is
+# faster (decode_configs.py --mid, 32-256 rows, session 13); a module value so that the benchmark can swap it
+SILU_FUSED_MAX_M = SMALL_M
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
 # A few rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
@@ -452,18 +457,35 @@ def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig
     return SkinnyConfig(block_n, block_k, 1, False, num_warps, 1)
 
 
+@dataclass(frozen=True)
+class MidTiles:
+    """The tensor-core tiles of 17..MAX_M rows (a weight tile of block_n rows per program, times up to
+    max_block_m batch rows); a module-level value so that benchmarks can swap it."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+    max_block_m: int = 128
+    fill: float = 0.5  # split K when the output tiles would give fewer programs than this share of the SMs
+
+
+MID_TILES = MidTiles()
+
+
 def _mid_config(m: int, n: int, k: int, sms: int) -> SkinnyConfig:
-    """Tensor-core tiles for 17..MAX_M rows: 64 weight rows x up to 128 batch rows per program, K split
-    when the output tiles cannot fill half the SMs (the N = hidden layers)."""
-    block_m = min(128, triton.next_power_of_2(m))
-    block_n, block_k = 64, 64
+    """Tensor-core tiles for 17..MAX_M rows (MID_TILES), K split when the output tiles cannot fill
+    MID_TILES.fill of the SMs (the N = hidden layers)."""
+    t = MID_TILES
+    block_m = min(t.max_block_m, triton.next_power_of_2(m))
+    block_n, block_k = t.block_n, t.block_k
     tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
     k_iters = _cdiv(k, block_k)
     split = 1
-    if tiles < sms // 2:
+    if tiles < sms * t.fill:
         split = max(1, min(k_iters // 4, _cdiv(sms, tiles)))
         split = _cdiv(k_iters, _cdiv(k_iters, split))
-    return SkinnyConfig(block_n, block_k, split, True, 4, min(4, _cdiv(k_iters, split)), block_m)
+    return SkinnyConfig(block_n, block_k, split, True, t.num_warps, min(t.num_stages, _cdiv(k_iters, split)), block_m)
 
 
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -474,6 +496,8 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m = x.numel() // k if k else 0
     return (
         1 <= m <= MAX_M
+        # past SMALL_M rows only a decoder layer's weight: an LM head at many rows is a big GEMM, cuBLAS's
+        and (m <= SMALL_M or weight.numel() * weight.element_size() <= ONE_PASS_MAX_BYTES)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and k % 16 == 0
@@ -500,7 +524,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[
     else the SiLU-and-mul kernel and then cuBLAS."""
     k = gate_up.shape[-1] // 2
     x = gate_up[..., :k]  # the gate half: the shape and strides the kernel's x pointers walk
-    if use_skinny(x, weight) and gate_up.stride(-1) == 1:
+    if use_skinny(x, weight) and gate_up.stride(-1) == 1 and x.numel() // k <= SILU_FUSED_MAX_M:
         return skinny_linear_triton(x, weight, bias, silu_mul=True)
     from nvcli.kernels.activation import silu_and_mul_triton
 
@@ -560,7 +584,7 @@ def skinny_linear_triton(
     cfg = config or choose_config(m, n, k, weight.element_size(), num_sms(x.device))
     block_m = cfg.block_m or block_m_for(m, cfg.use_dot)
     assert cfg.use_dot or block_m == block_m_for(m, False), "the FMA inner product takes all rows in one block"
-    assert block_m <= 128 and (cfg.block_m or m <= 64), f"M={m}: set a block_m (tensor-core tiles) for this many rows"
+    assert block_m <= 256 and (cfg.block_m or m <= 64), f"M={m}: set a block_m (tensor-core tiles) for this many rows"
     if cfg.use_dot:
         assert cfg.block_n >= 16 and cfg.block_k >= 16, "tl.dot needs 16x16 tiles"
     k_iters = _cdiv(k, cfg.block_k)

@@ -119,6 +119,18 @@ def test_use_skinny_conditions() -> None:
     assert not use_skinny(torch.empty(4, 64, dtype=bf16), w)  # CPU tensors: never
 
 
+def test_mid_batches_take_only_decoder_layer_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the row bound raised past SMALL_M (A/B runs), an LM head at many rows stays with cuBLAS."""
+    monkeypatch.setattr(skinny_gemm, "MAX_M", 256)
+    bf16 = torch.bfloat16
+    layer = torch.empty(1, 1024, dtype=bf16).expand(6144, 1024)  # 12 MiB: gate_up
+    lm_head = torch.empty(1, 1024, dtype=bf16).expand(151936, 1024)  # 297 MiB
+    assert skinny_supported(torch.empty(256, 1024, dtype=bf16), layer)
+    assert skinny_supported(torch.empty(16, 1024, dtype=bf16), lm_head)
+    assert not skinny_supported(torch.empty(17, 1024, dtype=bf16), lm_head)
+    assert not skinny_supported(torch.empty(257, 1024, dtype=bf16), layer)
+
+
 def test_linear_dispatch_falls_back_to_torch() -> None:
     x, w, b = _inputs(2, 24, 32, seed=9)
     assert torch.equal(skinny_gemm.linear(x, w, b), F.linear(x, w, b))  # CPU: F.linear itself
@@ -222,7 +234,7 @@ def test_one_pass_config_uneven_k(m: int, prologue: str) -> None:
 @pytest.mark.parametrize("n,k", QWEN3)
 @pytest.mark.parametrize("m", [17, 32, 64, 100, 128, 256, 512])
 def test_mid_batch_config_heuristic(m: int, n: int, k: int) -> None:
-    """Above SMALL_M rows: tensor-core tiles of at most 128 rows, every split non-empty."""
+    """Above SMALL_M rows: tensor-core tiles of MID_TILES' rows at most, every split non-empty."""
     cfg = choose_config(m, n, k, 2, 132)
     assert cfg.use_dot and 16 <= cfg.block_m <= 128 and cfg.block_m <= triton_next_pow2(m)
     assert cfg.block_n >= 32 and cfg.block_k >= 16
