@@ -29,11 +29,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from kernels import graph_seconds
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.pdl import prefetch_l2
+from nvcli.kernels.skinny_gemm import sum_splits_if_last
 
 # down_proj configs of the first sweep's best and runner-up per M (session 13, call 2)
 DOWN_CONFIGS = {32: [(64, 32, 128, 4, 4, 132), (64, 64, 128, 4, 4, 132)],
@@ -76,14 +78,8 @@ def _tma_gemm_kernel(x_desc, w_desc, w_ptr, part_ptr, out_ptr, cnt_ptr, M, N, K,
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
-        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT_K - 1:
-            tl.atomic_xchg(cnt, 0)
-            tile = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-            total = tl.load(tile, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                total += tl.load(tile + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+        sum_splits_if_last(part_ptr, out_ptr, part_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, offs_n, offs_m,
+                           offs_n, mask, M, N, N, SPLIT_K, False)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -131,25 +127,7 @@ def chain_us(fn, xs: torch.Tensor, ws: list[torch.Tensor], reps: int = 20) -> fl
             x = y[:, :k] if y.shape[1] >= k else xs
         return x
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / len(ws))
-    return statistics.median(times)
+    return graph_seconds(body, warm_runs=1, replays=reps + 1, skip=1) * 1e6 / len(ws)
 
 
 def silu_down_us(m: int, cfg: tuple, layers: int) -> dict[str, float]:
@@ -179,29 +157,13 @@ def silu_down_us(m: int, cfg: tuple, layers: int) -> dict[str, float]:
 
 
 def layer_graph_us(fn, layers: int, reps: int = 20) -> float:
+    """us per layer of a graph that calls fn(i) for each of `layers` layers."""
+
     def body():
         for i in range(layers):
             fn(i)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / layers)
-    return statistics.median(times)
+    return graph_seconds(body, warm_runs=1, replays=reps + 1, skip=1) * 1e6 / layers
 
 
 def configs(quick: bool) -> list[tuple]:

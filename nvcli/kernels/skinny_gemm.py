@@ -323,20 +323,29 @@ def _skinny_gemm_kernel(
         part_ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs, y, mask=out_mask)
         if FUSED_SPLIT:
-            # acq_rel: this split's partial is visible before the count moves, and the last split to arrive
-            # sees all of them; it sums them in split order (the reduce kernel's order: deterministic), and
-            # resets the counter for the next call (a CUDA graph replays with the same counters)
-            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT_K - 1:
-                tl.atomic_xchg(cnt, 0)
-                tile_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-                total = tl.load(tile_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                for s in tl.static_range(1, SPLIT_K):
-                    total += tl.load(tile_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + rows)[None, :].to(tl.float32)
-                fin_ptrs = fin_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-                tl.store(fin_ptrs, total.to(fin_ptr.dtype.element_ty), mask=out_mask)
+            sum_splits_if_last(out_ptr, fin_ptr, b_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, rows, offs_m,
+                               offs_n, out_mask, M, N, stride_om, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def sum_splits_if_last(part_ptr, fin_ptr, b_ptr, cnt, rows, offs_m, offs_n, mask, M, N, stride_om,
+                       SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Split K without a second kernel: after a split stored its fp32 partial of the (offs_m, offs_n) tile into
+    part_ptr ([SPLIT_K, M, N]), it counts its arrival on the tile's counter `cnt`; the last split to arrive sums
+    the partials (+ bias[rows]) into fin_ptr ([M, N], row stride stride_om) and resets the counter.
+    acq_rel: this split's partial is visible before the count moves, and the last split sees all of them; it sums
+    them in split order (the reduce kernel's order: deterministic); the reset serves the next call (a CUDA graph
+    replays with the same counters)."""
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT_K - 1:
+        tl.atomic_xchg(cnt, 0)
+        tile_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        total = tl.load(tile_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(tile_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rows)[None, :].to(tl.float32)
+        fin_ptrs = fin_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(fin_ptrs, total.to(fin_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
