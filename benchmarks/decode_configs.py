@@ -132,21 +132,36 @@ BATCH_MODES = [("v8 tiles, reduce kernel", 2, False, False), ("session 6, narrow
 
 def batch_phase(engine, runner, batches: list[int], rounds: int, output_len: int) -> list[str]:
     """Decode steps of 1-16 rows under each of BATCH_MODES, in turn."""
+    modes = [(label, {(skinny_gemm, "ONE_PASS_MAX_M"): max_m, (skinny_gemm, "FUSED_SPLIT"): fused,
+                      (skinny_gemm, "DOT_WIDE"): wide}) for label, max_m, fused, wide in BATCH_MODES]
+    return modes_phase(engine, runner, batches, rounds, output_len, modes)
+
+
+def modes_phase(engine, runner, batches: list[int], rounds: int, output_len: int,
+                modes: list[tuple[str, dict[tuple[object, str], object]]]) -> list[str]:
+    """ms per decode step of each batch size under each mode (label, {(module, attribute): value}), the modes in
+    turn in every round, graphs recaptured for each; the attributes are restored at the end. Prints and returns
+    a table of the medians over the rounds."""
     times: dict[tuple[int, str], list[float]] = {}
-    default = skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT, skinny_gemm.DOT_WIDE
+    saved = {key: getattr(*key) for _, values in modes for key in values}
+
+    def set_attrs(values: dict[tuple[object, str], object]) -> None:
+        for (module, name), value in values.items():
+            setattr(module, name, value)
+        skinny_gemm.choose_config.cache_clear()
+
     for r in range(rounds):
-        for label, max_m, fused, wide in BATCH_MODES:
-            skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT, skinny_gemm.DOT_WIDE = max_m, fused, wide
-            skinny_gemm.choose_config.cache_clear()
+        for label, values in modes:
+            set_attrs(values)
             recapture_graphs(runner, max(batches))
             for b in batches:
-                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{max_m}-{fused}-{wide}"))
+                times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{label}"))
             print(label, {b: round(times[(b, label)][-1], 4) for b in batches}, flush=True)
-    skinny_gemm.ONE_PASS_MAX_M, skinny_gemm.FUSED_SPLIT, skinny_gemm.DOT_WIDE = default
-    skinny_gemm.choose_config.cache_clear()
-    lines = ["| rows | " + " | ".join(m[0] for m in BATCH_MODES) + " |", "|---" * (len(BATCH_MODES) + 1) + "|"]
+    set_attrs(saved)
+    labels = [label for label, _ in modes]
+    lines = ["| rows | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for b in batches:
-        lines.append(f"| {b} | " + " | ".join(f"{statistics.median(times[(b, m[0])]):.4f}" for m in BATCH_MODES) + " |")
+        lines.append(f"| {b} | " + " | ".join(f"{statistics.median(times[(b, label)]):.4f}" for label in labels) + " |")
     lines.append("(ms per decode step, median of the rounds)")
     print("\n".join(lines), flush=True)
     return lines
@@ -170,32 +185,10 @@ MID_MODES: list[tuple[str, int, int, MidTiles, int]] = [
 def mid_phase(engine, runner, batches: list[int], rounds: int, output_len: int, only: str) -> list[str]:
     """Decode steps of 17-256 rows with cuBLAS or the tensor-core tiles (MID_MODES; `only`: labels to keep,
     comma-separated), the chain with or without PDL, in turn."""
-    modes = [m for m in MID_MODES if not only or m[0] in only.split(",")]
-    times: dict[tuple[int, str], list[float]] = {}
-    default = skinny_gemm.MAX_M, pdl.MAX_ROWS, skinny_gemm.MID_TILES, skinny_gemm.SILU_FUSED_MAX_M
-    for r in range(rounds):
-        for label, max_m, pdl_rows, tiles, silu in modes:
-            skinny_gemm.MAX_M, pdl.MAX_ROWS, skinny_gemm.MID_TILES, skinny_gemm.SILU_FUSED_MAX_M = max_m, pdl_rows, tiles, silu
-            skinny_gemm.choose_config.cache_clear()
-            try:
-                recapture_graphs(runner, max(batches))
-                for b in batches:
-                    times.setdefault((b, label), []).append(step_ms(engine, b, output_len, f"r{r}-{label}"))
-            except Exception as e:  # out of registers / shared memory
-                print(f"{label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            print(label, {b: round(times[(b, label)][-1], 4) for b in batches}, flush=True)
-    skinny_gemm.MAX_M, pdl.MAX_ROWS, skinny_gemm.MID_TILES, skinny_gemm.SILU_FUSED_MAX_M = default
-    skinny_gemm.choose_config.cache_clear()
-    recapture_graphs(runner, max(batches))
-    labels = [m[0] for m in modes]
-    lines = ["| rows | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    for b in batches:
-        cells = [f"{statistics.median(times[(b, lb)]):.4f}" if (b, lb) in times else "-" for lb in labels]
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    lines.append("(ms per decode step, median of the rounds)")
-    print("\n".join(lines), flush=True)
-    return lines
+    modes = [(label, {(skinny_gemm, "MAX_M"): max_m, (pdl, "MAX_ROWS"): pdl_rows, (skinny_gemm, "MID_TILES"): tiles,
+                      (skinny_gemm, "SILU_FUSED_MAX_M"): silu})
+             for label, max_m, pdl_rows, tiles, silu in MID_MODES if not only or label in only.split(",")]
+    return modes_phase(engine, runner, batches, rounds, output_len, modes)
 
 
 def describe(cfg: SkinnyConfig) -> str:
