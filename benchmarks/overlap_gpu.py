@@ -12,7 +12,7 @@ the SMs: k for the GEMMs, the rest for attention.
 
 Stand-ins, 28 layers, weights distinct per layer: attention = a kernel streaming M * 8 programs x T
 tokens of 512 bytes (a head's K and V), the GEMM chain = o_proj, gate_up, down, qkv at the half's rows.
-Variants, each timed as a CUDA graph where capture works, else eagerly:
+Variants, each timed both as a CUDA graph and eagerly (a cell reads "failed" where that mode raised):
 - serial: attention(M) then GEMMs(M) per layer (what the engine does);
 - pipelined: attention(A), attention(B) on one stream; GEMMs(A) after attention(A), GEMMs(B) after
   attention(B) on another; attention(A) of the next layer after GEMMs(A).
@@ -51,9 +51,8 @@ def _stream_kernel(kv_ptr, out_ptr, tokens, BLOCK_T: tl.constexpr):
 class GreenSplit:
     """Two green contexts over disjoint SMs (driver API through ctypes): `small` SMs and the rest."""
 
-    def __init__(self, small: int, priority_small: int = 0):
+    def __init__(self, small: int):
         cu = ctypes.CDLL("libcuda.so.1")
-        self.cu = cu
 
         def check(rc, what):
             if rc != 0:
@@ -70,13 +69,13 @@ class GreenSplit:
               "cuDevSmResourceSplitByCount")
         self.sm_counts = (ctypes.c_uint.from_buffer(group, 96).value, ctypes.c_uint.from_buffer(rest, 96).value)
         self.streams = []
-        for res, prio in ((group, priority_small), (rest, 0)):
+        for res in (group, rest):
             desc = ctypes.c_void_p()
             check(cu.cuDevResourceGenerateDesc(ctypes.byref(desc), res, 1), "cuDevResourceGenerateDesc")
             ctx = ctypes.c_void_p()
             check(cu.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")
             stream = ctypes.c_void_p()
-            check(cu.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, prio), "cuGreenCtxStreamCreate")
+            check(cu.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, 0), "cuGreenCtxStreamCreate")  # non-blocking
             self.streams.append(torch.cuda.ExternalStream(stream.value))
 
 
