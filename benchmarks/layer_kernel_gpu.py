@@ -251,6 +251,8 @@ def main() -> int:
     ap.add_argument("--ms", default="32,64,128,256")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default="", help="bn:bk:warps[:bm],... (block_m defaults to the rows, 16-64); "
+                    "default: the three of session 14's first calls")
     args = ap.parse_args()
     torch.manual_seed(0)
     programs = torch.cuda.get_device_properties(0).multi_processor_count
@@ -260,6 +262,11 @@ def main() -> int:
     for m in [int(v) for v in args.ms.split(",")]:
         bm = min(64, max(16, triton.next_power_of_2(m)))
         cfgs = [(bm, 64, 64, 8, 3), (bm, 64, 128, 8, 3), (min(128, max(16, triton.next_power_of_2(m))), 64, 64, 8, 3)]
+        if args.configs:
+            cfgs = []
+            for c in args.configs.split(","):
+                v = [int(x) for x in c.split(":")]
+                cfgs.append((v[3] if len(v) > 3 else bm, v[0], v[1], v[2], 3))
         cfgs = list(dict.fromkeys(cfgs))
         layers = [Layer(cfgs[0][1]) for _ in range(args.layers)]
         attn = torch.randn(m, ATT, device="cuda", dtype=torch.bfloat16)
