@@ -57,17 +57,29 @@ def _grid_barrier(bar_ptr, target):
 
 @triton.jit
 def _mm_tile(a_ptr, lda, w_ptr, ldw, m0, n0, k0, M, K_LEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr):
-    """[BM, BN] fp32 = a[m0:m0+BM, k0:k0+K_LEN] @ w[n0:n0+BN, k0:k0+K_LEN].T"""
+             BK: tl.constexpr, MODE: tl.constexpr):
+    """[BM, BN] fp32 = a[m0:m0+BM, k0:k0+K_LEN] @ w[n0:n0+BN, k0:k0+K_LEN].T
+
+    MODE (timing diagnostics; wrong results except 0): 0 the product; 1 the loads alone (each tile summed into the
+    accumulator, no dot); 2 the dots on the first K block, re-read every step (the loads hit L1/L2); 3 no K loop."""
     offs_m = m0 + tl.arange(0, BM)
     offs_n = n0 + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(k0, k0 + K_LEN, BK):
-        a = tl.load(a_ptr + offs_m[:, None] * lda + (k + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0,
-                    cache_modifier=".cg")
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * ldw + (k + offs_k)[None, :])
-        if INTERPRETED:  # the interpreter's bf16 arithmetic is wrong
+    k_end = k0 + K_LEN
+    if MODE == 3:
+        k_end = k0
+    for k in range(k0, k_end, BK):
+        if MODE == 2:
+            a = tl.load(a_ptr + offs_m[:, None] * lda + (k0 + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0)
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * ldw + (k0 + offs_k)[None, :])
+        else:
+            a = tl.load(a_ptr + offs_m[:, None] * lda + (k + offs_k)[None, :], mask=offs_m[:, None] < M, other=0.0,
+                        cache_modifier=".cg")
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * ldw + (k + offs_k)[None, :])
+        if MODE == 1:
+            acc += tl.sum(a.to(tl.float32), axis=1)[:, None] + tl.sum(w.to(tl.float32), axis=1)[None, :]
+        elif INTERPRETED:  # the interpreter's bf16 arithmetic is wrong
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
         else:
             acc = tl.dot(a, tl.trans(w), acc)
@@ -76,14 +88,15 @@ def _mm_tile(a_ptr, lda, w_ptr, ldw, m0, n0, k0, M, K_LEN: tl.constexpr, BM: tl.
 
 @triton.jit
 def _split_gemm_phase(a_ptr, lda, w_ptr, part_ptr, pid, M, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr,
-                      NUM_PROGS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      NUM_PROGS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      MODE: tl.constexpr):
     m_blocks = tl.cdiv(M, BM)
     items = m_blocks * (N // BN) * SPLIT
     for item in range(pid, items, NUM_PROGS):
         s = item % SPLIT
         mb = (item // SPLIT) % m_blocks
         nb = item // (SPLIT * m_blocks)
-        acc = _mm_tile(a_ptr, lda, w_ptr, K, mb * BM, nb * BN, s * (K // SPLIT), M, K // SPLIT, BM, BN, BK)
+        acc = _mm_tile(a_ptr, lda, w_ptr, K, mb * BM, nb * BN, s * (K // SPLIT), M, K // SPLIT, BM, BN, BK, MODE)
         offs_m = mb * BM + tl.arange(0, BM)
         offs_n = nb * BN + tl.arange(0, BN)
         tl.store(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
@@ -122,12 +135,12 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
                   n1_ptr, n2_ptr, bar_ptr, M, eps, PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_D: tl.constexpr,
                   H: tl.constexpr, ATT_DIM: tl.constexpr, INTER_DIM: tl.constexpr, Q: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr, MODE: tl.constexpr = 0):
     """PHASE -1: every phase, with grid barriers between them; 0-5: that phase alone (one launch per phase)."""
     pid = tl.program_id(0)
     m_blocks = tl.cdiv(M, BM)
     if PHASE == -1 or PHASE == 0:
-        _split_gemm_phase(attn_ptr, ATT_DIM, wo_ptr, part_ptr, pid, M, H, ATT_DIM, SPLIT_O, NUM_PROGS, BM, BN, BK)
+        _split_gemm_phase(attn_ptr, ATT_DIM, wo_ptr, part_ptr, pid, M, H, ATT_DIM, SPLIT_O, NUM_PROGS, BM, BN, BK, MODE)
     if PHASE == -1:
         if PREFETCH:
             _prefetch_phase_weights(wgu_ptr, pid, M, 2 * INTER_DIM, H, 1, NUM_PROGS, BM, BN)
@@ -140,7 +153,7 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
         for item in range(pid, m_blocks * (2 * INTER_DIM // BN), NUM_PROGS):
             mb = item % m_blocks
             nb = item // m_blocks
-            acc = _mm_tile(xn_ptr, H, wgu_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK)
+            acc = _mm_tile(xn_ptr, H, wgu_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK, MODE)
             gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
             act = gate / (1.0 + tl.exp(-gate)) * up
             offs_m = mb * BM + tl.arange(0, BM)
@@ -152,7 +165,7 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
             _prefetch_phase_weights(wd_ptr, pid, M, H, INTER_DIM, SPLIT_D, NUM_PROGS, BM, BN)
         _grid_barrier(bar_ptr, 3 * NUM_PROGS)
     if PHASE == -1 or PHASE == 3:
-        _split_gemm_phase(act_ptr, INTER_DIM, wd_ptr, part_ptr, pid, M, H, INTER_DIM, SPLIT_D, NUM_PROGS, BM, BN, BK)
+        _split_gemm_phase(act_ptr, INTER_DIM, wd_ptr, part_ptr, pid, M, H, INTER_DIM, SPLIT_D, NUM_PROGS, BM, BN, BK, MODE)
     if PHASE == -1:
         if PREFETCH:
             _prefetch_phase_weights(wqkv_ptr, pid, M, Q, H, 1, NUM_PROGS, BM, BN)
@@ -165,7 +178,7 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
         for item in range(pid, m_blocks * (Q // BN), NUM_PROGS):
             mb = item % m_blocks
             nb = item // m_blocks
-            acc = _mm_tile(xn_ptr, H, wqkv_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK)
+            acc = _mm_tile(xn_ptr, H, wqkv_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK, MODE)
             offs_m = mb * BM + tl.arange(0, BM)
             offs_n = nb * BN + tl.arange(0, BN)
             tl.store(qkv_ptr + offs_m[:, None] * Q + offs_n[None, :], acc.to(qkv_ptr.dtype.element_ty),
@@ -215,13 +228,13 @@ class Runner:
         self.bar = torch.zeros(2, device=dev, dtype=torch.int32)
 
     def __call__(self, layer: Layer, attn: torch.Tensor, h: torch.Tensor, phases: bool,
-                 prefetch: bool = False) -> torch.Tensor:
+                 prefetch: bool = False, mode: int = 0) -> torch.Tensor:
         for phase in (range(6) if phases else [-1]):
             _layer_kernel[(self.programs,)](
                 attn, h, self.part, self.xn, self.act, self.qkv, layer.wo, layer.wgu_tiles, layer.wd, layer.wqkv,
                 layer.n1, layer.n2, self.bar, self.m, EPS, PHASE=phase, NUM_PROGS=self.programs, BM=self.bm,
                 BN=self.bn, BK=self.bk, SPLIT_O=self.split_o, SPLIT_D=self.split_d, H=HID, ATT_DIM=ATT, INTER_DIM=INTER,
-                Q=QKV, PREFETCH=prefetch, num_warps=self.warps, num_stages=self.stages)
+                Q=QKV, PREFETCH=prefetch, MODE=mode, num_warps=self.warps, num_stages=self.stages)
         return self.qkv
 
 
@@ -246,6 +259,33 @@ def engine_chain(layer: Layer, attn: torch.Tensor, residual: torch.Tensor) -> to
     return F.linear(x, layer.wqkv)
 
 
+def diagnose(args: argparse.Namespace, programs: int) -> int:
+    """us per layer of the persistent launch: whole, loads only, dots on cached blocks, no K loop."""
+    best = {32: (32, 64, 128, 8), 64: (64, 64, 128, 8), 128: (128, 64, 64, 8), 256: (128, 64, 64, 8)}
+    lines = ["| M | config | full | loads only, no dots | dots on cached blocks | no K loop (barriers, row passes, "
+             "stores) |", "| --- " * 6 + "|"]
+    for m in [int(v) for v in args.ms.split(",")]:
+        bm, bn, bk, warps = best.get(m, best[64])
+        if args.configs:
+            v = [int(x) for x in args.configs.split(",")[0].split(":")]
+            bm, bn, bk, warps = (v[3] if len(v) > 3 else bm), v[0], v[1], v[2]
+        layers = [Layer(bn) for _ in range(args.layers)]
+        attn = torch.randn(m, ATT, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(m, HID, device="cuda", dtype=torch.float32)
+        run = Runner(m, bm, bn, bk, warps, 3, programs)
+        res: dict[int, list[float]] = {mode: [] for mode in range(4)}
+        for r in range(args.rounds):
+            for mode in (range(4) if r % 2 == 0 else reversed(range(4))):
+                fn = lambda mode=mode, run=run, a=attn, h=h, ls=layers: [run(lay, a, h, False, False, mode) for lay in ls]  # noqa: E731
+                res[mode].append(graph_seconds(fn, warm_runs=1, replays=11, skip=1) * 1e6 / args.layers)
+        med = [statistics.median(res[mode]) for mode in range(4)]
+        lines.append(f"| {m} | {bm} {bn} {bk} {warps}; {run.split_o}/{run.split_d} | " + " | ".join(f"{t:.1f}" for t in med)
+                     + " |")
+        print(lines[-1], flush=True)
+    print("(us per layer)\n" + "\n".join(lines))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="32,64,128,256")
@@ -253,9 +293,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default="", help="bn:bk:warps[:bm],... (block_m defaults to the rows, 16-64); "
                     "default: the three of session 14's first calls")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="time the persistent launch with its GEMM phases cut down (see _mm_tile's MODE), first config")
     args = ap.parse_args()
     torch.manual_seed(0)
     programs = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.diagnose:
+        return diagnose(args, programs)
     ok = True
     lines = ["| M | engine chain (7 kernels) | ours, 6 launches | ours, 1 persistent launch | + next weights to L2 before "
              "each barrier | config (bm bn bk warps stages; splits o/down) | max rel err |", "| --- " * 7 + "|"]
