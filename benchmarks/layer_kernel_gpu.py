@@ -1,6 +1,7 @@
 """A decoder layer's post-attention chain as one persistent kernel with grid barriers, against the engine's chain.
 
-    PYTHONPATH=. python3 benchmarks/layer_kernel_gpu.py [--ms 32,64,128,256]
+    PYTHONPATH=. python3 benchmarks/layer_kernel_gpu.py [--ms 32,64,128,256] [--configs 64:128:8,32:128:4]
+    PYTHONPATH=. python3 benchmarks/layer_kernel_gpu.py --diagnose   # where the persistent launch's time goes
 
 Session 14's question. Sessions 13-14 measured that what bf16 decode loses beyond its KV reads is the latency of
 ~8 dependent kernels per layer (o_proj, add+RMSNorm, gate_up, SiLU, down, add+RMSNorm, qkv): each cuBLAS GEMM costs
