@@ -118,6 +118,50 @@ def _prefetch_phase_weights(w_ptr, pid, M, N: tl.constexpr, K: tl.constexpr, SPL
 
 
 @triton.jit
+def _w_tile(w_ptr, ldw, item, items, m_blocks, SPLIT: tl.constexpr, K_LEN: tl.constexpr, BN: tl.constexpr):
+    """PRELOAD: the whole weight tile [BN, K_LEN] of `item` (order: split fastest, then row block, then column
+    block), zeros past the last item."""
+    s = item % SPLIT
+    nb = item // (SPLIT * m_blocks)
+    rows = nb * BN + tl.arange(0, BN)
+    cols = s * K_LEN + tl.arange(0, K_LEN)
+    return tl.load(w_ptr + rows[:, None].to(tl.int64) * ldw + cols[None, :], mask=(rows[:, None] >= 0) & (item < items),
+                   other=0.0)
+
+
+@triton.jit
+def _whole_k_dot(a_ptr, lda, w, item, m_blocks, M, SPLIT: tl.constexpr, K_LEN: tl.constexpr, BM: tl.constexpr):
+    """PRELOAD: [BM, BN] fp32 = the item's activation rows (all of its K slice, one load) @ w.T"""
+    s = item % SPLIT
+    mb = (item // SPLIT) % m_blocks
+    offs_m = mb * BM + tl.arange(0, BM)
+    cols = s * K_LEN + tl.arange(0, K_LEN)
+    a = tl.load(a_ptr + offs_m[:, None] * lda + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
+                cache_modifier=".cg")
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)))
+    return tl.dot(a, tl.trans(w))
+
+
+@triton.jit
+def _preloaded_split_phase(a_ptr, lda, w_ptr, w_first, part_ptr, pid, M, N: tl.constexpr, K: tl.constexpr,
+                           SPLIT: tl.constexpr, NUM_PROGS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    m_blocks = tl.cdiv(M, BM)
+    items = m_blocks * (N // BN) * SPLIT
+    w = w_first
+    for item in range(pid, items, NUM_PROGS):
+        if item != pid:
+            w = _w_tile(w_ptr, K, item, items, m_blocks, SPLIT, K // SPLIT, BN)
+        acc = _whole_k_dot(a_ptr, lda, w, item, m_blocks, M, SPLIT, K // SPLIT, BM)
+        s = item % SPLIT
+        mb = (item // SPLIT) % m_blocks
+        nb = item // (SPLIT * m_blocks)
+        offs_m = mb * BM + tl.arange(0, BM)
+        offs_n = nb * BN + tl.arange(0, BN)
+        tl.store(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
+
+
+@triton.jit
 def _rows_phase(h_ptr, part_ptr, norm_ptr, xn_ptr, pid, M, eps, SPLIT: tl.constexpr, NUM_PROGS: tl.constexpr,
                 H: tl.constexpr):
     cols = tl.arange(0, H)
@@ -136,11 +180,20 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
                   n1_ptr, n2_ptr, bar_ptr, M, eps, PHASE: tl.constexpr, NUM_PROGS: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, SPLIT_O: tl.constexpr, SPLIT_D: tl.constexpr,
                   H: tl.constexpr, ATT_DIM: tl.constexpr, INTER_DIM: tl.constexpr, Q: tl.constexpr,
-                  PREFETCH: tl.constexpr, MODE: tl.constexpr = 0):
-    """PHASE -1: every phase, with grid barriers between them; 0-5: that phase alone (one launch per phase)."""
+                  PREFETCH: tl.constexpr, MODE: tl.constexpr = 0, PRELOAD: tl.constexpr = False):
+    """PHASE -1: every phase, with grid barriers between them; 0-5: that phase alone (one launch per phase).
+
+    PRELOAD (with PHASE -1): every GEMM tile takes all of its K slice at once, and each program loads the weight
+    tile of its first item of the next GEMM phase into registers before the barrier in front of it, so those
+    reads overlap the barrier and the row pass."""
     pid = tl.program_id(0)
     m_blocks = tl.cdiv(M, BM)
-    if PHASE == -1 or PHASE == 0:
+    if PRELOAD:
+        w_o = _w_tile(wo_ptr, ATT_DIM, pid, m_blocks * (H // BN) * SPLIT_O, m_blocks, SPLIT_O, ATT_DIM // SPLIT_O, BN)
+        _preloaded_split_phase(attn_ptr, ATT_DIM, wo_ptr, w_o, part_ptr, pid, M, H, ATT_DIM, SPLIT_O, NUM_PROGS,
+                               BM, BN)
+        w_gu = _w_tile(wgu_ptr, H, pid, m_blocks * (2 * INTER_DIM // BN), m_blocks, 1, H, BN)
+    elif PHASE == -1 or PHASE == 0:
         _split_gemm_phase(attn_ptr, ATT_DIM, wo_ptr, part_ptr, pid, M, H, ATT_DIM, SPLIT_O, NUM_PROGS, BM, BN, BK, MODE)
     if PHASE == -1:
         if PREFETCH:
@@ -154,7 +207,12 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
         for item in range(pid, m_blocks * (2 * INTER_DIM // BN), NUM_PROGS):
             mb = item % m_blocks
             nb = item // m_blocks
-            acc = _mm_tile(xn_ptr, H, wgu_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK, MODE)
+            if PRELOAD:
+                if item != pid:
+                    w_gu = _w_tile(wgu_ptr, H, item, m_blocks * (2 * INTER_DIM // BN), m_blocks, 1, H, BN)
+                acc = _whole_k_dot(xn_ptr, H, w_gu, item, m_blocks, M, 1, H, BM)
+            else:
+                acc = _mm_tile(xn_ptr, H, wgu_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK, MODE)
             gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
             act = gate / (1.0 + tl.exp(-gate)) * up
             offs_m = mb * BM + tl.arange(0, BM)
@@ -164,8 +222,15 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
     if PHASE == -1:
         if PREFETCH:
             _prefetch_phase_weights(wd_ptr, pid, M, H, INTER_DIM, SPLIT_D, NUM_PROGS, BM, BN)
+        if PRELOAD:
+            w_d = _w_tile(wd_ptr, INTER_DIM, pid, m_blocks * (H // BN) * SPLIT_D, m_blocks, SPLIT_D,
+                          INTER_DIM // SPLIT_D, BN)
         _grid_barrier(bar_ptr, 3 * NUM_PROGS)
-    if PHASE == -1 or PHASE == 3:
+    if PRELOAD:
+        _preloaded_split_phase(act_ptr, INTER_DIM, wd_ptr, w_d, part_ptr, pid, M, H, INTER_DIM, SPLIT_D, NUM_PROGS,
+                               BM, BN)
+        w_qkv = _w_tile(wqkv_ptr, H, pid, m_blocks * (Q // BN), m_blocks, 1, H, BN)
+    elif PHASE == -1 or PHASE == 3:
         _split_gemm_phase(act_ptr, INTER_DIM, wd_ptr, part_ptr, pid, M, H, INTER_DIM, SPLIT_D, NUM_PROGS, BM, BN, BK, MODE)
     if PHASE == -1:
         if PREFETCH:
@@ -179,7 +244,12 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
         for item in range(pid, m_blocks * (Q // BN), NUM_PROGS):
             mb = item % m_blocks
             nb = item // m_blocks
-            acc = _mm_tile(xn_ptr, H, wqkv_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK, MODE)
+            if PRELOAD:
+                if item != pid:
+                    w_qkv = _w_tile(wqkv_ptr, H, item, m_blocks * (Q // BN), m_blocks, 1, H, BN)
+                acc = _whole_k_dot(xn_ptr, H, w_qkv, item, m_blocks, M, 1, H, BM)
+            else:
+                acc = _mm_tile(xn_ptr, H, wqkv_ptr, H, mb * BM, nb * BN, 0, M, H, BM, BN, BK, MODE)
             offs_m = mb * BM + tl.arange(0, BM)
             offs_n = nb * BN + tl.arange(0, BN)
             tl.store(qkv_ptr + offs_m[:, None] * Q + offs_n[None, :], acc.to(qkv_ptr.dtype.element_ty),
@@ -222,20 +292,25 @@ class Runner:
         m_blocks = triton.cdiv(m, bm)
         self.split_o = pick_split(m_blocks, HID // bn, ATT, bk, programs)
         self.split_d = pick_split(m_blocks, HID // bn, INTER, bk, programs)
-        self.part = torch.empty(max(self.split_o, self.split_d), m, HID, device=dev, dtype=torch.float32)
+        # PRELOAD takes a tile's whole K slice, a power of two: down_proj's 3072 splits by 3 * 2^i
+        self.split_d_preload = max([3 * 2 ** i for i in range(5) if m_blocks * (HID // bn) * 3 * 2 ** i <= programs],
+                                   default=3)
+        self.part = torch.empty(max(self.split_o, self.split_d, self.split_d_preload), m, HID, device=dev,
+                                dtype=torch.float32)
         self.xn = torch.empty(m, HID, device=dev, dtype=torch.bfloat16)
         self.act = torch.empty(m, INTER, device=dev, dtype=torch.bfloat16)
         self.qkv = torch.empty(m, QKV, device=dev, dtype=torch.bfloat16)
         self.bar = torch.zeros(2, device=dev, dtype=torch.int32)
 
     def __call__(self, layer: Layer, attn: torch.Tensor, h: torch.Tensor, phases: bool,
-                 prefetch: bool = False, mode: int = 0) -> torch.Tensor:
+                 prefetch: bool = False, mode: int = 0, preload: bool = False) -> torch.Tensor:
+        split_d = self.split_d_preload if preload else self.split_d
         for phase in (range(6) if phases else [-1]):
             _layer_kernel[(self.programs,)](
                 attn, h, self.part, self.xn, self.act, self.qkv, layer.wo, layer.wgu_tiles, layer.wd, layer.wqkv,
                 layer.n1, layer.n2, self.bar, self.m, EPS, PHASE=phase, NUM_PROGS=self.programs, BM=self.bm,
-                BN=self.bn, BK=self.bk, SPLIT_O=self.split_o, SPLIT_D=self.split_d, H=HID, ATT_DIM=ATT, INTER_DIM=INTER,
-                Q=QKV, PREFETCH=prefetch, MODE=mode, num_warps=self.warps, num_stages=self.stages)
+                BN=self.bn, BK=self.bk, SPLIT_O=self.split_o, SPLIT_D=split_d, H=HID, ATT_DIM=ATT, INTER_DIM=INTER,
+                Q=QKV, PREFETCH=prefetch, MODE=mode, PRELOAD=preload, num_warps=self.warps, num_stages=self.stages)
         return self.qkv
 
 
@@ -303,7 +378,8 @@ def main() -> int:
         return diagnose(args, programs)
     ok = True
     lines = ["| M | engine chain (7 kernels) | ours, 6 launches | ours, 1 persistent launch | + next weights to L2 before "
-             "each barrier | config (bm bn bk warps stages; splits o/down) | max rel err |", "| --- " * 7 + "|"]
+             "each barrier | + next weight tile in registers before each barrier, whole-K tiles | config (bm bn bk warps "
+             "stages; splits o/down) | max rel err |", "| --- " * 8 + "|"]
     for m in [int(v) for v in args.ms.split(",")]:
         bm = min(64, max(16, triton.next_power_of_2(m)))
         cfgs = [(bm, 64, 64, 8, 3), (bm, 64, 128, 8, 3), (min(128, max(16, triton.next_power_of_2(m))), 64, 64, 8, 3)]
@@ -329,6 +405,15 @@ def main() -> int:
                 qkv = run(layers[0], attn, h, phases, prefetch).float()
                 errs.append(((qkv - ref_qkv).abs().max() / ref_qkv.abs().max()).item())
                 errs.append(((h - ref_h).abs().max() / ref_h.abs().max()).item())
+            try:  # whole-K tiles may not fit in shared memory at every shape
+                h = h0.clone()
+                qkv = run(layers[0], attn, h, False, preload=True).float()
+                errs.append(((qkv - ref_qkv).abs().max() / ref_qkv.abs().max()).item())
+                errs.append(((h - ref_h).abs().max() / ref_h.abs().max()).item())
+                preload_ok = True
+            except Exception as e:
+                print(f"M={m} {cfg} preload: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                preload_ok = False
             torch.cuda.synchronize()
             if max(errs) > 2e-2 or int(run.bar.abs().sum()) != 0:
                 ok = False
@@ -341,13 +426,18 @@ def main() -> int:
                 "persistent": lambda ls=layers, a=attn, h=h, run=run: [run(lay, a, h, False) for lay in ls],
                 "prefetch": lambda ls=layers, a=attn, h=h, run=run: [run(lay, a, h, False, True) for lay in ls],
             }
+            if preload_ok:
+                variants["preload"] = lambda ls=layers, a=attn, h=h, run=run: [run(lay, a, h, False, preload=True)
+                                                                              for lay in ls]
             res: dict[str, list[float]] = {k: [] for k in variants}
             for r in range(args.rounds):
                 for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                     res[name].append(graph_seconds(variants[name], warm_runs=1, replays=11, skip=1) * 1e6 / args.layers)
             med = {k: statistics.median(v) for k, v in res.items()}
+            pre = f"{med['preload']:.1f}" if "preload" in med else "failed"
             lines.append(f"| {m} | {med['engine']:.1f} | {med['phases']:.1f} | {med['persistent']:.1f} | {med['prefetch']:.1f} | "
-                         f"{bm} {bn} {bk} {warps} {stages}; {run.split_o}/{run.split_d} | {max(errs):.1e} |")
+                         f"{pre} | {bm} {bn} {bk} {warps} {stages}; {run.split_o}/{run.split_d} "
+                         f"({run.split_d_preload} preloaded) | {max(errs):.1e} |")
             print(lines[-1], flush=True)
     print("(us per layer, graphs of 28 layers)\n" + "\n".join(lines))
     return 0 if ok else 1
