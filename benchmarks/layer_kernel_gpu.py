@@ -22,8 +22,9 @@ same launch bypass L1 (.cg), which other SMs' stores do not update.
 
 Checked against torch float32 (the same math), then timed per layer in CUDA graphs of 28 layers with distinct
 weights: the engine's chain (cuBLAS + our add+RMSNorm and SiLU kernels), this kernel as six launches (one per
-phase, no barriers), as one persistent launch, and persistent with each program prefetching its next GEMM phase's
-weight tiles into L2 before the barrier.
+phase, no barriers), as one persistent launch, persistent with each program prefetching its next GEMM phase's
+weight tiles into L2 before the barrier, and persistent with the next phase's first weight tile held in registers
+across the barrier (PRELOAD: whole-K tiles, which fit in shared memory only at the smallest shapes).
 """
 
 from __future__ import annotations
