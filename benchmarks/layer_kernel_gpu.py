@@ -89,19 +89,30 @@ def _mm_tile(a_ptr, lda, w_ptr, ldw, m0, n0, k0, M, K_LEN: tl.constexpr, BM: tl.
 
 
 @triton.jit
+def _item_tile(item, m_blocks, SPLIT: tl.constexpr):
+    """(split, row block, column block) of a GEMM phase's work item: split fastest, then row block, so the programs
+    side by side share a weight tile. Compute, L2 prefetch and PRELOAD all walk the items in this order."""
+    return item % SPLIT, (item // SPLIT) % m_blocks, item // (SPLIT * m_blocks)
+
+
+@triton.jit
+def _store_partial(part_ptr, acc, s, mb, nb, M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Split s's fp32 partial of the (mb, nb) tile into part[s] ([SPLIT, M, N])."""
+    offs_m = mb * BM + tl.arange(0, BM)
+    offs_n = nb * BN + tl.arange(0, BN)
+    tl.store(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
+
+
+@triton.jit
 def _split_gemm_phase(a_ptr, lda, w_ptr, part_ptr, pid, M, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr,
                       NUM_PROGS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       MODE: tl.constexpr):
     m_blocks = tl.cdiv(M, BM)
     items = m_blocks * (N // BN) * SPLIT
     for item in range(pid, items, NUM_PROGS):
-        s = item % SPLIT
-        mb = (item // SPLIT) % m_blocks
-        nb = item // (SPLIT * m_blocks)
+        s, mb, nb = _item_tile(item, m_blocks, SPLIT)
         acc = _mm_tile(a_ptr, lda, w_ptr, K, mb * BM, nb * BN, s * (K // SPLIT), M, K // SPLIT, BM, BN, BK, MODE)
-        offs_m = mb * BM + tl.arange(0, BM)
-        offs_n = nb * BN + tl.arange(0, BN)
-        tl.store(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
+        _store_partial(part_ptr, acc, s, mb, nb, M, N, BM, BN)
 
 
 @triton.jit
@@ -113,17 +124,14 @@ def _prefetch_phase_weights(w_ptr, pid, M, N: tl.constexpr, K: tl.constexpr, SPL
     rows = tl.arange(0, BN)
     lines = tl.minimum(tl.arange(0, 64), LINES - 1)  # a power of two for arange; repeats are harmless
     for item in range(pid, m_blocks * (N // BN) * SPLIT, NUM_PROGS):
-        s = item % SPLIT
-        nb = item // (SPLIT * m_blocks)
+        s, _, nb = _item_tile(item, m_blocks, SPLIT)
         prefetch_l2(w_ptr + (nb * BN + rows)[:, None].to(tl.int64) * K + s * (K // SPLIT) + lines[None, :] * 64)
 
 
 @triton.jit
 def _w_tile(w_ptr, ldw, item, items, m_blocks, SPLIT: tl.constexpr, K_LEN: tl.constexpr, BN: tl.constexpr):
-    """PRELOAD: the whole weight tile [BN, K_LEN] of `item` (order: split fastest, then row block, then column
-    block), zeros past the last item."""
-    s = item % SPLIT
-    nb = item // (SPLIT * m_blocks)
+    """PRELOAD: the whole weight tile [BN, K_LEN] of `item`, zeros past the last item."""
+    s, _, nb = _item_tile(item, m_blocks, SPLIT)
     rows = nb * BN + tl.arange(0, BN)
     cols = s * K_LEN + tl.arange(0, K_LEN)
     return tl.load(w_ptr + rows[:, None].to(tl.int64) * ldw + cols[None, :], mask=(rows[:, None] >= 0) & (item < items),
@@ -133,8 +141,7 @@ def _w_tile(w_ptr, ldw, item, items, m_blocks, SPLIT: tl.constexpr, K_LEN: tl.co
 @triton.jit
 def _whole_k_dot(a_ptr, lda, w, item, m_blocks, M, SPLIT: tl.constexpr, K_LEN: tl.constexpr, BM: tl.constexpr):
     """PRELOAD: [BM, BN] fp32 = the item's activation rows (all of its K slice, one load) @ w.T"""
-    s = item % SPLIT
-    mb = (item // SPLIT) % m_blocks
+    s, mb, _ = _item_tile(item, m_blocks, SPLIT)
     offs_m = mb * BM + tl.arange(0, BM)
     cols = s * K_LEN + tl.arange(0, K_LEN)
     a = tl.load(a_ptr + offs_m[:, None] * lda + cols[None, :], mask=offs_m[:, None] < M, other=0.0,
@@ -154,12 +161,8 @@ def _preloaded_split_phase(a_ptr, lda, w_ptr, w_first, part_ptr, pid, M, N: tl.c
         if item != pid:
             w = _w_tile(w_ptr, K, item, items, m_blocks, SPLIT, K // SPLIT, BN)
         acc = _whole_k_dot(a_ptr, lda, w, item, m_blocks, M, SPLIT, K // SPLIT, BM)
-        s = item % SPLIT
-        mb = (item // SPLIT) % m_blocks
-        nb = item // (SPLIT * m_blocks)
-        offs_m = mb * BM + tl.arange(0, BM)
-        offs_n = nb * BN + tl.arange(0, BN)
-        tl.store(part_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
+        s, mb, nb = _item_tile(item, m_blocks, SPLIT)
+        _store_partial(part_ptr, acc, s, mb, nb, M, N, BM, BN)
 
 
 @triton.jit
@@ -206,8 +209,7 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
         _grid_barrier(bar_ptr, 2 * NUM_PROGS)
     if PHASE == -1 or PHASE == 2:  # tile nb holds gate rows nb*BN/2.. then the same up rows
         for item in range(pid, m_blocks * (2 * INTER_DIM // BN), NUM_PROGS):
-            mb = item % m_blocks
-            nb = item // m_blocks
+            _, mb, nb = _item_tile(item, m_blocks, 1)
             if PRELOAD:
                 if item != pid:
                     w_gu = _w_tile(wgu_ptr, H, item, m_blocks * (2 * INTER_DIM // BN), m_blocks, 1, H, BN)
@@ -243,8 +245,7 @@ def _layer_kernel(attn_ptr, h_ptr, part_ptr, xn_ptr, act_ptr, qkv_ptr, wo_ptr, w
         _grid_barrier(bar_ptr, 5 * NUM_PROGS)
     if PHASE == -1 or PHASE == 5:
         for item in range(pid, m_blocks * (Q // BN), NUM_PROGS):
-            mb = item % m_blocks
-            nb = item // m_blocks
+            _, mb, nb = _item_tile(item, m_blocks, 1)
             if PRELOAD:
                 if item != pid:
                     w_qkv = _w_tile(wqkv_ptr, H, item, m_blocks * (Q // BN), m_blocks, 1, H, BN)
@@ -326,6 +327,15 @@ def reference(layer: Layer, attn: torch.Tensor, h: torch.Tensor) -> tuple[torch.
     return x2.bfloat16().float() @ f(layer.wqkv).T, h2
 
 
+def relative_errors(run: Runner, layer: Layer, attn: torch.Tensor, h0: torch.Tensor,
+                    ref: tuple[torch.Tensor, torch.Tensor], **variant: bool) -> list[float]:
+    """Max relative errors of qkv and of the residual stream after one launch of `run` (variant: its flags)
+    against reference()."""
+    h = h0.clone()
+    qkv = run(layer, attn, h, **variant).float()
+    return [((got - want).abs().max() / want.abs().max()).item() for got, want in zip((qkv, h), ref)]
+
+
 def engine_chain(layer: Layer, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """What the engine runs between two decode attentions at these batch sizes."""
     o = F.linear(attn, layer.wo)
@@ -399,18 +409,12 @@ def main() -> int:
             for lay in layers:
                 lay.wgu_tiles = interleave_gate_up(lay.wg, lay.wu, bn)
             run = Runner(m, bm, bn, bk, warps, stages, programs)
-            ref_qkv, ref_h = reference(layers[0], attn, h0)
+            ref = reference(layers[0], attn, h0)
             errs = []
             for phases, prefetch in ((True, False), (False, False), (False, True)):
-                h = h0.clone()
-                qkv = run(layers[0], attn, h, phases, prefetch).float()
-                errs.append(((qkv - ref_qkv).abs().max() / ref_qkv.abs().max()).item())
-                errs.append(((h - ref_h).abs().max() / ref_h.abs().max()).item())
+                errs += relative_errors(run, layers[0], attn, h0, ref, phases=phases, prefetch=prefetch)
             try:  # whole-K tiles may not fit in shared memory at every shape
-                h = h0.clone()
-                qkv = run(layers[0], attn, h, False, preload=True).float()
-                errs.append(((qkv - ref_qkv).abs().max() / ref_qkv.abs().max()).item())
-                errs.append(((h - ref_h).abs().max() / ref_h.abs().max()).item())
+                errs += relative_errors(run, layers[0], attn, h0, ref, phases=False, preload=True)
                 preload_ok = True
             except Exception as e:
                 print(f"M={m} {cfg} preload: {type(e).__name__}: {str(e)[:160]}", flush=True)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from kernels import graph_seconds
 
 SHAPES = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
 TOKENS = {64: 1400, 128: 1000, 256: 800}
@@ -80,27 +81,17 @@ class GreenSplit:
 
 
 def timed(fn, graph: bool, reps: int = 10) -> float:
-    """us of one call of fn: as a CUDA graph when `graph`, else eagerly."""
+    """us of one call of fn: as a CUDA graph when `graph` (kernels.graph_seconds), else eagerly (wall time, median
+    of reps after one warm call)."""
+    if graph:
+        return graph_seconds(fn, warm_runs=1, replays=reps + 1, skip=1) * 1e6
     torch.cuda.synchronize()
     fn()
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            with torch.cuda.graph(g, stream=side):
-                fn()
-        torch.cuda.synchronize()
-        run = g.replay
-    else:
-        run = fn
-    run()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        run()
+        fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
