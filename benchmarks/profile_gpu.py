@@ -219,8 +219,10 @@ KV_BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B, bf16 (DESIGN.md §4)
 WEIGHT_BYTES = 1.19e9
 
 
-def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, int, bool, int]]]:
-    """Run the workload; per launched step (GPU seconds from its first input copy to its sampled tokens'
+def _timed_run(engine, work, tag: str, gc_pauses: list[tuple[int, float]]
+               ) -> tuple[float, list[tuple[float, float, int, bool, int]]]:
+    """Run the workload (Python's garbage collections during it go to `gc_pauses`: generation, seconds); per
+    launched step (GPU seconds from its first input copy to its sampled tokens'
     copy, GPU idle seconds before the next step's first operation, batch size, decode-only, context
     tokens its attention reads). CUDA events around each launch: the idle time is what host work
     (scheduling, input building, postprocessing) failed to hide."""
@@ -237,16 +239,68 @@ def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, 
         return handle
 
     runner.launch = timed_launch
+    gc_started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started.append(time.perf_counter())
+        elif gc_started:
+            gc_pauses.append((info["generation"], time.perf_counter() - gc_started.pop()))
+
+    gc.callbacks.append(on_gc)
+    import triton
+
+    compiled: list[str] = []
+
+    def on_compile(**kwargs) -> bool:
+        compiled.append(kwargs["fn"].name)
+        return False  # compile as usual
+
+    triton.knobs.runtime.jit_cache_hook = on_compile
+    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+    host = torch.cuda.host_memory_stats()
+    trace = os.environ.get("PROFILE_TRACE_MALLOC") == "1"  # which allocations grow the caching allocator
+    if trace:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        segments = {seg["address"] for seg in torch.cuda.memory_snapshot()}
     try:
         for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
             engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
+        cprofile_steps = int(os.environ.get("PROFILE_CPROFILE_STEPS", "0"))  # host profile of the first steps
         t_start = time.perf_counter()
+        if cprofile_steps:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(cprofile_steps):
+                engine.step()
+            prof.disable()
+            print(f"[{tag}] host profile of the first {cprofile_steps} steps:", flush=True)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
         while engine.has_unfinished():
             engine.step()
         total = time.perf_counter() - t_start
     finally:
         runner.launch = launch
+        gc.callbacks.remove(on_gc)
+        triton.knobs.runtime.jit_cache_hook = None
     torch.cuda.synchronize()
+    mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
+    if trace:
+        for seg in torch.cuda.memory._snapshot()["segments"]:
+            if seg["address"] not in segments:
+                frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for b in seg["blocks"][:1]
+                          for f in b.get("frames", []) if "nvcli" in f["filename"]]
+                print(f"[{tag}] new segment of {seg['total_size'] / 2**20:.1f} MiB: {' < '.join(frames[:6])}", flush=True)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    host_now = torch.cuda.host_memory_stats()
+    print(f"[{tag}] Triton specializations compiled or loaded mid-run: {len(compiled)} "
+          f"{collections.Counter(compiled).most_common(8)}; cudaMalloc calls: {mallocs}; pinned host blocks "
+          f"allocated: {host_now.get('num_host_alloc', 0) - host.get('num_host_alloc', 0)} in "
+          f"{(host_now.get('host_alloc_time.total', 0) - host.get('host_alloc_time.total', 0)) / 1e3:.1f} ms",
+          flush=True)
     records = []
     for i, (e0, e1, bs, dec, ctx) in enumerate(marks):
         gap = e1.elapsed_time(marks[i + 1][0]) * 1e-3 if i + 1 < len(marks) else 0.0
@@ -257,21 +311,35 @@ def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, 
 def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> list[str]:
     """copy_bw: the device's copy bandwidth (bytes/s): each bucket's floor is its KV and weight reads at it."""
     kv_bytes = KV_BYTES_PER_TOKEN // (2 if kv_cache_dtype == "fp8" else 1)
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
-              kv_cache_dtype=kv_cache_dtype)
+    # PROFILE_WORKLOAD="REQUESTS,MAX_NUM_SEQS,OUT_MIN,OUT_MAX": a streaming variant of the workload, where requests
+    # wait for a free slot and are admitted into steps that also decode (as in a long job)
+    requests, max_num_seqs, out_min, out_max = (int(v) for v in os.environ.get("PROFILE_WORKLOAD",
+                                                                                "256,512,100,1024").split(","))
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))
-    work = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    work = make_workload(requests, (100, 1024), (out_min, out_max), seed=0)
     out = []
+    if os.environ.get("PROFILE_GC_FREEZE") == "1":  # A/B probe: the start-up heap out of the collector's way
+        gc.collect()
+        gc.freeze()
     for run in (1, 2):
         engine.reset_prefix_cache()  # run 2 would otherwise find run 1's prompts cached and skip most of its prefill
         s0 = engine.stats()
-        total, records = _timed_run(engine, work, str(run))
+        gc_pauses: list[tuple[int, float]] = []
+        total, records = _timed_run(engine, work, str(run), gc_pauses)
         s1 = engine.stats()
         buckets = [(0, 0), (1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 512)]
         out.append(f"timeline ({kv_cache_dtype}, run {run}): {total:.2f} s, {len(records)} steps, "
                    f"{work.output_tokens / total:,.0f} output tok/s; host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, "
                    f"wait+sample {s1.execute_s - s0.execute_s:.2f} s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s")
+        for gen in (0, 1, 2):
+            ps = [d for g, d in gc_pauses if g == gen]
+            if ps:
+                out.append(f"  gc generation {gen}: {len(ps)} collections, {1000 * sum(ps):.1f} ms in all, "
+                           f"longest {1000 * max(ps):.1f} ms")
+        out.append(f"  gc: {len(gc.get_objects())} tracked objects, {gc.get_freeze_count()} frozen")
         pre = [r for r in records if not r[3]]
         out.append(f"  steps carrying prefill: {len(pre)}, GPU {sum(r[0] for r in pre):.3f} s, "
                    f"idle after {sum(r[1] for r in pre):.3f} s")
@@ -290,6 +358,8 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
         slow = sorted(records, key=lambda r: -(r[0] + r[1]))[:12]
         out.append("  slowest steps (GPU ms + idle ms / batch / decode-only): "
                    + ", ".join(f"{1000 * r[0]:.1f}+{1000 * r[1]:.1f}/{r[2]}/{int(r[3])}" for r in slow))
+        out.append("  first 16 steps (GPU ms + idle ms / batch / decode-only): "
+                   + " ".join(f"{1000 * r[0]:.2f}+{1000 * r[1]:.2f}/{r[2]}/{int(r[3])}" for r in records[:16]))
         out.append("  last 30 steps (GPU ms + idle ms / batch): "
                    + " ".join(f"{1000 * r[0]:.2f}+{1000 * r[1]:.2f}/{r[2]}" for r in records[-30:]))
     print("\n".join(out))

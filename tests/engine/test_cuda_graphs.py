@@ -54,3 +54,20 @@ def test_one_request_matches_cpu(tiny_model_dir) -> None:
     finally:
         llm.shutdown()
     assert got == want
+
+
+def test_first_full_prompt_step_grows_no_segment(tiny_model_dir) -> None:
+    """Capturing the graphs empties PyTorch's caching allocator; start-up puts a largest prompt step's
+    activations back, so a job's first full-size prompt step cudaMallocs nothing mid-run (each new segment
+    stalled the step pipeline on the H100)."""
+    model_dir = tiny_model_dir("qwen3")
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=2048, max_num_batched_tokens=8192,
+              num_kvcache_blocks=1024)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        llm.generate([list(range(100, 108))], sp)  # a first small request, as a job's warm-up would be
+        before = torch.cuda.memory_stats()["segment.large_pool.allocated"]
+        llm.generate([list(range(1000 + i, 3000 + i)) for i in range(4)], sp)  # 8,000 prompt tokens: one step
+        assert torch.cuda.memory_stats()["segment.large_pool.allocated"] == before
+    finally:
+        llm.shutdown()
