@@ -1,6 +1,6 @@
 """End-to-end checks and timings on one GPU, in one run (see benchmarks/RESULTS.md).
 
-    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf]
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming]
 
 1. correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU
    float32 path, GPU bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
@@ -8,6 +8,7 @@
 3. latency: one request, 128 prompt + 512 output tokens, ms per output token; start-up time.
 4. fp8: the same throughput workload with --kv-cache-dtype fp8.
 5. hf: HF transformers' continuous batching (generate_batch) on a slice of the workload, if it runs.
+6. streaming: 1,024 requests through 128 slots (prompts admitted beside running decodes), two runs.
 Prints a table last.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from nvcli import LLM, SamplingParams
-from nvcli.bench import latency, make_workload, throughput
+from nvcli.bench import latency, make_workload, run_workload, throughput
 from nvcli.models.presets import preset_dir
 from nvcli.testing.tiny_models import make_tiny_model
 
@@ -104,6 +105,20 @@ def bench_throughput(model_dir: str, repeats: int, kv_cache_dtype: str = "auto",
     row(f"throughput {label} KV (median of {repeats})",
         f"{tps:,.0f} output tok/s, {res['elapsed_time']:.2f} s, runs {[round(t, 2) for t in res['all_elapsed_times']]}, "
         f"{tps / FLOOR_TOKS:.1%} of floor, {tps / NANO_VLLM:.2f}x Nano-vLLM; preemptions {llm.stats().num_preemptions}")
+    free(llm)
+
+
+def bench_streaming(model_dir: str) -> None:
+    """A long job in miniature: 1,024 requests through 128 slots, so most steps admit new prompts beside running
+    decodes, each with a token count of its own. Run 1 meets the GEMMs' row counts for the first time; run 2
+    (fresh prompts from the same distribution) is a long job's steady state."""
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=16384)
+    run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
+    for run in (1, 2):
+        work = make_workload(1024, (100, 1024), (100, 400), seed=run - 1)
+        dt = run_workload(llm.engine, work)
+        row(f"streaming bf16 run {run} (1,024 requests, 128 slots, outputs 100-400)",
+            f"{work.output_tokens / dt:,.0f} output tok/s, {dt:.2f} s")
     free(llm)
 
 
@@ -195,6 +210,7 @@ def main() -> None:
         ("latency", lambda: bench_latency(model_dir)),
         ("fp8", lambda: bench_throughput(model_dir, args.repeats, "fp8", "fp8")),
         ("hf", lambda: bench_hf(model_dir)),
+        ("streaming", lambda: bench_streaming(model_dir)),
         ("profile1", lambda: profile_steps(model_dir, 1)),
         ("profile256", lambda: profile_steps(model_dir, 256)),
     ]:

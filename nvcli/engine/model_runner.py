@@ -44,25 +44,6 @@ LONGEST_FIRST = os.environ.get("NV_DECODE_LONGEST_FIRST", "1") != "0"
 # NV_COMPILE_AHEAD=threads compiles on threads of this process instead, 0 turns it off (A/B runs).
 COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# Eager steps run their GEMMs at `padded_rows` rows: None pads on the GPU only (where cuBLAS is), True / False
-# always / never (tests); NV_PAD_ROWS=0 turns it off for A/B runs.
-PAD_ROWS: bool | None = False if os.environ.get("NV_PAD_ROWS", "1") == "0" else None
-
-
-def padded_rows(n: int, cap: int) -> int:
-    """The row count a step of `n` rows runs its GEMMs at: `n` up to 16 rows (our skinny kernels), else `n`
-    rounded up to one of 16 sizes per octave (at most 1/16 more rows), and never past `cap` (the most rows
-    a step can have, a shape start-up has already run) unless `n` is.
-
-    Why: cuBLAS spends 0.5-36 ms of host time the first time it meets a row count (H100, 4 GEMMs of a
-    layer; 2.5-3 ms for the LM head; RESULTS session 15), and a step that carries prompt chunks nearly
-    always has a token count the process has not seen. Async scheduling keeps the host one step ahead,
-    so that stall became GPU idle: 5-20 ms per prompt step on the benchmark's first run. With rounding
-    each size class pays it once per process."""
-    if n <= 16:
-        return n
-    granularity = max(16, 1 << (n.bit_length() - 5))  # 2 ** (floor(log2 n) - 4)
-    return min(-(-n // granularity) * granularity, max(n, cap))
 
 
 # Token-level columns of a step: lists for decode steps (one token per sequence, where Python lists are
@@ -359,10 +340,11 @@ class ModelRunner:
         """Put a largest prompt step's activations back into PyTorch's caching allocator.
 
         Every CUDA-graph capture empties that cache (torch.cuda.graph does), so the profile run's blocks are gone
-        by the time a job starts, and its first long prompt steps would each cudaMalloc their activations
-        mid-run: on the H100 the workload's first run grew 7 segments of 32-192 MiB, and the step pipeline
-        stalled about 5 ms at each (benchmarks/RESULTS.md, session 15). The KV cache was sized to leave this
-        peak free. The step reads the first blocks of the real cache and writes none."""
+        by the time a job starts, and its first long prompt steps would cudaMalloc their activations mid-run
+        (the benchmark's first run on the H100 grew 4-7 segments of 32-192 MiB; benchmarks/RESULTS.md, session
+        15). Near the memory limit a cudaMalloc that fails makes the allocator free its cache and synchronize
+        the device. The KV cache was sized to leave this peak free. The step reads the first blocks of the real
+        cache and writes none."""
         step, blocks = self._largest_prefill()
         if blocks <= self.num_kvcache_blocks:
             self._run_largest_prefill(step)
@@ -408,17 +390,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ forward
-    def _tensors(self, step: StepInput, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's tensors; its token columns padded to `num_rows` rows (token 0 at position 0, slot -1:
-        the padding rows store no KV, no sequence's attention reads them, and every other op is row-wise)."""
-        def t(x: Ints, dtype: np.dtype, pad: int | None = None) -> torch.Tensor:  # numpy: torch.tensor(list) is ~3x slower
-            a = np.asarray(x, dtype=dtype)
-            if pad is not None and a.shape[0] < num_rows:  # a token column
-                a = np.concatenate([a, np.full(num_rows - a.shape[0], pad, dtype=dtype)])
-            return upload(torch.from_numpy(a), self.device)
+    def _tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        def t(x: Ints, dtype: np.dtype) -> torch.Tensor:  # via numpy: torch.tensor(list) is ~3x slower
+            return upload(torch.from_numpy(np.asarray(x, dtype=dtype)), self.device)
 
         meta = AttentionMetadata(
-            slot_mapping=t(step.slot_mapping, np.int64, -1),
+            slot_mapping=t(step.slot_mapping, np.int64),
             query_start_loc=t(step.query_start_loc, np.int32),
             seq_lens=t(step.seq_lens, np.int32),
             block_tables=upload(torch.from_numpy(_pad_tables(step.block_tables)), self.device),
@@ -426,7 +403,7 @@ class ModelRunner:
             max_seq_len=max(step.seq_lens),
             decode_only=step.decode_only,
         )
-        return t(step.input_ids, np.int64, 0), t(step.positions, np.int64, 0), meta
+        return t(step.input_ids, np.int64), t(step.positions, np.int64), meta
 
     def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens into this step's inputs, on the device."""
@@ -441,37 +418,24 @@ class ModelRunner:
         rows = upload(torch.tensor(step.pending, dtype=torch.int64), self.device)  # [n, 2]
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
-    def _pad_rows(self) -> bool:
-        return self.device.type == "cuda" if PAD_ROWS is None else PAD_ROWS
-
     @torch.inference_mode()
     def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last token of each sequence: the final norm's inputs (hidden, residual), [rows, hidden] each. Row i
-        belongs to sequence i; `rows` may exceed the step's sequences (padding rows, see `padded_rows`), so a
-        caller keeps the first len(step.seq_lens) rows of what it computes from them."""
+        """The last token of each sequence: the final norm's inputs (hidden, residual), [num_seqs, hidden] each."""
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step)
-        # Eager decode steps (--enforce-eager, or past the largest graph) keep their rows: decode attention
-        # takes one query row per sequence.
-        pad = self._pad_rows() and not step.decode_only
-        num_tokens = len(step.input_ids)
-        input_ids, positions, meta = self._tensors(
-            step, padded_rows(num_tokens, self.config.max_num_batched_tokens) if pad else num_tokens)
+        input_ids, positions, meta = self._tensors(step)
         self._feed_back(input_ids, step)
-        hidden, residual = self.model(input_ids, positions, meta)  # [num_rows, hidden] each
+        hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
         if step.decode_only:  # one token per sequence: every row is a last token
             return hidden, residual
-        last = np.asarray(step.query_start_loc[1:], dtype=np.int64) - 1
-        if pad:  # the LM head's rows too, repeating the last sequence's row
-            last = np.concatenate([last, np.full(padded_rows(bs, self.config.max_num_seqs) - bs, last[-1])])
-        last_t = upload(torch.from_numpy(last), self.device)
-        return hidden[last_t], residual[last_t]
+        last = meta.query_start_loc[1:].long() - 1
+        return hidden[last], residual[last]
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInput) -> torch.Tensor:
         """Logits [num_seqs, vocab] (float32) of each sequence's last token; no sampling."""
-        return self.model.compute_logits(*self._forward(step))[: len(step.seq_lens)].float()
+        return self.model.compute_logits(*self._forward(step)).float()
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> None:
@@ -484,8 +448,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, step: StepInput) -> StepHandle:
         """Enqueue forward and sampling (rank 0); returns before the device is done."""
-        # [num_seqs, vocab] in the model dtype (the sampler upcasts)
-        logits = self.model.compute_logits(*self._forward(step))[: len(batch.seqs)]
+        logits = self.model.compute_logits(*self._forward(step))  # [num_seqs, vocab] in the model dtype; the sampler upcasts
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
@@ -650,9 +613,7 @@ class ModelRunner:
         self._feed_back(self.g_input_ids, step)
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
-        # All graph_bs rows (padding rows attend to nothing: zeros): the LM head then meets one row count per
-        # graph rather than every batch size, each new one a cuBLAS first call (see padded_rows).
-        return hidden, residual
+        return hidden[:bs], residual[:bs]
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nvcli.engine import model_runner
-from nvcli.engine.model_runner import ModelRunner, StepInput, padded_rows
+from nvcli.engine.model_runner import ModelRunner, StepInput
 
 
 def _step(n: int, pending: list[tuple[int, int]]) -> StepInput:
@@ -49,11 +48,11 @@ def test_step_inputs_do_not_wait_for_the_device(tiny_model_dir) -> None:
         qsl = [0, 40, 73]
         step = StepInput([1] * 73, [p for n in lens for p in range(n)], [-1] * 73, qsl, lens, [[0, 1, 2], [3, 4, 5]],
                          False)
-        runner._tensors(step, 73)  # pinned-memory pools warm
+        runner._tensors(step)  # pinned-memory pools warm
         torch.cuda.synchronize()
         torch.cuda._sleep(int(0.5 * _cycles_per_second()))
         t0 = time.perf_counter()
-        _, _, meta = runner._tensors(step, 73)
+        _, _, meta = runner._tensors(step)
         elapsed = time.perf_counter() - t0
         assert elapsed < 0.25, f"building the step's tensors waited {elapsed:.3f} s for the device"
         torch.cuda.synchronize()
@@ -124,58 +123,3 @@ def test_step_columns_of_prompt_chunks_and_decodes() -> None:
     ids, pos, slots, pending = _per_token_reference(third, bs, prev_rows)
     assert (step.input_ids, step.positions, step.slot_mapping, step.pending) == (ids, pos, slots, pending)
     assert step.pending == [(0, 0), (1, 1), (2, 2)]
-
-
-def test_padded_rows_few_sizes_little_waste() -> None:
-    """Eager steps run their GEMMs at a few row counts (cuBLAS pays milliseconds of host time per new one),
-    wasting at most 1/16 of the rows, never past the largest step start-up ran, and small steps as they are."""
-    cap = 16384
-    sizes = {padded_rows(n, cap) for n in range(1, cap + 1)}
-    assert len(sizes) <= 128
-    for n in range(1, 40000):
-        r = padded_rows(n, cap)
-        if n <= 16:
-            assert r == n
-        else:
-            assert n <= r <= n + max(15, n // 16), n
-            assert r <= max(n, cap)
-    assert padded_rows(16384, cap) == 16384 and padded_rows(10001, 10001) == 10001
-    assert padded_rows(17, cap) == 32 and padded_rows(1000, cap) == 1024
-
-
-def test_padded_steps_give_the_same_tokens(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Padding an eager step's rows (token 0, position 0, slot -1) changes nothing a request sees: greedy tokens
-    and logprobs equal the unpadded run's through chunked prompts mixed with decodes, on the CPU reference."""
-    from nvcli import LLM, SamplingParams
-
-    prompts = [list(range(200 + 13 * i, 200 + 13 * i + n)) for i, n in enumerate([5, 23, 47, 70, 31])]
-    sp = SamplingParams(temperature=0, max_tokens=9, logprobs=1, ignore_eos=True)
-    padded: list[tuple[int, int]] = []
-
-    def run(pad: bool) -> list:
-        monkeypatch.setattr(model_runner, "PAD_ROWS", pad)
-        llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, max_num_batched_tokens=48,
-                  max_num_seqs=4, num_kvcache_blocks=128)
-        runner = llm.engine.executor.runner
-        tensors = runner._tensors
-
-        def spy(step, num_rows):
-            if num_rows > len(step.input_ids):
-                padded.append((len(step.input_ids), num_rows))
-            return tensors(step, num_rows)
-
-        runner._tensors = spy
-        try:
-            return [o.outputs[0] for o in llm.generate(prompts, sp)]
-        finally:
-            llm.shutdown()
-
-    plain = run(False)
-    assert not padded
-    got = run(True)
-    assert padded, "no step was padded: the test would not see padding rows"
-    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
-    for a, b in zip(got, plain):
-        for lp_a, lp_b in zip(a.logprobs, b.logprobs):
-            assert lp_a.keys() == lp_b.keys()
-            assert all(abs(lp_a[t] - lp_b[t]) < 1e-4 for t in lp_a)
