@@ -298,6 +298,16 @@ def graph_seconds(run: Callable[[], object], warm_runs: int, replays: int, skip:
     return statistics.median(times)
 
 
+def graph_medians_in_turn(variants: dict[str, Callable[[], object]], rounds: int, divisor: float) -> dict[str, float]:
+    """Median microseconds / `divisor` of each variant's CUDA graph (`graph_seconds`), the variants measured in
+    turn, in reverse order every other round, so that drift of the machine hits them alike."""
+    res: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(rounds):
+        for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
+            res[name].append(graph_seconds(variants[name], warm_runs=1, replays=11, skip=1) * 1e6 / divisor)
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
 def copy_bandwidth(device: str, on_gpu: bool, smoke: bool) -> float:
     """Bytes/s of a large device-to-device copy, counting read + write."""
     n = (1 << 28) if on_gpu and not smoke else (1 << 20)  # 512 MiB of bf16 on the GPU

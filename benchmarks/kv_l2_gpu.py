@@ -28,14 +28,13 @@ Outputs are checked bitwise against base (a prefetch changes no data).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from decode_variants import workload_lens
-from kernels import graph_seconds, paged_kv
+from kernels import graph_medians_in_turn, paged_kv
 
 from nvcli.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
 
@@ -143,12 +142,7 @@ def measure(m: int, layers: int, rounds: int, mbs: list[int], wave: int, weights
         if "attn" not in name:
             assert torch.equal(body(), ref), f"{name}: output differs from base"
     torch.cuda.synchronize()
-    res: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds):
-        names = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in names:
-            res[name].append(graph_seconds(variants[name], warm_runs=1, replays=11, skip=1) * 1e6 / layers)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    med = graph_medians_in_turn(variants, rounds, layers)
     head = f"{m} x ~{sum(lens) // m} ({kv_mb:.0f} MB KV, {splits} split(s), {programs} programs prefetched)"
     rows = [f"| {head} | base | {med['base']:.1f} | | attn alone | {med['attn']:.1f} | |"]
     for name in variants:

@@ -25,13 +25,12 @@ Time per layer, median of two rounds in turn; the gain is "stream + GEMMs" minus
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernels import graph_seconds
+from kernels import graph_medians_in_turn
 
 SHAPES = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
 TOKENS = {32: 1500, 64: 1400, 128: 1000, 256: 800}  # context lengths of the workload at those batch sizes
@@ -99,12 +98,7 @@ def measure(m: int, layers: int, rounds: int, flat: torch.Tensor, weights: list,
     variants = {"cold": layered(), "hot": layered(hot=True), "stream": layered(False, gemm=False),
                 "stream+gemms": layered(False), "ef": layered(True), "pf": layered(False, True),
                 "ef+pf": layered(True, True)}
-    res: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds):
-        names = list(variants) if r % 2 == 0 else list(reversed(variants))
-        for name in names:
-            res[name].append(graph_seconds(variants[name], warm_runs=1, replays=11, skip=1) * 1e6 / layers)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    med = graph_medians_in_turn(variants, rounds, layers)
     gain = med["stream+gemms"] - min(med["pf"], med["ef+pf"])
     line = (f"| {m} | {programs * tokens * 512 / 1e6:.0f} MB | {med['cold']:.1f} | {med['hot']:.1f} | "
             f"{med['stream']:.1f} | {med['stream+gemms']:.1f} | {med['ef']:.1f} | {med['pf']:.1f} | "

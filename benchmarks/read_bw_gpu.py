@@ -44,6 +44,23 @@ def _read_kernel(x_ptr, out_ptr, rows_per_prog, ROW: tl.constexpr, STRIDE: tl.co
 
 
 @triton.jit
+def _sum_kv_rows(acc, k_ptr, v_ptr, bt_row, kvh, start, end, stride_kb, stride_kt, stride_kh, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """acc + the K and V rows of head kvh at positions [start, end) of one sequence, gathered through its block
+    table row a BLOCK_N-token tile at a time (decode attention's loads, without its arithmetic)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(start, end, BLOCK_N):
+        pos = t + offs_n
+        mask = pos < end
+        blk = tl.load(bt_row + pos // PAGE, mask=mask, other=0).to(tl.int64)
+        off = (blk * stride_kb + (pos % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
+        acc += tl.load(k_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _paged_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, stride_bt, stride_kb, stride_kt,
                        stride_kh, num_splits, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Decode attention's reads and nothing else: program (kvh, row, split) sums the K and V rows of head kvh of
@@ -56,16 +73,8 @@ def _paged_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, strid
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for t in range(start, end, BLOCK_N):
-        pos = t + offs_n
-        mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE, mask=mask, other=0).to(tl.int64)
-        off = (blk * stride_kb + (pos % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
-        acc += tl.load(k_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
-        acc += tl.load(v_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
+    acc = _sum_kv_rows(tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32), k_ptr, v_ptr, bt_row, kvh, start, end,
+                       stride_kb, stride_kt, stride_kh, PAGE, BLOCK_N, HEAD_DIM)
     tl.store(out_ptr + (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + kvh,
              tl.sum(acc))
 
@@ -76,21 +85,13 @@ def _persistent_paged_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out
                                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The same reads from a persistent grid: program p takes work items p, p + P, ... of the (row, KV head) items
     in longest-first order, so no program starts late and the slots stay busy to the end."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         kvh = item % NUM_KV_HEADS
         seq = tl.load(order_ptr + item // NUM_KV_HEADS)
-        seq_len = tl.load(lens_ptr + seq)
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-        for t in range(0, seq_len, BLOCK_N):
-            pos = t + offs_n
-            mask = pos < seq_len
-            blk = tl.load(bt_row + pos // PAGE, mask=mask, other=0).to(tl.int64)
-            off = (blk * stride_kb + (pos % PAGE) * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
-            acc += tl.load(k_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
-            acc += tl.load(v_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
+        acc = _sum_kv_rows(acc, k_ptr, v_ptr, bt_row, kvh, 0, tl.load(lens_ptr + seq), stride_kb, stride_kt,
+                           stride_kh, PAGE, BLOCK_N, HEAD_DIM)
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
 
 
