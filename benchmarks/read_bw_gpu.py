@@ -1,6 +1,6 @@
 """How fast can the H100 read HBM at all, against decode attention's rate?
 
-    PYTHONPATH=. python3 benchmarks/read_bw_gpu.py
+    PYTHONPATH=. python3 benchmarks/read_bw_gpu.py [--fp8]
 
 Our figures quote decode attention as a share of the device-to-device copy (read + write bytes
 over time). A kernel that only reads may stream faster than a copy; if it does, the gap between it
@@ -11,12 +11,18 @@ CUDA-event timings (triton's do_bench):
 - the same kernel reading decode attention's pattern: 256-byte rows (one KV head's row of a
   token) at a 2 KB stride, the layout of a 16-token bf16 page with 8 KV heads, each program one
   head;
-- decode attention itself at 256 x ~880 tokens (bf16, 16-token pages), KV bytes over time.
+- decode attention's reads alone on the workload's paged KV (256 x ~880 tokens, 16-token bf16 pages, gathered
+  through the block table): per (KV head, sequence) program, from a persistent grid, with equal lengths, with
+  pages contiguous per sequence;
+- decode attention itself on the same KV, at several tile configs and splits, KV bytes over time.
+With --fp8 only: the engine's fp8 pages (32 tokens, V dims-major) read as raw bytes a page at a time, against
+the fp8 decode kernel with and without its rotary step, at 256 x ~880 and 128 x ~1,090.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import triton
@@ -95,6 +101,62 @@ def _persistent_paged_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
 
 
+@triton.jit
+def _fp8_page_read_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, stride_bt, stride_kb, stride_vb,
+                          stride_vh, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    """The engine's fp8 pages as raw bytes, a page at a time: program (kvh, row) sums head kvh of sequence
+    order[row], K rows of HEAD_DIM bytes at a (heads * HEAD_DIM)-byte stride, V one [HEAD_DIM, PAGE] block per
+    page (dims-major); whole pages, as decode attention reads them."""
+    kvh = tl.program_id(0)
+    seq = tl.load(order_ptr + tl.program_id(1))
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    offs_t = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_tile = offs_t[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM + offs_d[None, :]  # [PAGE, HEAD_DIM]
+    v_tile = kvh * stride_vh + offs_d[:, None] * PAGE + offs_t[None, :]  # [HEAD_DIM, PAGE]
+    acc_k = tl.zeros([PAGE, HEAD_DIM], dtype=tl.int32)
+    acc_v = tl.zeros([HEAD_DIM, PAGE], dtype=tl.int32)
+    for page in range(0, tl.cdiv(tl.load(lens_ptr + seq), PAGE)):
+        blk = tl.load(bt_row + page).to(tl.int64)
+        acc_k += tl.load(k_ptr + blk * stride_kb + k_tile).to(tl.int32)
+        acc_v += tl.load(v_ptr + blk * stride_vb + v_tile).to(tl.int32)
+    tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + kvh, tl.sum(acc_k) + tl.sum(acc_v))
+
+
+def fp8_rows(dev: str) -> list[tuple[str, float]]:
+    """The engine's fp8 decode attention (32-token pages, V dims-major) against a read of the same pages."""
+    from decode_variants import engine_decode_step
+
+    from nvcli.models.layers.rotary import RotaryEmbedding
+
+    cos_sin = RotaryEmbedding(128, 4096, 1e6, None).cos_sin_cache.to(dev)
+    norm_w = torch.ones(128, device=dev, dtype=torch.bfloat16)
+    scales = torch.tensor([0.02], device=dev), torch.tensor([0.02], device=dev)
+    out = torch.empty(1 << 16, device=dev, dtype=torch.int32)
+    rows = []
+    for num_seqs, step in [(256, 300), (128, 500)]:
+        lens = workload_lens(num_seqs, step, 1)
+        sl, kc, vc, bt, q, rope = engine_decode_step(lens, dev, cos_sin, norm_w)
+        order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
+        kv_bytes = 2 * sum(lens) * 8 * 128
+        shape = f"{num_seqs} x ~{sum(lens) // num_seqs}"
+        kb_, vb_ = kc.view(torch.uint8), vc.view(torch.uint8)
+        for warps, stages in [(4, 2), (4, 3), (8, 2), (8, 3)]:
+            def run(warps=warps, stages=stages, kb_=kb_, vb_=vb_, bt=bt, sl=sl, order=order, num_seqs=num_seqs):
+                _fp8_page_read_kernel[(8, num_seqs)](kb_, vb_, bt, sl, order, out, bt.stride(0), kb_.stride(0),
+                                                     vb_.stride(0), vb_.stride(2), PAGE=32, HEAD_DIM=128,
+                                                     NUM_KV_HEADS=8, num_warps=warps, num_stages=stages)
+            t = ms(run)
+            rows.append((f"fp8 pages read, {shape}, {warps} warps, {stages} stages, {t * 1e3:.0f} us", kv_bytes / t / 1e9))
+            print(rows[-1], flush=True)
+        for name, kw in [("no rotary", {}), ("rotary (the engine's kernel)", {"rope": rope})]:
+            t = ms(functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales, order=order,
+                                     **kw))
+            rows.append((f"fp8 decode attention, {shape}, {name}, {t * 1e3:.0f} us", kv_bytes / t / 1e9))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def ms(fn) -> float:
     """Median milliseconds per call (so bytes / ms / 1e9 is TB/s)."""
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -102,6 +164,12 @@ def ms(fn) -> float:
 
 def main() -> int:
     dev = "cuda"
+    if "--fp8" in sys.argv:
+        rows = fp8_rows(dev)
+        print("\n| what | TB/s |\n| --- | --- |")
+        for label, tbs in rows:
+            print(f"| {label} | {tbs:.3f} |")
+        return 0
     n = 1 << 30  # 2 GB of bf16
     x = torch.randn(n, device=dev, dtype=torch.bfloat16)
     nbytes = x.numel() * 2
