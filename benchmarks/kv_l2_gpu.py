@@ -34,11 +34,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from decode_variants import workload_lens
-from kernels import graph_medians_in_turn, paged_kv
+from kernels import graph_medians_in_turn, layer_gemm_weights, paged_kv
 
 from nvcli.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
 
-SHAPES = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
 STEP = {32: 950, 64: 850, 128: 500, 256: 300}  # decode steps into the workload at those batch sizes
 BLOCK_N = 64  # the decode kernel's bf16 tile: a split's length is a multiple of it
 KV_HEADS, HEAD_DIM, PAGE = 8, 128, 16
@@ -166,8 +165,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     torch.manual_seed(0)
-    weights = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _, n, k in SHAPES]
-               for _ in range(args.layers)]
+    weights = layer_gemm_weights(args.layers, "cuda")
     mbs = [int(v) for v in args.mbs.split(",")]
     lines = ["| batch | variant | us per layer | vs base | | us per layer | vs attn |", "| --- " * 7 + "|"]
     for m in [int(v) for v in args.ms.split(",")]:

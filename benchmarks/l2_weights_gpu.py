@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernels import graph_medians_in_turn
+from kernels import LAYER_GEMMS, graph_medians_in_turn
 
-SHAPES = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
 TOKENS = {32: 1500, 64: 1400, 128: 1000, 256: 800}  # context lengths of the workload at those batch sizes
 
 
@@ -115,12 +114,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
-    layer_elems = sum(n * k for _, n, k in SHAPES)
+    layer_elems = sum(n * k for _, n, k in LAYER_GEMMS)
     flat = torch.randn(args.layers, layer_elems, device=dev, dtype=torch.bfloat16) * 0.02  # a layer's weights, in order
     weights = []
     for i in range(args.layers):
         views, off = [], 0
-        for _, n, k in SHAPES:
+        for _, n, k in LAYER_GEMMS:
             views.append(flat[i, off:off + n * k].view(n, k))
             off += n * k
         weights.append(views)

@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from kernels import graph_seconds
+from kernels import graph_seconds, layer_gemm_weights
 
-SHAPES = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
 TOKENS = {64: 1400, 128: 1000, 256: 800}
 
 
@@ -185,8 +184,7 @@ def main() -> int:
     torch.manual_seed(0)
     dev = "cuda"
     layers = args.layers
-    weights = [[torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _, n, k in SHAPES]
-               for _ in range(layers)]
+    weights = layer_gemm_weights(layers, dev)
     splits: dict[int, GreenSplit] = {}
     for k in [int(v) for v in args.green.split(",") if v]:
         try:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -219,26 +221,14 @@ KV_BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B, bf16 (DESIGN.md §4)
 WEIGHT_BYTES = 1.19e9
 
 
-def _timed_run(engine, work, tag: str, gc_pauses: list[tuple[int, float]]
-               ) -> tuple[float, list[tuple[float, float, int, bool, int]]]:
-    """Run the workload (Python's garbage collections during it go to `gc_pauses`: generation, seconds); per
-    launched step (GPU seconds from its first input copy to its sampled tokens'
-    copy, GPU idle seconds before the next step's first operation, batch size, decode-only, context
-    tokens its attention reads). CUDA events around each launch: the idle time is what host work
-    (scheduling, input building, postprocessing) failed to hide."""
-    runner = engine.executor.runner
-    launch = runner.launch
-    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] = []
+@contextlib.contextmanager
+def _run_counters(tag: str) -> Iterator[list[tuple[int, float]]]:
+    """What happens beside a run's steps, printed when it ends: Triton specializations compiled or loaded, cudaMalloc
+    calls, pinned host blocks allocated; yields the list its garbage collections go to (generation, seconds).
+    PROFILE_TRACE_MALLOC=1 also lists each new segment of the caching allocator."""
+    import triton
 
-    def timed_launch(batch, step):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        handle = launch(batch, step)
-        e1.record()
-        marks.append((e0, e1, len(batch.seqs), batch.is_decode_only, sum(len(s) for s in batch.seqs)))
-        return handle
-
-    runner.launch = timed_launch
+    gc_pauses: list[tuple[int, float]] = []
     gc_started: list[float] = []
 
     def on_gc(phase: str, info: dict) -> None:
@@ -247,43 +237,23 @@ def _timed_run(engine, work, tag: str, gc_pauses: list[tuple[int, float]]
         elif gc_started:
             gc_pauses.append((info["generation"], time.perf_counter() - gc_started.pop()))
 
-    gc.callbacks.append(on_gc)
-    import triton
-
     compiled: list[str] = []
 
     def on_compile(**kwargs) -> bool:
         compiled.append(kwargs["fn"].name)
         return False  # compile as usual
 
-    triton.knobs.runtime.jit_cache_hook = on_compile
     mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
     host = torch.cuda.host_memory_stats()
-    trace = os.environ.get("PROFILE_TRACE_MALLOC") == "1"  # which allocations grow the caching allocator
+    trace = os.environ.get("PROFILE_TRACE_MALLOC") == "1"
     if trace:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
         segments = {seg["address"] for seg in torch.cuda.memory_snapshot()}
+    gc.callbacks.append(on_gc)
+    triton.knobs.runtime.jit_cache_hook = on_compile
     try:
-        for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
-            engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
-        cprofile_steps = int(os.environ.get("PROFILE_CPROFILE_STEPS", "0"))  # host profile of the first steps
-        t_start = time.perf_counter()
-        if cprofile_steps:
-            import cProfile
-            import pstats
-
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(cprofile_steps):
-                engine.step()
-            prof.disable()
-            print(f"[{tag}] host profile of the first {cprofile_steps} steps:", flush=True)
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
-        while engine.has_unfinished():
-            engine.step()
-        total = time.perf_counter() - t_start
+        yield gc_pauses
     finally:
-        runner.launch = launch
         gc.callbacks.remove(on_gc)
         triton.knobs.runtime.jit_cache_hook = None
     torch.cuda.synchronize()
@@ -301,6 +271,49 @@ def _timed_run(engine, work, tag: str, gc_pauses: list[tuple[int, float]]
           f"allocated: {host_now.get('num_host_alloc', 0) - host.get('num_host_alloc', 0)} in "
           f"{(host_now.get('host_alloc_time.total', 0) - host.get('host_alloc_time.total', 0)) / 1e3:.1f} ms",
           flush=True)
+
+
+def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, int, bool, int]]]:
+    """Run the workload; per launched step (GPU seconds from its first input copy to its sampled tokens'
+    copy, GPU idle seconds before the next step's first operation, batch size, decode-only, context
+    tokens its attention reads). CUDA events around each launch: the idle time is what host work
+    (scheduling, input building, postprocessing) failed to hide. PROFILE_CPROFILE_STEPS=N: a host profile of
+    the first N steps."""
+    runner = engine.executor.runner
+    launch = runner.launch
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] = []
+
+    def timed_launch(batch, step):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        handle = launch(batch, step)
+        e1.record()
+        marks.append((e0, e1, len(batch.seqs), batch.is_decode_only, sum(len(s) for s in batch.seqs)))
+        return handle
+
+    runner.launch = timed_launch
+    try:
+        for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+            engine.add_request(p, sp, request_id=f"tl-{tag}-{i}")
+        cprofile_steps = int(os.environ.get("PROFILE_CPROFILE_STEPS", "0"))
+        t_start = time.perf_counter()
+        if cprofile_steps:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(cprofile_steps):
+                engine.step()
+            prof.disable()
+            print(f"[{tag}] host profile of the first {cprofile_steps} steps:", flush=True)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+        while engine.has_unfinished():
+            engine.step()
+        total = time.perf_counter() - t_start
+    finally:
+        runner.launch = launch
+    torch.cuda.synchronize()
     records = []
     for i, (e0, e1, bs, dec, ctx) in enumerate(marks):
         gap = e1.elapsed_time(marks[i + 1][0]) * 1e-3 if i + 1 < len(marks) else 0.0
@@ -327,8 +340,8 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
     for run in (1, 2):
         engine.reset_prefix_cache()  # run 2 would otherwise find run 1's prompts cached and skip most of its prefill
         s0 = engine.stats()
-        gc_pauses: list[tuple[int, float]] = []
-        total, records = _timed_run(engine, work, str(run), gc_pauses)
+        with _run_counters(str(run)) as gc_pauses:
+            total, records = _timed_run(engine, work, str(run))
         s1 = engine.stats()
         buckets = [(0, 0), (1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 512)]
         out.append(f"timeline ({kv_cache_dtype}, run {run}): {total:.2f} s, {len(records)} steps, "
