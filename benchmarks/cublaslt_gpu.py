@@ -22,7 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from kernels import LAYER_GEMMS, graph_medians_in_turn, graph_seconds
+from kernels import LAYER_GEMMS, graph_medians_in_turn, graph_seconds, layer_gemm_weights
 
 LAYERS = 28
 CUBLAS_COMPUTE_32F = 68
@@ -145,8 +145,9 @@ def main() -> int:
     lt = Lt(lib)
     torch.manual_seed(0)
     shapes = LAYER_GEMMS + [("lm_head", 151936, 1024)]
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                      for _ in range(LAYERS if name != "lm_head" else 2)] for name, n, k in shapes}
+    per_shape = zip(*layer_gemm_weights(LAYERS, "cuda"))  # each LAYER_GEMMS shape's 28 weights
+    weights = {name: list(ws) for (name, _, _), ws in zip(LAYER_GEMMS, per_shape)}
+    weights["lm_head"] = [torch.randn(151936, 1024, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2)]
     per_layer: dict[int, tuple[float, float]] = {}
     table = []
     for m in rows_list:

@@ -193,17 +193,24 @@ def workload_lens(n: int, step: int, seed: int) -> list[int]:
 def engine_decode_step(lens: list[int], dev: str, cos_sin: torch.Tensor, norm_w: torch.Tensor):
     """One decode step as the engine launches it over the default fp8 cache (32-token pages, V dims-major): seq_lens,
     k_cache, v_cache, block tables, the raw queries and the rotary step (new token at position len - 1)."""
-    from nvcli.kernels.decode_attention import DecodeRope
-
     sl = kb.i32(lens, dev)
     kc, vc, bt = engine_fp8_cache(lens, dev)
-    qkv = torch.randn(len(lens), 32 * 128, device=dev).to(torch.bfloat16)
+    return (sl, kc, vc, bt, *decode_rope_inputs(sl, bt, 32, dev, cos_sin, norm_w))
+
+
+def decode_rope_inputs(sl: torch.Tensor, bt: torch.Tensor, page: int, dev: str, cos_sin: torch.Tensor,
+                       norm_w: torch.Tensor):
+    """A decode step's raw queries [num_seqs, 16, 128] (bf16) and its rotary step: random raw projections, the new
+    token at position len - 1, stored in its slot of a cache with `page`-token pages."""
+    from nvcli.kernels.decode_attention import DecodeRope
+
+    qkv = torch.randn(len(sl), 32 * 128, device=dev).to(torch.bfloat16)
     q = qkv[:, : 16 * 128].view(-1, 16, 128)
     k = qkv[:, 16 * 128 : 24 * 128].view(-1, 8, 128)
     v = qkv[:, 24 * 128 :].view(-1, 8, 128)
     last = sl.long() - 1
-    slots = bt.long().gather(1, (last // 32)[:, None]).squeeze(1) * 32 + last % 32
-    return sl, kc, vc, bt, q, DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
+    slots = bt.long().gather(1, (last // page)[:, None]).squeeze(1) * page + last % page
+    return q, DecodeRope(k, v, last, cos_sin, slots, norm_w, norm_w, 1e-6)
 
 
 def order_rope(dev: str, once: bool = False) -> None:

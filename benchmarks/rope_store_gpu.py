@@ -7,8 +7,8 @@ do_bench, two rounds:
 - bf16 (16-token pages): without and with the rotary step;
 - fp8 (32-token pages, V dims-major): without the rotary step, with it, with it but no K/V store (slot -1), and
   with the stores sent to a page that no sequence reads (every row into the table's padding block).
-The two halves ran as two scripts in session 16's calls 3 and 4 and were put in one file afterwards, code
-unchanged.
+The two halves ran as two scripts in session 16's calls 3 and 4 and were put in one file afterwards, same launches
+and shapes.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton.testing
-from decode_variants import engine_decode_step, workload_lens
+from decode_variants import decode_rope_inputs, engine_decode_step, workload_lens
 from kernels import paged_kv
+from read_bw_gpu import ms
 
 from nvcli.kernels.decode_attention import DecodeRope, paged_decode_attention_triton
 from nvcli.models.layers.rotary import RotaryEmbedding
@@ -26,8 +26,12 @@ from nvcli.models.layers.rotary import RotaryEmbedding
 DEV = "cuda"
 
 
-def median_ms(call: functools.partial) -> float:
-    return triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
+def time_variants(label: str, call: functools.partial, variants: list[tuple[str, dict]], kv_bytes: int) -> None:
+    """Each variant's keyword arguments added to `call`, in turn, two rounds: us per call and TB/s of KV."""
+    for _ in range(2):
+        for name, kw in variants:
+            t = ms(functools.partial(call, **kw))
+            print(f"{label} {name}: {t * 1e3:.1f} us, {kv_bytes / t / 1e9:.3f} TB/s", flush=True)
 
 
 def bf16_rows(cos_sin: torch.Tensor, w: torch.Tensor) -> None:
@@ -36,20 +40,10 @@ def bf16_rows(cos_sin: torch.Tensor, w: torch.Tensor) -> None:
         k, v, bt = paged_kv(lens, 8, 128, 16, torch.bfloat16, DEV)
         sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
         order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
-        qkv = torch.randn(num_seqs, 32 * 128, device=DEV).to(torch.bfloat16)
-        q = qkv[:, :2048].view(-1, 16, 128)
-        kn = qkv[:, 2048:3072].view(-1, 8, 128)
-        vn = qkv[:, 3072:].view(-1, 8, 128)
-        last = sl.long() - 1
-        slots = bt.long().gather(1, (last // 16)[:, None]).squeeze(1) * 16 + last % 16
-        rope = DecodeRope(kn, vn, last, cos_sin, slots, w, w, 1e-6)
-        kv_bytes = 2 * sum(lens) * 8 * 128 * 2
-        for _ in range(2):
-            for name, kw in [("no rotary", {}), ("rotary", {"rope": rope})]:
-                t = median_ms(functools.partial(paged_decode_attention_triton, q, k, v, bt, sl, 128**-0.5,
-                                                order=order, **kw))
-                print(f"bf16 {num_seqs} x ~{sum(lens) // num_seqs} {name}: {t * 1e3:.1f} us, "
-                      f"{kv_bytes / t / 1e9:.3f} TB/s", flush=True)
+        q, rope = decode_rope_inputs(sl, bt, 16, DEV, cos_sin, w)
+        time_variants(f"bf16 {num_seqs} x ~{sum(lens) // num_seqs}",
+                      functools.partial(paged_decode_attention_triton, q, k, v, bt, sl, 128**-0.5, order=order),
+                      [("no rotary", {}), ("rotary", {"rope": rope})], 2 * sum(lens) * 8 * 128 * 2)
 
 
 def fp8_rows(cos_sin: torch.Tensor, w: torch.Tensor) -> None:
@@ -63,14 +57,11 @@ def fp8_rows(cos_sin: torch.Tensor, w: torch.Tensor) -> None:
         last = rope.positions
         none = DecodeRope(rope.k, rope.v, last, cos_sin, torch.full_like(rope.slot_mapping, -1), w, w, 1e-6)
         away = DecodeRope(rope.k, rope.v, last, cos_sin, pad * 32 + last % 32, w, w, 1e-6)
-        kv_bytes = 2 * sum(lens) * 8 * 128
-        for _ in range(2):
-            for name, kw in [("no rotary", {}), ("rotary", {"rope": rope}), ("rotary, no stores", {"rope": none}),
-                             ("rotary, stores into an unread page", {"rope": away})]:
-                t = median_ms(functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5,
-                                                *scales, order=order, **kw))
-                print(f"fp8 {num_seqs} x ~{sum(lens) // num_seqs} {name}: {t * 1e3:.1f} us, "
-                      f"{kv_bytes / t / 1e9:.3f} TB/s", flush=True)
+        time_variants(f"fp8 {num_seqs} x ~{sum(lens) // num_seqs}",
+                      functools.partial(paged_decode_attention_triton, q, kc, vc, bt, sl, 128**-0.5, *scales,
+                                        order=order),
+                      [("no rotary", {}), ("rotary", {"rope": rope}), ("rotary, no stores", {"rope": none}),
+                       ("rotary, stores into an unread page", {"rope": away})], 2 * sum(lens) * 8 * 128)
 
 
 def main() -> None:
