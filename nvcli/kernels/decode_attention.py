@@ -112,6 +112,20 @@ def _prefetch_kv_l2(bt_row, k_head, v_head, start, end, stride_kb, stride_kt, st
             prefetch_l2(v_head + (blk * stride_vb + in_page * stride_vt)[:, None] + lines[None, :])
 
 
+@triton.jit
+def _online_softmax_tile(q, k, v, n_mask, m_i, l_i, acc, score_scale, DOT_PREC: tl.constexpr):
+    """One KV tile of the online softmax: k, v [tokens, HEAD_DIM] in q's dtype, n_mask [tokens] (at least one
+    valid token, so the running max stays finite); returns the new (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * score_scale  # [GROUP_PAD, tokens]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # block-table width changes every eager step
 def _decode_split_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
@@ -202,6 +216,9 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    # V_T: the tile loop reads the full (dims-major) pages; the open page, token-major, comes after it (in the split
+    # that holds it: loop_end < end only there, since an empty split's start is past its end)
+    loop_end = tl.maximum(start, tl.minimum(end, seq_len // PAGE * PAGE)) if V_T else end
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh
@@ -233,7 +250,7 @@ def _decode_split_kernel(
         id_pos = start + offs_r * SUB  # [RUNS]: first token of each run
     else:
         id_pos = start + offs_n  # [BLOCK_N]
-    ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < end, other=0)
+    ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < loop_end, other=0)
 
     if ROPE:
         # Every split rotates the group's raw queries into q_rot (the splits write identical values; the raw
@@ -247,8 +264,10 @@ def _decode_split_kernel(
             slot_ptr, k_scale, v_scale, eps,
             stride_qs, stride_qh, HEAD_DIM * GROUP * num_kv_heads, HEAD_DIM, stride_knt, stride_knh, stride_vnt,
             stride_vnh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
-            GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX,
+            # V_T: the new token's V goes into its open page token-major (kv_layout.py), sealed once full
+            stride_kb, stride_kt, stride_kh, stride_vb, HEAD_DIM if V_T else stride_vt, stride_vh,
+            1 if V_T else stride_vd,
+            GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX, V_T,
         )
         tl.debug_barrier()
         q_ptr = q_rot_ptr
@@ -270,24 +289,38 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
-    for tile in range(start, end, BLOCK_N):
+    if V_T:
+        if loop_end < end:  # this split holds the sequence's open page (token-major V rows, kv_layout.py): first,
+            # where the loop's state is not live yet (after the loop it would cost 60 registers and a program per SM)
+            offs_p = tl.arange(0, PAGE)  # [PAGE]
+            p_mask = loop_end + offs_p < end
+            blk = tl.load(bt_row + loop_end // PAGE).to(tl.int64)
+            k = tl.load(k_head + blk * stride_kb + offs_p[:, None] * stride_kt + offs_d[None, :], mask=p_mask[:, None],
+                        other=0.0)  # [PAGE, HEAD_DIM]
+            v = tl.load(v_head + blk * stride_vb + offs_p[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None],
+                        other=0.0)
+            # converted where loaded (the opaque multiply by 1 of V_CONVERT_AT_LOAD): no byte-wise shared-memory reads
+            v = v.to(q.dtype) * (v_scale / v_scale).to(q.dtype)
+            m_i, l_i, acc = _online_softmax_tile(q, k.to(q.dtype), v, p_mask, m_i, l_i, acc, score_scale, DOT_PREC)
+
+    for tile in range(start, loop_end, BLOCK_N):
         pos = tile + offs_n  # [BLOCK_N]
-        n_mask = pos < end
+        n_mask = pos < loop_end
         ids = ids_next.to(tl.int64)
         id_pos += BLOCK_N
-        ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < end, other=0)
+        ids_next = tl.load(bt_row + id_pos // PAGE, mask=id_pos < loop_end, other=0)
         if RUN_ADDR:
             run_start = tile + offs_r * SUB  # [RUNS]
             in_page = run_start % PAGE  # 0 unless a page holds several tiles
             k_run = (ids * stride_kb + in_page * stride_kt)[:, None, None]  # [RUNS, 1, 1]
             v_run = (ids * stride_vb + in_page * stride_vt)[:, None, None]
-            run_mask = ((run_start[:, None] + offs_s[None, :]) < end)[:, :, None]  # [RUNS, SUB, 1]
+            run_mask = ((run_start[:, None] + offs_s[None, :]) < loop_end)[:, :, None]  # [RUNS, SUB, 1]
             k = tl.reshape(tl.load(k_head + k_run + k_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
             if V_T:
                 # whole runs: a per-token mask along the contiguous axis makes Triton load byte by byte; the
                 # slots past the end hold finite values (kv_layout.py) and get p = 0
                 vt_run = (ids * stride_vb + in_page)[None, :, None]  # [1, RUNS, 1]
-                vt = tl.load(v_head + vt_run + vt_in_run, mask=(run_start < end)[None, :, None], other=0.0)
+                vt = tl.load(v_head + vt_run + vt_in_run, mask=(run_start < loop_end)[None, :, None], other=0.0)
                 v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
             else:
                 v = tl.reshape(tl.load(v_head + v_run + v_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
@@ -303,14 +336,7 @@ def _decode_split_kernel(
         else:
             v = v.to(q.dtype)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * score_scale  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_tile(q, k, v, n_mask, m_i, l_i, acc, score_scale, DOT_PREC)
 
     acc = acc * v_scale
     empty = l_i == 0.0

@@ -1,7 +1,8 @@
-"""Triton kernel writing a step's keys/values into the paged KV cache.
+"""Triton kernels writing a step's keys/values into the paged KV cache, and sealing the pages a step filled.
 
 Layouts (see `reference.py`): key/value `[num_tokens, num_kv_heads, head_dim]`, caches
-`[num_blocks, block_size, num_kv_heads, head_dim]` views (V may be dims-major, see `kv_layout.py`),
+`[num_blocks, block_size, num_kv_heads, head_dim]` views (V may be dims-major, see `kv_layout.py`: stores
+write V token-major through `open_page_view`, and `seal_pages_triton` turns the filled pages dims-major),
 slot = block_id * block_size + offset, slot -1 = padding (skipped). An fp8
 (`torch.float8_e4m3fn`) cache stores `clamp(x / scale, -448, 448)` cast to fp8 with a per-tensor
 scale (python float or a 1-element tensor, default 1.0), and NaN as 0.
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_layout import is_dims_major
+from nvcli.kernels.kv_layout import is_dims_major, open_page_view
 
 Scale = Union[float, torch.Tensor, None]
 
@@ -98,7 +99,7 @@ def _store_kvcache_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
-    stride_vcd,  # 1, or block_size for a dims-major V cache
+    stride_vcd,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -148,7 +149,7 @@ def store_kvcache_triton(
     assert slot_mapping.shape[0] == num_tokens
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     assert k_cache.stride(-1) == 1
-    is_dims_major(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
+    v_cache = open_page_view(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
     block_size = k_cache.shape[1]
     quant = is_fp8(k_cache.dtype)
     if not quant:
@@ -186,4 +187,35 @@ def store_kvcache_triton(
         SCALE_IS_PTR=scale_is_ptr,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         num_warps=num_warps,
+    )
+
+
+@triton.jit
+def seal_page(head_page, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Transpose one head's region of a page in place, from the open (token-major) layout to dims-major. The
+    calling program must be the only one touching the region; the barrier keeps every thread's loads ahead of
+    any store."""
+    offs_t = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    x = tl.load(head_page + offs_t[:, None] * HEAD_DIM + offs_d[None, :])  # [PAGE, HEAD_DIM]
+    tl.debug_barrier()
+    tl.store(head_page + offs_d[None, :] * PAGE + offs_t[:, None], x)
+
+
+@triton.jit
+def _seal_pages_kernel(v_cache_ptr, slot_ptr, stride_vb, stride_vh, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
+    if (slot >= 0) & (slot % PAGE == PAGE - 1):
+        seal_page(v_cache_ptr + (slot // PAGE) * stride_vb + tl.program_id(1) * stride_vh, PAGE, HEAD_DIM)
+
+
+def seal_pages_triton(v_cache: torch.Tensor, seal_slots: torch.Tensor) -> None:
+    """Turn dims-major the pages whose last slot is in `seal_slots` ([n] int; other slots and -1 are skipped, so
+    a decode step passes its slot mapping: CUDA-graph safe). No-op unless V is dims-major (kv_layout.py)."""
+    if not is_dims_major(v_cache) or seal_slots.numel() == 0:
+        return
+    _, page, num_kv_heads, head_dim = v_cache.shape
+    _seal_pages_kernel[(seal_slots.shape[0], num_kv_heads)](
+        v_cache, seal_slots, v_cache.stride(0), v_cache.stride(2), PAGE=page, HEAD_DIM=head_dim,
+        num_warps=4 if page * head_dim >= 4096 else 2,
     )

@@ -41,6 +41,17 @@ def store_kvcache(
         reference.store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+def seal_pages(v_cache: torch.Tensor, seal_slots: torch.Tensor) -> None:
+    """After a step's store: turn dims-major the pages it filled, those whose last slot is in `seal_slots`
+    (kv_layout.py, open pages); a no-op for caches that are not dims-major."""
+    if use_triton(seal_slots):
+        from nvcli.kernels.kv_store import seal_pages_triton
+
+        seal_pages_triton(v_cache, seal_slots)
+    else:
+        reference.seal_pages_ref(v_cache, seal_slots)
+
+
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,

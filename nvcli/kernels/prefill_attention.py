@@ -13,7 +13,7 @@ walks KV tiles of BLOCK_N tokens whose physical slots are gathered through the b
 visible to every row run without masks; the diagonal tiles are masked; tiles past the
 causal limit are never visited. fp8 caches are dequantised in the kernel (k_scale folded
 into the softmax scale, v_scale into the output). A dims-major V cache (`kv_layout.py`) is read
-per run of a page's tokens as V transposed.
+per run of a page's tokens as V transposed, except each sequence's open page (token-major rows).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def _prefill_tile(
     tile,
     q_pos,
     kv_limit,
+    open_start,  # V_T: first position of the sequence's open page, whose V rows are token-major (kv_layout.py)
     score_scale,
     stride_kb,
     stride_kt,
@@ -78,10 +79,17 @@ def _prefill_tile(
         run_blk_next = tl.load(bt_row + run_next // PAGE, mask=run_next < kv_limit, other=0).to(tl.int64)
         vt_ptrs = v_head + (run_blk * stride_vb + run_start % PAGE)[None, :, None] + vt_in_run  # [HEAD_DIM, RUNS, SUB]
         if MASKED:  # whole runs (see decode_attention.py); the slots past the limit are finite and get p = 0
-            vt = tl.load(vt_ptrs, mask=(run_start < kv_limit)[None, :, None], other=0.0)
+            sealed = (run_start < kv_limit) & (run_start < open_start)
+            vt = tl.load(vt_ptrs, mask=sealed[None, :, None], other=0.0)
+            v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
+            # the open page's runs, token-major; only masked tiles reach it (BLOCK_N is a multiple of PAGE)
+            is_open = (run_start < kv_limit) & (run_start >= open_start)
+            vo_ptrs = (v_head + (run_blk * stride_vb + run_start % PAGE * HEAD_DIM)[:, None, None]
+                       + (tl.arange(0, SUB) * HEAD_DIM)[None, :, None] + offs_d[None, None, :])  # [RUNS, SUB, HEAD_DIM]
+            vo = tl.reshape(tl.load(vo_ptrs, mask=is_open[:, None, None], other=0.0), [BLOCK_N, HEAD_DIM])
+            v = tl.where((pos >= open_start)[:, None], vo, v)
         else:
-            vt = tl.load(vt_ptrs)
-        v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
+            v = tl.trans(tl.reshape(tl.load(vt_ptrs), [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
     else:
         run_blk_next = run_blk
         v_off = blk * stride_vb + in_page * stride_vt  # [BLOCK_N]
@@ -198,6 +206,7 @@ def _prefill_kernel(
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles below are visible to every row
     kv_end = last_pos + 1
+    open_start = seq_len // PAGE * PAGE
     pos0 = offs_n
     blk = tl.load(bt_row + pos0 // PAGE, mask=pos0 < kv_end, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_N // SUB)
@@ -208,13 +217,13 @@ def _prefill_kernel(
         run_blk = blk  # unused
     for tile in range(0, full_end, BLOCK_N):
         acc, m_i, l_i, blk, run_blk = _prefill_tile(
-            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start, score_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
             PAGE, BLOCK_N, HEAD_DIM, SUB, False, DOT_PREC, V_T,
         )  # fmt: skip
     for tile in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i, blk, run_blk = _prefill_tile(
-            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, score_scale,
+            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start, score_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
             PAGE, BLOCK_N, HEAD_DIM, SUB, True, DOT_PREC, V_T,
         )  # fmt: skip
@@ -277,6 +286,8 @@ def paged_prefill_attention_triton(
         block_m = 128 if head_dim <= 128 else 64
     if block_n is None:
         block_n = 64
+    # the open page (kv_layout.py) must fall in the masked tiles, which it does when tiles hold whole pages
+    assert not v_t or block_n % page == 0, "a dims-major V cache needs block_n to be a multiple of the page size"
     if num_warps is None:
         # fp8 at 128-row tiles: 4 warps, 254 against 286 us with 8 at a 16k-token prompt step on the H100; bf16
         # keeps 8 (238 against 657 us) (decode_variants.py --prefill-sweep, RESULTS session 12)

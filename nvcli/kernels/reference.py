@@ -9,6 +9,9 @@ Layouts shared by every implementation:
 - A step's queries are packed: sequence s owns rows query_start_loc[s] : query_start_loc[s+1]
   and its KV length after this step is seq_lens[s], so query row j of s sits at position
   seq_lens[s] - q_len + j and attends causally to KV positions [0, that position].
+- A dims-major V cache keeps each sequence's open (last, partial) page token-major: stores write through
+  `open_page_view`, `seal_pages_ref` turns the pages a step filled dims-major, and readers take the open page
+  from the token-major view (`kv_layout.py`, open pages).
 - fp8 caches (`torch.float8_e4m3fn` / `float8_e5m2`) hold `clamp(x / scale, -max, max)` cast with
   round-to-nearest (NaN stored as 0, so no slot ever holds a NaN), one scale per tensor (k_scale, v_scale: None = 1.0, a float or a 1-element
   tensor); attention reads `cache.float() * scale`. Other caches ignore the scales: the store
@@ -20,6 +23,8 @@ from __future__ import annotations
 from typing import Union
 
 import torch
+
+from nvcli.kernels.kv_layout import is_dims_major, open_page_view
 
 Scale = Union[float, torch.Tensor, None]
 
@@ -68,14 +73,29 @@ def store_kvcache_ref(
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // bs, slots % bs  # indexing, not a flat view: the caches may be strided views
     k_cache[blocks, offsets] = quantize_kv(key[valid], k_cache.dtype, k_scale)
-    v_cache[blocks, offsets] = quantize_kv(value[valid], v_cache.dtype, v_scale)
+    open_page_view(v_cache)[blocks, offsets] = quantize_kv(value[valid], v_cache.dtype, v_scale)
+
+
+def seal_pages_ref(v_cache: torch.Tensor, seal_slots: torch.Tensor) -> None:
+    """Turn the pages that this step filled dims-major: the page of every slot that is its page's last
+    (slot % block_size == block_size - 1; others and -1 are ignored). No-op unless V is dims-major."""
+    if not is_dims_major(v_cache):
+        return
+    bs = v_cache.shape[1]
+    slots = seal_slots.long()
+    blocks = (slots[(slots >= 0) & (slots % bs == bs - 1)] // bs).unique()
+    v_cache[blocks] = open_page_view(v_cache)[blocks].clone()
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     bs = cache.shape[1]
     nblocks = -(-seq_len // bs)
-    blocks = cache[block_table[:nblocks].long()]  # [nblocks, block_size, num_kv_heads, head_dim]
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    blocks = cache[block_table[:nblocks].long()]  # [nblocks, block_size, num_kv_heads, head_dim] (a copy)
+    out = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    open_start = seq_len // bs * bs
+    if open_start < seq_len and is_dims_major(cache):  # the open page is token-major
+        out[open_start:] = open_page_view(cache)[block_table[seq_len // bs].long(), : seq_len - open_start]
+    return out
 
 
 def paged_attention_ref(

@@ -3,7 +3,8 @@
 One program per (token, KV head): it loads that KV head's query heads (GQA group), its key
 head and (when storing) its value head once, normalizes q and k per head in fp32, rotates them
 (neox layout: first half / second half), writes q back in place and writes k and v straight
-into the paged cache slot (quantized for an fp8 cache, as `kv_store` does). On the decode path
+into the paged cache slot (quantized for an fp8 cache, as `kv_store` does; V token-major through
+`open_page_view`, see kv_layout.py). On the decode path
 this replaces the torch norm/rotary ops and the separate KV-store kernel with one launch.
 """
 
@@ -13,8 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_layout import is_dims_major
-from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args, store_to_cache
+from nvcli.kernels.kv_layout import open_page_view
+from nvcli.kernels.kv_store import (
+    FP8_E4M3_MAX,
+    Scale,
+    is_fp8,
+    load_scales,
+    scale_args,
+    seal_page,
+    store_to_cache,
+)
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
@@ -28,11 +37,13 @@ def rope_qk_norm_store(
     stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
-    STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, SEAL: tl.constexpr = False,
 ):
     """Token t, KV head kvh: norm + rotate its query heads into q_out (may be q itself), and its key (and
     value) into the cache slot or back in place. Shared by the rotary kernel and the decode-attention kernel (which
-    runs it first thing, so a decode step needs no separate rotary launch)."""
+    runs it first thing, so a decode step needs no separate rotary launch). The V strides are the open page's
+    (token-major, kv_layout.py). SEAL (decode attention over a dims-major V cache: the token is the only one of
+    its page written in this launch): a token that fills its page seals it."""
     offs = tl.arange(0, HALF)  # [HALF]
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     g_mask = (offs_g < GROUP)[:, None]
@@ -88,6 +99,10 @@ def rope_qk_norm_store(
             store_to_cache(kc + HALF, kr2, k_scale, None, QUANT, FP8_MAX)
             store_to_cache(vc, v1, v_scale, None, QUANT, FP8_MAX)
             store_to_cache(vc + HALF * stride_vcd, v2, v_scale, None, QUANT, FP8_MAX)
+            if SEAL:
+                if off == PAGE - 1:
+                    tl.debug_barrier()  # every thread's part of the new token's row is stored
+                    seal_page(v_cache_ptr + blk * stride_vcb + kvh * stride_vch, PAGE, 2 * HALF)
 
 
 @triton.jit
@@ -119,7 +134,7 @@ def _rope_store_kernel(
     stride_vcb,
     stride_vcs,
     stride_vch,
-    stride_vcd,  # 1, or block_size for a dims-major V cache (kv_layout.py)
+    stride_vcd,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     HALF: tl.constexpr,
@@ -173,7 +188,7 @@ def rope_qk_norm_triton(
         assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape[0] == num_tokens
         assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
         assert k_cache.stride(-1) == 1
-        is_dims_major(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
+        v_cache = open_page_view(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions
     quant = store and is_fp8(k_cache.dtype)

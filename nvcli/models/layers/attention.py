@@ -1,4 +1,5 @@
-"""Paged attention layer: writes this step's K/V into the cache, then attends over it."""
+"""Paged attention layer: writes this step's K/V into the cache (sealing the pages it filled), then attends over
+it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        # A page is full once its last slot is written, so this step's slots name the pages it filled (kv_layout.py)
+        ops.seal_pages(self.v_cache, meta.slot_mapping)
         if meta.decode_only:
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
@@ -49,7 +52,7 @@ class Attention(nn.Module):
 
     def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
         """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
-        new key and value."""
+        new key and value (and seals the page that the new token fills)."""
         from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
