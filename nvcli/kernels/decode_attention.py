@@ -213,12 +213,15 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # tokens per split: a multiple of BLOCK_N so only a sequence's last tile is partial
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # V_T: the tile loop reads the full (dims-major) pages; the open page, token-major, is a tile of its own in the
+    # last split (loop_end < end only there, since an empty split's start is past its end). The splits share the
+    # work with the open page weighed as a whole tile, so the last one does not take an extra tile beyond the others.
+    full_len = seq_len // PAGE * PAGE
+    work = full_len + BLOCK_N if V_T and full_len < seq_len else seq_len
+    split_len = tl.cdiv(tl.cdiv(work, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    # V_T: the tile loop reads the full (dims-major) pages; the open page, token-major, comes after it (in the split
-    # that holds it: loop_end < end only there, since an empty split's start is past its end)
-    loop_end = tl.maximum(start, tl.minimum(end, seq_len // PAGE * PAGE)) if V_T else end
+    loop_end = tl.maximum(start, tl.minimum(end, full_len)) if V_T else end
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh
