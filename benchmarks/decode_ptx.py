@@ -32,7 +32,8 @@ WATCH = ["ld.global", "cp.async.cg", "cp.async.ca", "ld.shared.b8", "ld.shared",
 
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool, run_addr: bool = True,
-                   rope: bool = False, ordered: bool = False, page: int | None = None):
+                   rope: bool = False, ordered: bool = False, page: int | None = None, open_tail: bool = True,
+                   maxnreg: int | None = None):
     """The kernel as the engine launches it at big batches (no splits, no PDL); fp8 with 32-token pages has V
     dims-major (kv_layout.py), as the engine's default fp8 cache does."""
     fp8 = kv == "fp8"
@@ -51,14 +52,15 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool,
                  DOT_PREC="tf32", F16_DOT=fp8, PDL=False, KVH_MAJOR=True, FUSED_REDUCE=False, SPLITS_PAD=1,
                  ROPE=rope, ROPE_NORM=rope, ROPE_GROUP_PAD=2, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
                  KV_LINES=1 if fp8 else 2, V_CONVERT_AT_LOAD=v_tile and fp8 and not v_t, SUB=min(page, block_n),
-                 RUN_ADDR=run_addr or v_t, V_T=v_t, V_LINES=128 * page * (1 if fp8 else 2) // 128, ORDERED=ordered)
+                 RUN_ADDR=run_addr or v_t, V_T=v_t, OPEN_TAIL=v_t and open_tail, V_LINES=128 * page * (1 if fp8 else 2) // 128, ORDERED=ordered)
     names = _decode_split_kernel.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n) or ("fp32" if n in floats else "i32") for n in names}
     aligned = [n for n in names if sig[n].startswith("*") or (n.startswith("stride") and n != "stride_bt")]
     src = ASTSource(fn=_decode_split_kernel, signature=sig,
                     constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages,
+                                                                                 maxnreg=maxnreg))
 
 
 def main() -> int:
@@ -72,9 +74,13 @@ def main() -> int:
     ap.add_argument("--rope", action="store_true", help="the rotary step folded in (the engine's decode launches)")
     ap.add_argument("--ordered", action="store_true", help="programs take sequences through an order array")
     ap.add_argument("--page", type=int, default=0, help="KV page size (default: 32 for fp8, 16 for bf16)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap per thread (ptxas .maxnreg)")
+    ap.add_argument("--open-page-tile", action="store_true",
+                    help="dims-major V: the open page as a tile of its own before the loop (else in the last tile)")
     args = ap.parse_args()
     kernel = compile_decode(args.kv, args.block_n, args.warps, args.stages, args.v_dequant_in_tile,
-                            not args.per_token_addressing, args.rope, args.ordered, args.page or None)
+                            not args.per_token_addressing, args.rope, args.ordered, args.page or None,
+                            not args.open_page_tile, args.maxnreg or None)
     cubin = Path("/tmp") / f"nv_decode_{args.kv}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

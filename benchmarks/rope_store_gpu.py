@@ -1,6 +1,6 @@
 """What the rotary step folded into decode attention costs, and which part of it (H100, session 16).
 
-    cd benchmarks && PYTHONPATH=..:. python3 rope_store_gpu.py
+    cd benchmarks && PYTHONPATH=..:. python3 rope_store_gpu.py [--fp8]   (--fp8: the fp8 half only)
 
 The engine's decode kernel at the workload's shapes (longest first, as the engine launches it), median of
 do_bench, two rounds:
@@ -14,6 +14,7 @@ and shapes.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from decode_variants import decode_rope_inputs, engine_decode_step, workload_lens
@@ -67,7 +68,8 @@ def fp8_rows(cos_sin: torch.Tensor, w: torch.Tensor) -> None:
 def main() -> None:
     cos_sin = RotaryEmbedding(128, 4096, 1e6, None).cos_sin_cache.to(DEV)
     w = torch.ones(128, device=DEV, dtype=torch.bfloat16)
-    bf16_rows(cos_sin, w)
+    if "--fp8" not in sys.argv:
+        bf16_rows(cos_sin, w)
     fp8_rows(cos_sin, w)
 
 
