@@ -296,6 +296,17 @@ def _decode_split_kernel(
 
     score_scale = qk_scale * k_scale
 
+    if OPEN_TAIL:
+        # the open page's K and V rows, loaded now (after the rotary step wrote its newest row) so that their
+        # latency hides under the tile loop; 8 registers each as fp8
+        has_open = (start <= dims_end) & (dims_end < end)  # this split holds it (an empty split's start is past it)
+        o_mask = (dims_end + offs_s < end) & has_open  # [SUB]
+        o_blk = tl.load(bt_row + dims_end // PAGE, mask=has_open, other=0).to(tl.int64)
+        ko = tl.load(k_head + o_blk * stride_kb + offs_s[:, None] * stride_kt + offs_d[None, :], mask=o_mask[:, None],
+                     other=0.0)  # [SUB, HEAD_DIM]
+        vo = tl.load(v_head + o_blk * stride_vb + offs_s[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask[:, None],
+                     other=0.0)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -349,19 +360,11 @@ def _decode_split_kernel(
 
         m_i, l_i, acc = _online_softmax_tile(q, k, v, n_mask, m_i, l_i, acc, score_scale, DOT_PREC)
     if OPEN_TAIL:
-        if (start <= dims_end) & (dims_end < end):  # this split holds the open page (an empty split's start is
-            # past it): its tokens' weights again, from their K rows (just read by the last tile), against the
-            # final m_i; l_i counted them already
-            blk = tl.load(bt_row + dims_end // PAGE).to(tl.int64)
-            o_mask = dims_end + offs_s < end  # [SUB]
-            ko = tl.load(k_head + blk * stride_kb + offs_s[:, None] * stride_kt + offs_d[None, :],
-                         mask=o_mask[:, None], other=0.0)  # [SUB, HEAD_DIM]
-            vo = tl.load(v_head + blk * stride_vb + offs_s[:, None] * HEAD_DIM + offs_d[None, :],
-                         mask=o_mask[:, None], other=0.0)
+        if has_open:  # its tokens' weights again, against the final m_i (l_i counted them in the last tile)
             so = tl.dot(q, tl.trans(ko.to(q.dtype)), input_precision=DOT_PREC) * score_scale  # [GROUP_PAD, SUB]
             po = tl.exp2(tl.where(o_mask[None, :], so, float("-inf")) - m_i[:, None])
-            vo = vo.to(q.dtype) * (v_scale / v_scale).to(q.dtype)
-            acc += tl.dot(po.to(q.dtype), vo, input_precision=DOT_PREC)
+            vo16 = vo.to(q.dtype) * (v_scale / v_scale).to(q.dtype)  # [SUB, HEAD_DIM]
+            acc += tl.dot(po.to(q.dtype), vo16, input_precision=DOT_PREC)
 
     acc = acc * v_scale
     empty = l_i == 0.0
