@@ -32,7 +32,7 @@ WATCH = ["ld.global", "cp.async.cg", "cp.async.ca", "ld.shared.b8", "ld.shared",
 
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool, run_addr: bool = True,
-                   rope: bool = False, ordered: bool = False, page: int | None = None, open_tail: bool = True,
+                   rope: bool = False, ordered: bool = False, page: int | None = None,
                    maxnreg: int | None = None):
     """The kernel as the engine launches it at big batches (no splits, no PDL); fp8 with 32-token pages has V
     dims-major (kv_layout.py), as the engine's default fp8 cache does."""
@@ -52,7 +52,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool,
                  DOT_PREC="tf32", F16_DOT=fp8, PDL=False, KVH_MAJOR=True, FUSED_REDUCE=False, SPLITS_PAD=1,
                  ROPE=rope, ROPE_NORM=rope, ROPE_GROUP_PAD=2, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
                  KV_LINES=1 if fp8 else 2, V_CONVERT_AT_LOAD=v_tile and fp8 and not v_t, SUB=min(page, block_n),
-                 RUN_ADDR=run_addr or v_t, V_T=v_t, OPEN_TAIL=v_t and open_tail, V_LINES=128 * page * (1 if fp8 else 2) // 128, ORDERED=ordered)
+                 RUN_ADDR=run_addr or v_t, V_T=v_t, V_LINES=128 * page * (1 if fp8 else 2) // 128, ORDERED=ordered)
     names = _decode_split_kernel.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n) or ("fp32" if n in floats else "i32") for n in names}
     aligned = [n for n in names if sig[n].startswith("*") or (n.startswith("stride") and n != "stride_bt")]
@@ -75,12 +75,10 @@ def main() -> int:
     ap.add_argument("--ordered", action="store_true", help="programs take sequences through an order array")
     ap.add_argument("--page", type=int, default=0, help="KV page size (default: 32 for fp8, 16 for bf16)")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap per thread (ptxas .maxnreg)")
-    ap.add_argument("--open-page-tile", action="store_true",
-                    help="dims-major V: the open page as a tile of its own before the loop (else in the last tile)")
     args = ap.parse_args()
     kernel = compile_decode(args.kv, args.block_n, args.warps, args.stages, args.v_dequant_in_tile,
                             not args.per_token_addressing, args.rope, args.ordered, args.page or None,
-                            not args.open_page_tile, args.maxnreg or None)
+                            args.maxnreg or None)
     cubin = Path("/tmp") / f"nv_decode_{args.kv}.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

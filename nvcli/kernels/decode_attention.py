@@ -73,7 +73,6 @@ def _env_switch(name: str) -> Optional[bool]:
 
 _V_DEQUANT_TILE = _env_switch("NV_FP8_V_DEQUANT_TILE")
 _RUN_ADDR = _env_switch("NV_DECODE_RUN_ADDR")
-_OPEN_TAIL = os.environ.get("NV_DECODE_OPEN_TAIL", "1") != "0"
 
 
 @dataclass
@@ -194,7 +193,6 @@ def _decode_split_kernel(
     SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N) (pages are powers of two)
     RUN_ADDR: tl.constexpr,  # K/V addresses per run of SUB tokens in a page (else per token)
     V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py), read as V transposed; needs RUN_ADDR
-    OPEN_TAIL: tl.constexpr,  # V_T: the open page's V rows in a PV product after the loop (else a tile before it)
     V_LINES: tl.constexpr,  # V_T: 128-byte lines of one head's page (HEAD_DIM * PAGE * element size / 128)
     ORDERED: tl.constexpr,  # program row i takes sequence order[i] (longest first: no long program starts last)
 ):
@@ -215,21 +213,15 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # tokens per split: a multiple of BLOCK_N so only a sequence's last tile is partial
-    # V_T: full pages are dims-major, the open page (from full_len on) token-major (kv_layout.py).
-    # OPEN_TAIL: the tile loop reads the open page's K and scores its tokens like any other, with their V masked to
-    # 0 in the dims-major operand; after the loop, their V rows enter a PV product of their own (a dependent chain
-    # at the program's end, where its loads hit L2, instead of ahead of its first loads).
-    # Otherwise the tile loop reads the full pages only and the open page is a tile of its own before it, in the
-    # last split (loop_end < end only there, since an empty split's start is past its end); the splits then share
-    # the work with the open page weighed as a whole tile, so the last one does not take an extra tile.
+    # V_T: the tile loop reads the full (dims-major) pages; the open page, token-major, is a tile of its own in the
+    # last split (loop_end < end only there, since an empty split's start is past its end). The splits share the
+    # work with the open page weighed as a whole tile, so the last one does not take an extra tile beyond the others.
     full_len = seq_len // PAGE * PAGE
-    OPEN_FIRST: tl.constexpr = V_T and not OPEN_TAIL
-    work = full_len + BLOCK_N if OPEN_FIRST and full_len < seq_len else seq_len
+    work = full_len + BLOCK_N if V_T and full_len < seq_len else seq_len
     split_len = tl.cdiv(tl.cdiv(work, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    loop_end = tl.maximum(start, tl.minimum(end, full_len)) if OPEN_FIRST else end
-    dims_end = tl.minimum(end, full_len) if V_T else end  # V_T: runs before it are dims-major
+    loop_end = tl.maximum(start, tl.minimum(end, full_len)) if V_T else end
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kvh * stride_kh
@@ -296,24 +288,14 @@ def _decode_split_kernel(
 
     score_scale = qk_scale * k_scale
 
-    if OPEN_TAIL:
-        # the open page's K and V rows, loaded now (after the rotary step wrote its newest row) so that their
-        # latency hides under the tile loop; 8 registers each as fp8
-        has_open = (start <= dims_end) & (dims_end < end)  # this split holds it (an empty split's start is past it)
-        o_mask = (dims_end + offs_s < end) & has_open  # [SUB]
-        o_blk = tl.load(bt_row + dims_end // PAGE, mask=has_open, other=0).to(tl.int64)
-        ko = tl.load(k_head + o_blk * stride_kb + offs_s[:, None] * stride_kt + offs_d[None, :], mask=o_mask[:, None],
-                     other=0.0)  # [SUB, HEAD_DIM]
-        vo = tl.load(v_head + o_blk * stride_vb + offs_s[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask[:, None],
-                     other=0.0)
-
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
-    if OPEN_FIRST:
+    if V_T:
         if loop_end < end:  # this split holds the sequence's open page (token-major V rows, kv_layout.py): first,
-            # where the loop's state is not live yet (after the loop it would cost 60 registers and a program per SM)
+            # where the loop's state is not live yet (after the loop, even with its loads issued before the loop, it
+            # took 166 registers, or spills at 128, and was 3% slower: RESULTS session 17)
             offs_p = tl.arange(0, PAGE)  # [PAGE]
             p_mask = loop_end + offs_p < end
             blk = tl.load(bt_row + loop_end // PAGE).to(tl.int64)
@@ -342,7 +324,7 @@ def _decode_split_kernel(
                 # whole runs: a per-token mask along the contiguous axis makes Triton load byte by byte; the
                 # slots past the end hold finite values (kv_layout.py) and get p = 0
                 vt_run = (ids * stride_vb + in_page)[None, :, None]  # [1, RUNS, 1]
-                vt = tl.load(v_head + vt_run + vt_in_run, mask=(run_start < dims_end)[None, :, None], other=0.0)
+                vt = tl.load(v_head + vt_run + vt_in_run, mask=(run_start < loop_end)[None, :, None], other=0.0)
                 v = tl.trans(tl.reshape(vt, [HEAD_DIM, BLOCK_N]))  # [BLOCK_N, HEAD_DIM]
             else:
                 v = tl.reshape(tl.load(v_head + v_run + v_in_run, mask=run_mask, other=0.0), [BLOCK_N, HEAD_DIM])
@@ -359,12 +341,6 @@ def _decode_split_kernel(
             v = v.to(q.dtype)
 
         m_i, l_i, acc = _online_softmax_tile(q, k, v, n_mask, m_i, l_i, acc, score_scale, DOT_PREC)
-    if OPEN_TAIL:
-        if has_open:  # its tokens' weights again, against the final m_i (l_i counted them in the last tile)
-            so = tl.dot(q, tl.trans(ko.to(q.dtype)), input_precision=DOT_PREC) * score_scale  # [GROUP_PAD, SUB]
-            po = tl.exp2(tl.where(o_mask[None, :], so, float("-inf")) - m_i[:, None])
-            vo16 = vo.to(q.dtype) * (v_scale / v_scale).to(q.dtype)  # [SUB, HEAD_DIM]
-            acc += tl.dot(po.to(q.dtype), vo16, input_precision=DOT_PREC)
 
     acc = acc * v_scale
     empty = l_i == 0.0
@@ -579,9 +555,6 @@ def paged_decode_attention_triton(
     if order is not None:
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
     grid = (num_kv_heads, num_seqs, num_splits) if kvh_major else (num_seqs, num_kv_heads, num_splits)
-    # OPEN_TAIL: the open page's step after the loop would take 166 registers and a program per SM away
-    # (decode_ptx.py); capped at 128 it spills nothing and the loop is unchanged
-    open_tail_registers = {"maxnreg": 128} if v_t and _OPEN_TAIL and num_warps == 4 else {}
     _decode_split_kernel[grid](
         q,
         k_cache,
@@ -641,14 +614,12 @@ def paged_decode_attention_triton(
         SUB=min(page, block_n),
         RUN_ADDR=run_addressing,
         V_T=v_t,
-        OPEN_TAIL=v_t and _OPEN_TAIL,
         V_LINES=max(1, head_dim * page * v_cache.element_size() // 128),
         # with splits the programs fit in about one wave (choose_num_splits): nothing starts last, batch order
         ORDERED=order is not None and num_splits == 1,
         num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(pdl),
-        **open_tail_registers,
     )
     if num_splits > 1 and not fused_reduce:
         _decode_reduce_kernel[(num_seqs, num_heads)](

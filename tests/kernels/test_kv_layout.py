@@ -174,7 +174,7 @@ def test_decode_reads_dims_major_v(num_splits: int, block_n: int) -> None:
                                                 **kw)
     dims_major = paged_decode_attention_triton(q, k8, engine_layout(v8, tables, lens), tables, seq_lens, SCALE, 0.05,
                                                0.05, **kw)
-    # the open page's V rows enter in a PV product of their own (or a tile first): sums in another order
+    # the open page is a tile of its own, taken first: the online softmax rescales at other points
     full_pages = [i for i, n in enumerate(lens) if n % 32 == 0]  # no open page: the same tiles, bit for bit
     assert torch.equal(dims_major[full_pages], token_major[full_pages])
     torch.testing.assert_close(dims_major, token_major, atol=1e-4, rtol=1e-3)
