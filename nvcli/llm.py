@@ -60,7 +60,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(_prompt(p), sp) for p, sp in zip(prompts, params)]
+        resolved = [_prompt(p) for p in prompts]
+        # every text prompt in one tokenizer call (all cores, outside the GIL); empty ones stay text so
+        # that add_request rejects them as before
+        texts = [i for i, p in enumerate(resolved) if isinstance(p, str) and p]
+        encoded = dict(zip(texts, self.engine.encode_batch([resolved[i] for i in texts])))
+        ids = [self.engine.add_request(encoded[i], sp, prompt_text=p) if i in encoded else self.engine.add_request(p, sp)
+               for i, (p, sp) in enumerate(zip(resolved, params))]
         return self._run(ids)
 
     def chat(

@@ -111,23 +111,38 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
 
-    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text, in one tokenizer call: the tokenizer spreads a batch over the CPU's
+        cores outside the GIL, where one call per text holds it (prompt-heavy jobs, RESULTS session 18)."""
+        return self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids if texts else []
+
+    def render_chat_text(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
+        """The chat template applied to `messages`, with the assistant's turn opened; not tokenized."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; send {'prompt': ...} instead of messages")
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
         )
+
+    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+        text = self.render_chat_text(messages, chat_template_kwargs)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def add_request(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        prompt_text: str | None = None,
     ) -> str:
+        """Queue a request. `prompt` is text (tokenized here) or token ids; with token ids,
+        `prompt_text` is the text they came from (returned as RequestOutput.prompt)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             token_ids, text = self.encode(prompt), prompt
         else:
-            token_ids, text = list(prompt), None
+            token_ids, text = list(prompt), prompt_text
             vocab = self.hf_config.vocab_size
             if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")

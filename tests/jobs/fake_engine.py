@@ -63,21 +63,30 @@ class FakeEngine:
         self.max_unfinished_seen = 0
         self.aborted: list[str] = []
         self.shut = False
+        self.encode_batches: list[int] = []  # texts per encode_batch call
 
-    def render_chat(self, messages, chat_template_kwargs=None):
+    def render_chat_text(self, messages, chat_template_kwargs=None):
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
         if chat_template_kwargs and chat_template_kwargs.get("enable_thinking") is False:
             text += "<nothink>"
-        return self.tokenizer.encode(text)
+        return text
 
-    def add_request(self, prompt, sampling_params, request_id=None):
+    def render_chat(self, messages, chat_template_kwargs=None):
+        return self.tokenizer.encode(self.render_chat_text(messages, chat_template_kwargs))
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        self.encode_batches.append(len(texts))
+        return [self.tokenizer.encode(t) for t in texts]
+
+    def add_request(self, prompt, sampling_params, request_id=None, prompt_text=None):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_text = prompt if isinstance(prompt, str) else prompt_text
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         with self.lock:
-            self.waiting.append(_Req(request_id, prompt if isinstance(prompt, str) else None, ids, sampling_params))
+            self.waiting.append(_Req(request_id, prompt_text, ids, sampling_params))
             self.added.append(request_id)
             self.sampling_seen.append(sampling_params)
             self.max_unfinished_seen = max(self.max_unfinished_seen, len(self.waiting) + len(self.running))

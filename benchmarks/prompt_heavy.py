@@ -1,0 +1,145 @@
+"""A prompt-heavy JSONL job through the whole `nv generate` pipeline: can the host feed the GPU?
+
+Long prompts and short outputs (classification, extraction, summaries) make prefill the job. On
+an H100 the engine prefills Qwen3-0.6B at ~450k prompt tokens/s; every prompt first passes the
+reader thread: JSON parse, chat template, tokenization. This script times both sides:
+
+    PYTHONPATH=. python3 benchmarks/prompt_heavy.py --reader-only            # the reader alone (any machine)
+    PYTHONPATH=. python3 benchmarks/prompt_heavy.py --repeats 3              # whole jobs, one engine (GPU)
+
+Input kinds, the same prompts each time: `text` ({"prompt": str}, tokenized by the reader),
+`chat` ({"messages": [...]}, template + tokenization), `ids` ({"prompt_token_ids": [...]}: no
+tokenization, the GPU-bound reference). Jobs run through `run_job` as the CLI runs them, on one
+engine with the prefix cache off (repeats would otherwise hit it), kinds in turn per repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import queue
+import random
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from nvcli.jobs.reader import InputReader
+from nvcli.jobs.requests import Defaults
+from nvcli.jobs.runner import JobOptions, run_job
+
+WORDS = ("the model reads every line of the input file and answers it with one line of output while the "
+         "dashboard shows throughput and cache occupancy on the terminal for a batch of one million prompts").split()
+
+
+def make_lines(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> dict[str, list[bytes]]:
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(prompt_tokens)]  # one token per word, about
+        texts.append(" ".join(words) + f" {rng.randrange(1 << 30)}")
+    ids = tokenizer(texts).input_ids
+    line = lambda obj: (json.dumps(obj) + "\n").encode()  # noqa: E731
+    return {
+        "text": [line({"prompt": t}) for t in texts],
+        "chat": [line({"messages": [{"role": "user", "content": t}]}) for t in texts],
+        "ids": [line({"prompt_token_ids": i}) for i in ids],
+    }
+
+
+class _CountingEngine:
+    """The reader's side of LLMEngine (its own tokenizing methods), with no model behind it."""
+
+    from nvcli.engine.llm_engine import LLMEngine
+
+    encode = LLMEngine.encode
+    encode_batch = LLMEngine.encode_batch
+    render_chat_text = LLMEngine.render_chat_text
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = 1 << 30
+        self.prompt_tokens = 0
+
+    def add_request(self, prompt: Any, sampling_params: Any, request_id: str | None = None,
+                    prompt_text: str | None = None) -> str:
+        self.prompt_tokens += len(self.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        return request_id or ""
+
+
+def reader_rate(tokenizer: Any, lines: list[bytes]) -> tuple[float, float]:
+    """(lines/s, prompt tokens/s) of the reader thread feeding an engine that costs nothing."""
+    engine = _CountingEngine(tokenizer)
+    events: queue.Queue = queue.Queue()
+    reader = InputReader(lines, engine, Defaults(sampling={"max_tokens": 1}), events,
+                         threading.Semaphore(len(lines) + 1), {})
+    t0 = time.perf_counter()
+    reader.start()
+    reader.join()
+    dt = time.perf_counter() - t0
+    return len(lines) / dt, engine.prompt_tokens / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lines", type=int, default=8192)
+    ap.add_argument("--prompt-tokens", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--kinds", default="ids,text,chat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reader-only", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from nvcli.models.presets import preset_dir
+
+    model_dir = preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp(prefix="nv-preset-")))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    kinds = args.kinds.split(",")
+    lines = make_lines(tokenizer, args.lines, args.prompt_tokens, seed=0)
+    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
+
+    if args.reader_only:
+        for _ in range(args.repeats):
+            for k in kinds:
+                rows[k].append(reader_rate(tokenizer, lines[k]))
+        print(f"\nreader thread alone, {args.lines} lines of ~{args.prompt_tokens} tokens (median of {args.repeats}):")
+        print("| input | lines/s | prompt tok/s |\n| --- | --- | --- |")
+        for k in kinds:
+            print(f"| {k} | {statistics.median(r[0] for r in rows[k]):,.0f} "
+                  f"| {statistics.median(r[1] for r in rows[k]):,.0f} |")
+        return
+
+    from nvcli.config import EngineConfig
+    from nvcli.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", enable_prefix_caching=False,
+                                    kv_cache_dtype=args.kv_cache_dtype,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    opts = lambda: JobOptions(defaults=Defaults(sampling={"max_tokens": args.max_tokens, "ignore_eos": True}),  # noqa: E731
+                              handle_sigint=False)
+    run_job(engine, lines["ids"][:512], io.BytesIO(), opts())  # warm-up: prompt and decode shapes
+    for _ in range(args.repeats):
+        for k in kinds:
+            sink = io.BytesIO()
+            res = run_job(engine, lines[k], sink, opts())
+            assert res.written == args.lines and res.failed == 0, (k, res.written, res.errors)
+            rows[k].append((res.elapsed_s, res.prompt_tokens / res.elapsed_s))
+            print(f"{k}: {res.elapsed_s:.2f} s, {res.prompt_tokens / res.elapsed_s:,.0f} prompt tok/s", flush=True)
+    print(f"\nwhole jobs, {args.lines} lines of ~{args.prompt_tokens} prompt + {args.max_tokens} output tokens, "
+          f"kv {args.kv_cache_dtype} (median of {args.repeats}):")
+    print("| input | s | prompt tok/s | vs ids |\n| --- | --- | --- | --- |")
+    base = statistics.median(r[0] for r in rows[kinds[0]])
+    for k in kinds:
+        s = statistics.median(r[0] for r in rows[k])
+        print(f"| {k} | {s:.2f} | {statistics.median(r[1] for r in rows[k]):,.0f} | {base / s:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
