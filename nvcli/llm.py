@@ -61,12 +61,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         resolved = [_prompt(p) for p in prompts]
+        texts: list[str | None] = [None] * len(resolved)
         # every text prompt in one tokenizer call (all cores, outside the GIL); empty ones stay text so
         # that add_request rejects them as before
-        texts = [i for i, p in enumerate(resolved) if isinstance(p, str) and p]
-        encoded = dict(zip(texts, self.engine.encode_batch([resolved[i] for i in texts])))
-        ids = [self.engine.add_request(encoded[i], sp, prompt_text=p) if i in encoded else self.engine.add_request(p, sp)
-               for i, (p, sp) in enumerate(zip(resolved, params))]
+        at = [i for i, p in enumerate(resolved) if isinstance(p, str) and p]
+        for i, token_ids in zip(at, self.engine.encode_batch([resolved[i] for i in at])):
+            texts[i], resolved[i] = resolved[i], token_ids
+        ids = [self.engine.add_request(p, sp, prompt_text=t) for p, sp, t in zip(resolved, params, texts)]
         return self._run(ids)
 
     def chat(
@@ -77,7 +78,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [self.engine.render_chat(conv, chat_template_kwargs) for conv in conversations]  # type: ignore[arg-type]
+        texts = [self.engine.render_chat_text(conv, chat_template_kwargs) for conv in conversations]  # type: ignore[arg-type]
+        token_lists = self.engine.encode_batch(texts, add_special_tokens=False)  # as generate(): one call
         return self.generate(token_lists, sampling_params)  # type: ignore[arg-type]
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:

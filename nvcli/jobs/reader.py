@@ -64,7 +64,6 @@ class InputReader(threading.Thread):
         slots: threading.Semaphore,
         pending: dict[str, Request],
         done: dict[str, bool] | None = None,
-        batch_lines: int = BATCH_LINES,
     ) -> None:
         super().__init__(name="nv-reader", daemon=True)
         self.stream = stream
@@ -80,7 +79,6 @@ class InputReader(threading.Thread):
         self._stopped = False
         self._warned: set[str] = set()
         self._shape = NATIVE  # last shape seen: used for lines too broken to tell theirs
-        self.batch_lines = batch_lines
 
     def stop(self) -> None:
         """Stop submitting: after this returns no new line will produce output."""
@@ -98,7 +96,7 @@ class InputReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            for batch in batched_lines(self.stream, self.batch_lines):
+            for batch in batched_lines(self.stream, BATCH_LINES):
                 if not self._handle_batch(batch):
                     break
         except Exception as e:  # noqa: BLE001 - handed to the main thread, which reports it
@@ -143,9 +141,8 @@ class InputReader(threading.Thread):
     def _tokenize(self, items: list[Request | LineError]) -> None:
         """Fill in prompt_token_ids of the text and chat requests; a chat whose template fails, or a
         prompt the tokenizer rejects, becomes that line's error."""
-        chats: list[int] = []
         texts: list[int] = []
-        rendered: dict[int, str] = {}
+        rendered: dict[int, str] = {}  # chats, by index in items
         for i, item in enumerate(items):
             if not isinstance(item, Request) or item.prompt_token_ids is not None:
                 continue
@@ -154,11 +151,10 @@ class InputReader(threading.Thread):
                 continue
             try:
                 rendered[i] = self.engine.render_chat_text(item.messages, item.chat_template_kwargs or None)
-                chats.append(i)
             except Exception as e:  # noqa: BLE001 - a template error belongs to this line only
                 items[i] = _reject(item, INVALID_REQUEST, f"could not render the chat template: {e}")
         for group, text_of, special in ((texts, lambda i: items[i].prompt, True),
-                                        (chats, rendered.__getitem__, False)):
+                                        (list(rendered), rendered.__getitem__, False)):
             if not group:
                 continue
             try:

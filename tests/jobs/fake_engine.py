@@ -71,9 +71,6 @@ class FakeEngine:
             text += "<nothink>"
         return text
 
-    def render_chat(self, messages, chat_template_kwargs=None):
-        return self.tokenizer.encode(self.render_chat_text(messages, chat_template_kwargs))
-
     def encode_batch(self, texts, add_special_tokens=True):
         self.encode_batches.append(len(texts))
         return [self.tokenizer.encode(t) for t in texts]
