@@ -385,3 +385,68 @@ def test_decode_and_prefill_agree_on_decode_batch() -> None:
     dec = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2)
     pre = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
     torch.testing.assert_close(dec, pre, atol=1e-5, rtol=1e-5)
+
+
+def _step_rows(cache: torch.Tensor, tables: torch.Tensor, seq_lens: list[int], q_lens: list[int]) -> torch.Tensor:
+    """The cache's rows at each sequence's positions of this step, packed like q: [num_tokens, heads, dim]."""
+    page = cache.shape[1]
+    rows = [cache[tables[s, p // page], p % page] for s, (n, q) in enumerate(zip(seq_lens, q_lens))
+            for p in range(n - q, n)]
+    return torch.stack(rows)
+
+
+def _in_qkv_buffer(k: torch.Tensor, v: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as the model has them: views into one [num_tokens, (heads + 2 kv heads) * dim] projection output."""
+    t, kvh, d = k.shape
+    qkv = torch.randn(t, (num_heads + 2 * kvh) * d)
+    k_view = qkv[:, num_heads * d : (num_heads + kvh) * d].view(t, kvh, d)
+    v_view = qkv[:, (num_heads + kvh) * d :].view(t, kvh, d)
+    k_view.copy_(k)
+    v_view.copy_(v)
+    return k_view, v_view
+
+
+@pytest.mark.parametrize("kv_desc", [False, True])
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size,block_m,block_n", [
+    (4, 2, 16, None, None), (8, 1, 32, None, None), (4, 4, 16, 16, 16), (4, 2, 16, 32, 64),
+])
+def test_prefill_reads_step_rows(kv_desc: bool, num_heads: int, num_kv_heads: int, block_size: int,
+                                 block_m: int | None, block_n: int | None) -> None:
+    """With the step's own K/V rows given, the kernel reads this step's positions from them and only the cached
+    prefix from the pages: the answer is the reference's even when the cache's copy of the step's slots is
+    garbage, for full prompts, prefix hits, chunks that start mid-page and decode rows, across tiles that straddle
+    the prefix, the pages and the diagonal."""
+    gen = torch.Generator().manual_seed(num_heads * 7 + block_size + (block_n or 0) + kv_desc)
+    seq_lens_l = [70, 40, 17, 16, 45, 5]
+    q_lens = [70, 24, 1, 16, 38, 3]  # full, prefix hit of 16, decode, full, chunk from position 7, chunk
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, num_kv_heads, block_size, gen)
+    q, qsl = _packed(q_lens, num_heads, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    k_new, v_new = _in_qkv_buffer(_step_rows(k_cache, tables, seq_lens_l, q_lens),
+                                  _step_rows(v_cache, tables, seq_lens_l, q_lens), num_heads)
+    # the step's slots in the cache hold garbage now: only the rows above may be read for them
+    step_slots = [(tables[s, p // block_size], p % block_size) for s, (n, ql) in enumerate(zip(seq_lens_l, q_lens))
+                  for p in range(n - ql, n)]
+    for blk, off in step_slots:
+        k_cache[blk, off] = 1e4
+        v_cache[blk, off] = float("nan")
+    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, k_new=k_new, v_new=v_new, kv_desc=kv_desc,
+                       block_m=block_m, block_n=block_n)
+    assert_close(out, ref)
+
+
+def test_prefill_step_rows_ignored_for_quantized_cache() -> None:
+    """An fp8 cache holds other values than the step's rows, so the kernel reads the pages, as decode will."""
+    gen = torch.Generator().manual_seed(21)
+    seq_lens_l = [40, 18]
+    q_lens = [40, 2]
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen)
+    k8, k_deq = quantize(k_cache, 0.02)
+    v8, v_deq = quantize(v_cache, 0.02)
+    q, qsl = _packed(q_lens, 4, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    k_new = _step_rows(k_cache, tables, seq_lens_l, q_lens) * 100  # not what the cache holds
+    out = _run_prefill(q, k8, v8, qsl, seq_lens, tables, k_scale=0.02, v_scale=0.02, k_new=k_new,
+                       v_new=k_new.clone())
+    assert_close(out, paged_attention_ref(q, k_deq, v_deq, qsl, seq_lens, tables, SCALE))
