@@ -85,15 +85,13 @@ def paged_prefill_attention(
     scale: float,
     k_scale: Scale = None,
     v_scale: Scale = None,
-    k_new: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: the step's keys as stored (optional)
-    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton(q):
         from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, scale,
-            k_scale, v_scale, k_new=k_new, v_new=v_new,
+            k_scale, v_scale,
         )
     return reference.paged_attention_ref(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale

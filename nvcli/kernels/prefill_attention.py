@@ -18,20 +18,16 @@ per run of a page's tokens as V transposed, except each sequence's open page (to
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 
 LOG2E = 1.4426950408889634
-# Read the step's own K/V through TMA descriptors (see paged_prefill_attention_triton); NV_PREFILL_KV_DESC=0 for A/B
-PREFILL_KV_DESC = os.environ.get("NV_PREFILL_KV_DESC", "1") != "0"
 
 
 @triton.jit
@@ -114,54 +110,6 @@ def _prefill_tile(
     return acc, m_new, l_i, blk_next, run_blk_next
 
 
-@triton.jit
-def _chunk_tile(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_rows,  # KV_DESC: descriptor of [num_tokens, num_kv_heads * head_dim]; else this sequence's head-kvh K rows
-    v_rows,
-    row0,  # KV_DESC: the sequence's first row in the step
-    kv_col,  # KV_DESC: kvh * HEAD_DIM
-    start,  # first position of the tile, counted from the step's first token of this sequence
-    tok,  # [BLOCK_M] query index inside the chunk
-    last_tok,  # last query index of this program: no row sees past it
-    score_scale,
-    stride_knt,
-    stride_vnt,
-    offs_n,
-    offs_d,
-    MASKED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    KV_DESC: tl.constexpr,
-):
-    """One tile of this step's own K/V, read from the contiguous rows the qkv projection wrote (no block table)."""
-    rel = start + offs_n  # [BLOCK_N]
-    if KV_DESC:
-        # rows past the step's last token come back zero; rows of the next sequence are causally masked
-        k = k_rows.load([row0 + start, kv_col])  # [BLOCK_N, HEAD_DIM]
-        v = v_rows.load([row0 + start, kv_col])
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * score_scale  # [BLOCK_M, BLOCK_N]
-    else:
-        if MASKED:
-            n_mask = rel <= last_tok
-            k = tl.load(k_rows + rel[None, :] * stride_knt + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-            v = tl.load(v_rows + rel[:, None] * stride_vnt + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        else:
-            k = tl.load(k_rows + rel[None, :] * stride_knt + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
-            v = tl.load(v_rows + rel[:, None] * stride_vnt + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC) * score_scale  # [BLOCK_M, BLOCK_N]
-    if MASKED:
-        s = tl.where((rel[None, :] <= tok[:, None]) & (rel[None, :] <= last_tok), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
-    return acc, m_new, l_i
-
-
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # batch shape changes every step: one compile
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -188,12 +136,6 @@ def _prefill_kernel(
     stride_vh,
     stride_bt,
     num_seqs,
-    k_new_ptr,  # NEW_KV: this step's K rows [num_tokens, num_kv_heads, head_dim] (KV_DESC: a TMA descriptor)
-    v_new_ptr,
-    stride_knt,
-    stride_knh,
-    stride_vnt,
-    stride_vnh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -206,8 +148,6 @@ def _prefill_kernel(
     F16_DOT: tl.constexpr,
     SUB: tl.constexpr,  # min(PAGE, BLOCK_N)
     V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py): [head, dim, token] per page
-    NEW_KV: tl.constexpr,  # read this step's own K/V from k_new / v_new, only the cached prefix from the pages
-    KV_DESC: tl.constexpr,  # k_new / v_new are TMA descriptors
 ):
     kvh = tl.program_id(0)
     # Flattened (sequence, query block) index: sequence s owns the ids starting at
@@ -275,53 +215,18 @@ def _prefill_kernel(
         run_blk = tl.load(bt_row + offs_r * SUB // PAGE, mask=offs_r * SUB < kv_end, other=0).to(tl.int64)
     else:
         run_blk = blk  # unused
-    if NEW_KV:
-        # the cached prefix (visible to every row) from the pages, then this step's rows from k_new / v_new
-        ctx_full = ctx_len // BLOCK_N * BLOCK_N
-        for tile in range(0, ctx_full, BLOCK_N):
-            acc, m_i, l_i, blk, run_blk = _prefill_tile(
-                acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, ctx_len, open_start,
-                score_scale, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
-                PAGE, BLOCK_N, HEAD_DIM, SUB, False, DOT_PREC, V_T,
-            )  # fmt: skip
-        for tile in range(ctx_full, ctx_len, BLOCK_N):
-            acc, m_i, l_i, blk, run_blk = _prefill_tile(
-                acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, ctx_len, open_start,
-                score_scale, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
-                PAGE, BLOCK_N, HEAD_DIM, SUB, True, DOT_PREC, V_T,
-            )  # fmt: skip
-        first_tok = q_block * BLOCK_Q
-        last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
-        chunk_full = (first_tok + 1) // BLOCK_N * BLOCK_N  # chunk tiles below are visible to every row
-        if KV_DESC:
-            k_rows = k_new_ptr
-            v_rows = v_new_ptr
-        else:
-            k_rows = k_new_ptr + q_start.to(tl.int64) * stride_knt + kvh * stride_knh
-            v_rows = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kvh * stride_vnh
-        for start in range(0, chunk_full, BLOCK_N):
-            acc, m_i, l_i = _chunk_tile(
-                acc, m_i, l_i, q, k_rows, v_rows, q_start, kvh * HEAD_DIM, start, tok, last_tok, score_scale,
-                stride_knt, stride_vnt, offs_n, offs_d, False, DOT_PREC, KV_DESC,
-            )  # fmt: skip
-        for start in range(chunk_full, last_tok + 1, BLOCK_N):
-            acc, m_i, l_i = _chunk_tile(
-                acc, m_i, l_i, q, k_rows, v_rows, q_start, kvh * HEAD_DIM, start, tok, last_tok, score_scale,
-                stride_knt, stride_vnt, offs_n, offs_d, True, DOT_PREC, KV_DESC,
-            )  # fmt: skip
-    else:
-        for tile in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i, blk, run_blk = _prefill_tile(
-                acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start,
-                score_scale, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
-                PAGE, BLOCK_N, HEAD_DIM, SUB, False, DOT_PREC, V_T,
-            )  # fmt: skip
-        for tile in range(full_end, kv_end, BLOCK_N):
-            acc, m_i, l_i, blk, run_blk = _prefill_tile(
-                acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start,
-                score_scale, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
-                PAGE, BLOCK_N, HEAD_DIM, SUB, True, DOT_PREC, V_T,
-            )  # fmt: skip
+    for tile in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i, blk, run_blk = _prefill_tile(
+            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start, score_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
+            PAGE, BLOCK_N, HEAD_DIM, SUB, False, DOT_PREC, V_T,
+        )  # fmt: skip
+    for tile in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i, blk, run_blk = _prefill_tile(
+            acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start, score_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
+            PAGE, BLOCK_N, HEAD_DIM, SUB, True, DOT_PREC, V_T,
+        )  # fmt: skip
 
     o = acc * (v_scale / l_i)[:, None]
     tl.store(
@@ -348,21 +253,14 @@ def paged_prefill_attention_triton(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    k_new: Optional[torch.Tensor] = None,  # [num_tokens, num_kv_heads, head_dim]: this step's K, as stored
-    v_new: Optional[torch.Tensor] = None,
-    kv_desc: Optional[bool] = None,
 ) -> torch.Tensor:
     """Causal varlen attention of packed queries over the paged cache -> like q.
 
-    max_query_len (>= every q_len) picks the query tile height, and with max_seq_len the tile shape (the kernel
-    reads each sequence's length on the device). k_scale / v_scale
+    max_query_len (>= every q_len) picks the query tile height. max_seq_len is accepted for
+    API symmetry (the kernel reads each sequence's length on the device). k_scale / v_scale
     (None, float or 1-element tensor) dequantise an fp8 cache and are ignored otherwise.
-
-    k_new / v_new: the step's own keys and values, exactly what it stored in the cache (rotated keys). Given
-    with a cache of their dtype (which holds them unchanged; fp8 does not), the kernel reads each sequence's positions of this step
-    from these rows, which need no block-table gather, and only its cached prefix from the pages.
-    kv_desc reads them through TMA descriptors (CUDA only).
     """
+    del max_seq_len
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -384,13 +282,8 @@ def paged_prefill_attention_triton(
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    new_kv = k_new is not None and k_new.dtype == k_cache.dtype  # an fp8 cache holds other values than k_new
-    # Steps mostly of their own tokens read them from k_new / v_new on 64-row tiles of 4 warps (H100, workload
-    # step: 197 against 209 us at 128 rows / 8 warps, RESULTS session 19); where a cached prefix is most of the
-    # KV, every program re-reads its pages, and the 128-row tiles re-read them half as often.
-    small_tiles = new_kv and head_dim <= 128 and max_seq_len <= 2 * max_query_len
     if block_m is None:
-        block_m = 64 if small_tiles else 128 if head_dim <= 128 else 64
+        block_m = 128 if head_dim <= 128 else 64
     if block_n is None:
         block_n = 64
     # the open page (kv_layout.py) must fall in the masked tiles, which it does when tiles hold whole pages
@@ -406,24 +299,6 @@ def paged_prefill_attention_triton(
     block_q = min(block_q, max(16 // group_pad, triton.next_power_of_2(max_query_len)))
     block_m_eff = max(16, block_q * group_pad)
     block_q = block_m_eff // group_pad
-
-    if new_kv:
-        assert v_new is not None and k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
-        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1 and v_new.dtype == k_new.dtype
-        if kv_desc is None:
-            kv_desc = PREFILL_KV_DESC and q.is_cuda
-        if kv_desc:
-            assert k_new.stride(1) == head_dim and v_new.stride(1) == head_dim, "k_new / v_new rows must be whole"
-            k_src = TensorDescriptor(k_new, [num_tokens, num_kv_heads * head_dim], [k_new.stride(0), 1],
-                                     [block_n, head_dim])
-            v_src = TensorDescriptor(v_new, [num_tokens, num_kv_heads * head_dim], [v_new.stride(0), 1],
-                                     [block_n, head_dim])
-        else:
-            k_src, v_src = k_new, v_new
-        new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
-    else:
-        kv_desc = False
-        k_src, v_src, new_strides = k_cache, v_cache, (0, 0, 0, 0)
 
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     _prefill_kernel[grid](
@@ -451,9 +326,6 @@ def paged_prefill_attention_triton(
         v_cache.stride(2),
         block_tables.stride(0),
         num_seqs,
-        k_src,
-        v_src,
-        *new_strides,
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -466,8 +338,6 @@ def paged_prefill_attention_triton(
         F16_DOT=fp8 and q.dtype != torch.float32,
         SUB=min(page, block_n),
         V_T=v_t,
-        NEW_KV=new_kv,
-        KV_DESC=kv_desc,
         num_warps=num_warps,
         num_stages=num_stages,
     )

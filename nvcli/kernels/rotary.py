@@ -38,14 +38,12 @@ def rope_qk_norm_store(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, SEAL: tl.constexpr = False,
-    KEEP_K: tl.constexpr = False,
 ):
     """Token t, KV head kvh: norm + rotate its query heads into q_out (may be q itself), and its key (and
     value) into the cache slot or back in place. Shared by the rotary kernel and the decode-attention kernel (which
     runs it first thing, so a decode step needs no separate rotary launch). The V strides are the open page's
     (token-major, kv_layout.py). SEAL (decode attention over a dims-major V cache: the token is the only one of
-    its page written in this launch): a token that fills its page seals it. KEEP_K (with STORE): the rotated key
-    also goes back in place, for prefill attention to read the step's keys without the block table."""
+    its page written in this launch): a token that fills its page seals it."""
     offs = tl.arange(0, HALF)  # [HALF]
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     g_mask = (offs_g < GROUP)[:, None]
@@ -87,11 +85,11 @@ def rope_qk_norm_store(
     # the rotated key, rounded to the model dtype (what a separate store would read back)
     kr1 = (k1 * cos - k2 * sin).to(dtype)
     kr2 = (k2 * cos + k1 * sin).to(dtype)
-    if (not STORE) or KEEP_K:
+    if not STORE:
         if store_kv:
             tl.store(k_base, kr1)
             tl.store(k_base + HALF, kr2)
-    if STORE:
+    else:
         if store_kv & (slot >= 0):
             blk = slot // PAGE
             off = slot % PAGE
@@ -147,7 +145,6 @@ def _rope_store_kernel(
     SCALE_IS_PTR: tl.constexpr,
     FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
-    KEEP_K: tl.constexpr,  # with STORE: the rotated key also back in place
 ):
     pdl_start(PDL)
     ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
@@ -156,7 +153,7 @@ def _rope_store_kernel(
         q_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks, vs,
         eps, stride_qt, stride_qh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX, False, KEEP_K,
+        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX,
     )
 
 
@@ -175,10 +172,8 @@ def rope_qk_norm_triton(
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
     k_scale: Scale = None,
     v_scale: Scale = None,
-    keep_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k (into
-    both with `keep_k`)."""
+    """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1
@@ -215,7 +210,6 @@ def rope_qk_norm_triton(
         PAGE=k_cache.shape[1] if store else 1, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         PDL=pdl,
-        KEEP_K=keep_k and store,
         num_warps=1 if group * head_dim <= 512 else 2,
         **launch_kwargs(pdl),
     )

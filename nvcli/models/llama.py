@@ -30,9 +30,6 @@ from nvcli.models.layers.rotary import RotaryEmbedding
 # NV_DECODE_ROPE=0 keeps the separate rotary kernel everywhere, NV_DECODE_ROPE_MAX_ROWS bounds the rows (A/B runs).
 FUSED_DECODE_ROPE = os.environ.get("NV_DECODE_ROPE", "1") != "0"
 FUSED_DECODE_ROPE_MAX_ROWS = int(os.environ.get("NV_DECODE_ROPE_MAX_ROWS", str(1 << 30)))
-# Prompt steps: prefill attention reads the step's own keys and values from the projection's rows, not through the
-# block table; the rotary kernel writes the rotated keys back for it. NV_PREFILL_STEP_KV=0 turns it off (A/B runs).
-PREFILL_STEP_KV = os.environ.get("NV_PREFILL_STEP_KV", "1") != "0"
 
 
 class DecoderAttention(nn.Module):
@@ -82,19 +79,15 @@ class DecoderAttention(nn.Module):
             else:  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
                 from nvcli.kernels.rotary import rope_qk_norm_triton
 
-                # prefill attention reads the step's own keys from these rows (no block-table gather) where the
-                # cache holds them unchanged, so the rotated keys also go back in place there
-                keep_k = PREFILL_STEP_KV and not meta.decode_only and attn.k_cache.dtype == k.dtype
                 q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
                                            k_cache=attn.k_cache, v_cache=attn.v_cache,
-                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale,
-                                           keep_k=keep_k)
-                o = attn(q, k, v, meta, kv_stored=True, step_kv=keep_k)
+                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale)
+                o = attn(q, k, v, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-            o = self.attn(q, k, v, meta, step_kv=self.attn.k_cache.dtype == k.dtype)  # [num_tokens, num_heads, head_dim]
+            o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.flatten(1))
 
 

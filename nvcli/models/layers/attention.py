@@ -35,7 +35,6 @@ class Attention(nn.Module):
         v: torch.Tensor,
         meta: AttentionMetadata,
         kv_stored: bool = False,  # the caller's fused rotary kernel already wrote k and v to the cache
-        step_kv: bool = False,  # k and v hold exactly what the cache got (same dtype): prefill attention reads them there
     ) -> torch.Tensor:
         if not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
@@ -49,9 +48,7 @@ class Attention(nn.Module):
         return ops.paged_prefill_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale,
-            k_new=k if step_kv else None, v_new=v if step_kv else None,
         )
-
 
     def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
         """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
