@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 from pathlib import Path
@@ -35,7 +36,10 @@ def preset_dir(name: str, root: Path) -> Path:
         raise ValueError(f"unknown preset {name!r}; built-in shapes: {', '.join(PRESETS)}")
     path = Path(root) / name
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(PRESETS[name], indent=1))
+    # transformers treats a local config.json without `transformers_version` as a possible Mistral checkpoint and
+    # warns that the tokenizer's regex is wrong; a config written by transformers names its version, so ours does too
+    config = dict(PRESETS[name], transformers_version=importlib.metadata.version("transformers"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     cfg = PRESETS[name]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}))
     tok = qwen_tokenizer_dir()
