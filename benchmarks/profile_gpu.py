@@ -307,7 +307,9 @@ def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, 
                 engine.step()
             prof.disable()
             print(f"[{tag}] host profile of the first {cprofile_steps} steps:", flush=True)
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+            stats = pstats.Stats(prof, stream=sys.stdout)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(45)
         while engine.has_unfinished():
             engine.step()
         total = time.perf_counter() - t_start

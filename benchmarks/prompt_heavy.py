@@ -9,7 +9,8 @@ reader thread: JSON parse, chat template, tokenization. This script times both s
 
 Input kinds, the same prompts each time: `text` ({"prompt": str}, tokenized by the reader),
 `chat` ({"messages": [...]}, template + tokenization), `ids` ({"prompt_token_ids": [...]}: no
-tokenization, the GPU-bound reference). Jobs run through `run_job` as the CLI runs them, on one
+tokenization, the GPU-bound reference), and `engine`: the ids fed straight to the engine's step loop, no job
+threads at all (what the engine alone does with them). Jobs run through `run_job` as the CLI runs them, on one
 engine with the prefix cache off (repeats would otherwise hit it), kinds in turn per repeat.
 """
 
@@ -83,6 +84,38 @@ def reader_rate(tokenizer: Any, lines: list[bytes]) -> tuple[float, float]:
     return len(lines) / dt, engine.prompt_tokens / dt
 
 
+def engine_job(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """The same prompts straight into the engine's step loop (no reader, writer or dashboard threads): how fast
+    the engine alone turns them over, and where the host's time goes. Returns (seconds, prompt tok/s)."""
+    from nvcli.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    before = step_counters(engine)
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, sp, f"e{i}")
+    done = 0
+    while engine.has_unfinished():
+        done += len(engine.step())
+    dt = time.perf_counter() - t0
+    assert done == len(prompts)
+    tokens = sum(map(len, prompts))
+    print(f"engine: {dt:.2f} s, {tokens / dt:,.0f} prompt tok/s; {step_split(engine, before, dt)}", flush=True)
+    return dt, tokens / dt
+
+
+def step_counters(engine: Any) -> tuple[int, float, float, float]:
+    return engine.num_steps, engine.schedule_s, engine.execute_s, engine.postprocess_s
+
+
+def step_split(engine: Any, before: tuple[int, float, float, float], wall: float) -> str:
+    """Where the engine thread's time went since `before`: its steps, then everything else."""
+    steps, sched, execute, post = (a - b for a, b in zip(step_counters(engine), before))
+    return (f"{steps} steps, {wall / max(steps, 1) * 1e3:.1f} ms each: schedule {sched:.2f} s, waiting for the "
+            f"device {execute:.2f} s, postprocess {post:.2f} s, the rest (launches, add_request, the job's own "
+            f"work) {wall - sched - execute - post:.2f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lines", type=int, default=8192)
@@ -125,13 +158,19 @@ def main() -> None:
     opts = lambda: JobOptions(defaults=Defaults(sampling={"max_tokens": args.max_tokens, "ignore_eos": True}),  # noqa: E731
                               handle_sigint=False)
     run_job(engine, lines["ids"][:512], io.BytesIO(), opts())  # warm-up: prompt and decode shapes
+    prompt_ids = [json.loads(line)["prompt_token_ids"] for line in lines["ids"]]
     for _ in range(args.repeats):
         for k in kinds:
+            if k == "engine":
+                rows[k].append(engine_job(engine, prompt_ids, args.max_tokens))
+                continue
             sink = io.BytesIO()
+            before = step_counters(engine)
             res = run_job(engine, lines[k], sink, opts())
             assert res.written == args.lines and res.failed == 0, (k, res.written, res.errors)
             rows[k].append((res.elapsed_s, res.prompt_tokens / res.elapsed_s))
-            print(f"{k}: {res.elapsed_s:.2f} s, {res.prompt_tokens / res.elapsed_s:,.0f} prompt tok/s", flush=True)
+            print(f"{k}: {res.elapsed_s:.2f} s, {res.prompt_tokens / res.elapsed_s:,.0f} prompt tok/s; "
+                  f"{step_split(engine, before, res.elapsed_s)}", flush=True)
     print(f"\nwhole jobs, {args.lines} lines of ~{args.prompt_tokens} prompt + {args.max_tokens} output tokens, "
           f"kv {args.kv_cache_dtype} (median of {args.repeats}):")
     print("| input | s | prompt tok/s | vs ids |\n| --- | --- | --- | --- |")
