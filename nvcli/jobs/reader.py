@@ -141,35 +141,39 @@ class InputReader(threading.Thread):
     def _tokenize(self, items: list[Request | LineError]) -> None:
         """Fill in prompt_token_ids of the text and chat requests; a chat whose template fails, or a
         prompt the tokenizer rejects, becomes that line's error."""
-        texts: list[int] = []
-        rendered: dict[int, str] = {}  # chats, by index in items
+        plain: dict[int, str] = {}  # text prompts, by index in items
+        rendered: dict[int, str] = {}  # chats
         for i, item in enumerate(items):
             if not isinstance(item, Request) or item.prompt_token_ids is not None:
                 continue
             if item.messages is None:
-                texts.append(i)
+                plain[i] = item.prompt
                 continue
             try:
                 rendered[i] = self.engine.render_chat_text(item.messages, item.chat_template_kwargs or None)
             except Exception as e:  # noqa: BLE001 - a template error belongs to this line only
                 items[i] = _reject(item, INVALID_REQUEST, f"could not render the chat template: {e}")
-        for group, text_of, special in ((texts, lambda i: items[i].prompt, True),
-                                        (list(rendered), rendered.__getitem__, False)):
-            if not group:
-                continue
-            try:
-                ids = self.engine.encode_batch([text_of(i) for i in group], add_special_tokens=special)
-            except Exception:  # noqa: BLE001 - find the line that broke it, alone
-                ids = []
-                for i in group:
-                    try:
-                        ids.append(self.engine.encode_batch([text_of(i)], add_special_tokens=special)[0])
-                    except Exception as e:  # noqa: BLE001
-                        ids.append(None)
-                        items[i] = _reject(items[i], INVALID_REQUEST, f"could not tokenize the prompt: {e}")
-            for i, token_ids in zip(group, ids):
-                if token_ids is not None:
-                    items[i].prompt_token_ids = token_ids
+        self._encode_into(items, plain, add_special_tokens=True)
+        self._encode_into(items, rendered, add_special_tokens=False)
+
+    def _encode_into(self, items: list[Request | LineError], texts: dict[int, str], add_special_tokens: bool) -> None:
+        """items[i].prompt_token_ids = the ids of texts[i], every text in one tokenizer call; when that call fails,
+        each text alone, and the ones the tokenizer rejects become their line's error."""
+        if not texts:
+            return
+        try:
+            ids: list[list[int] | None] = list(self.engine.encode_batch(list(texts.values()), add_special_tokens))
+        except Exception:  # noqa: BLE001 - find the line that broke it, alone
+            ids = []
+            for i, text in texts.items():
+                try:
+                    ids.append(self.engine.encode_batch([text], add_special_tokens)[0])
+                except Exception as e:  # noqa: BLE001
+                    ids.append(None)
+                    items[i] = _reject(items[i], INVALID_REQUEST, f"could not tokenize the prompt: {e}")
+        for i, token_ids in zip(texts, ids):
+            if token_ids is not None:
+                items[i].prompt_token_ids = token_ids
 
     def _emit(self, item: Request | LineError) -> bool:
         """Submit a request, or queue an error line, under a slot. False: the reader was stopped."""

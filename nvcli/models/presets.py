@@ -40,8 +40,7 @@ def preset_dir(name: str, root: Path) -> Path:
     # warns that the tokenizer's regex is wrong; a config written by transformers names its version, so ours does too
     config = dict(PRESETS[name], transformers_version=importlib.metadata.version("transformers"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
-    cfg = PRESETS[name]
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": cfg["eos_token_id"]}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
     tok = qwen_tokenizer_dir()
     for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
         if not (path / f).exists():
