@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nvcli.engine.llm_engine import LLMEngine
 from nvcli.testing.tiny_models import qwen_tokenizer_dir
 
@@ -23,19 +25,18 @@ class _TokenizerOnly:
         self.tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
 
 
-def _engine_with_qwen_tokenizer() -> _TokenizerOnly:
+@pytest.fixture(scope="module")
+def eng() -> _TokenizerOnly:
     return _TokenizerOnly()
 
 
-def test_encode_batch_equals_encode_per_text():
-    eng = _engine_with_qwen_tokenizer()
+def test_encode_batch_equals_encode_per_text(eng: _TokenizerOnly):
     batch = eng.encode_batch(TEXTS)
     assert batch == [eng.encode(t) for t in TEXTS]
     assert eng.encode_batch([]) == []
 
 
-def test_chat_text_encoded_in_a_batch_equals_render_chat():
-    eng = _engine_with_qwen_tokenizer()
+def test_chat_text_encoded_in_a_batch_equals_render_chat(eng: _TokenizerOnly):
     convs = [[{"role": "user", "content": t}] for t in TEXTS]
     texts = [eng.render_chat_text(c) for c in convs]
     assert all(t.endswith("<|im_start|>assistant\n") for t in texts)
