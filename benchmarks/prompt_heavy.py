@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--reader-only", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="run the engine kind's last repeat under cProfile and print its N costliest functions")
     args = ap.parse_args()
     if args.reader_only and "engine" in args.kinds.split(","):
         ap.error("--reader-only times the reader, which the engine kind skips: leave it out of --kinds")
@@ -161,9 +163,19 @@ def main() -> None:
                               handle_sigint=False)
     run_job(engine, lines["ids"][:512], io.BytesIO(), opts())  # warm-up: prompt and decode shapes
     prompt_ids = [json.loads(line)["prompt_token_ids"] for line in lines["ids"]]
-    for _ in range(args.repeats):
+    for rep in range(args.repeats):
         for k in kinds:
             if k == "engine":
+                if args.cprofile and rep == args.repeats - 1:
+                    import cProfile
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    rows[k].append(prof.runcall(engine_job, engine, prompt_ids, args.max_tokens))
+                    stats = pstats.Stats(prof)
+                    stats.sort_stats("tottime").print_stats(args.cprofile)
+                    stats.sort_stats("cumulative").print_stats(args.cprofile)
+                    continue
                 rows[k].append(engine_job(engine, prompt_ids, args.max_tokens))
                 continue
             sink = io.BytesIO()

@@ -20,6 +20,7 @@ from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence
 from nvcli.outputs import CompletionOutput, RequestOutput
 from nvcli.sampling_params import SamplingParams
+from nvcli.token_ids import valid_token_ids
 
 log = logging.getLogger("nvcli")
 
@@ -144,7 +145,7 @@ class LLMEngine:
         else:
             token_ids, text = list(prompt), prompt_text
             vocab = self.hf_config.vocab_size
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            if not valid_token_ids(token_ids, vocab):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")

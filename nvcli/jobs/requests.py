@@ -20,6 +20,7 @@ from typing import Any
 
 from nvcli.jobs import jsonio
 from nvcli.sampling_params import SamplingParams
+from nvcli.token_ids import valid_token_ids
 
 NATIVE = "native"
 CHAT = "chat"  # OpenAI /v1/chat/completions envelope
@@ -265,7 +266,7 @@ def _fill_prompt(req: Request, obj: dict, key: str, defaults: Defaults, prefix: 
         req.prompt = value
     elif key == "prompt_token_ids":
         name = prefix + ("prompt" if prefix else "prompt_token_ids")
-        if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        if not isinstance(value, list) or not valid_token_ids(value):
             raise _Invalid(f"{name} must be a list of non-negative integer token ids")
         if not value:
             raise _Invalid(f"{name} is empty")
