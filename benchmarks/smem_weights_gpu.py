@@ -47,6 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from nvcli.kernels.arrival_counters import arrival_counters
 
 BLOCK_K = 64  # 128 bytes of bf16: one 128-byte-swizzled TMA row
 LAYER = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
@@ -61,17 +64,6 @@ CONFIGS = {
                          "all_x"),
     "wide": ({"o_proj": (128, 16, 8), "gate_up": (128, 2, 8), "down": (128, 16, 8), "qkv": (128, 4, 8)}, "ring"),
 }
-
-
-@gluon.jit
-def _griddep_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _griddep_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -108,13 +100,13 @@ def _smem_weights_gemm_kernel(
     fence_async_shared()
 
     if PDL:
-        _griddep_launch_dependents()
+        gdc_launch_dependents()
     # the weights do not depend on the previous kernel: they stream while it runs
     mbarrier.expect(w_bar, K_TILES * w_desc.block_type.nbytes)
     for t in gl.static_range(K_TILES):
         tma.async_copy_global_to_shared(w_desc, [off_n, k0 + t * BLOCK_K], w_bar, w_smem.index(t))
     if PDL:
-        _griddep_wait()
+        gdc_wait()
 
     num_m = gl.cdiv(M, BLOCK_M)
     total = num_m * K_TILES
@@ -188,9 +180,6 @@ def stages_for(block_m: int, block_n: int, k_tiles: int, ring: str) -> int:
     return max(2, min(k_tiles, X_RING_BYTES[ring] // tile, left // tile))
 
 
-_counters: dict = {}
-
-
 def smem_weights_linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, int], pdl: bool,
                         ring: str = "ring") -> torch.Tensor:
     """x @ w.T with the kernel above; cfg = (BLOCK_N, SPLIT_K, warps)."""
@@ -203,15 +192,12 @@ def smem_weights_linear(x: torch.Tensor, w: torch.Tensor, cfg: tuple[int, int, i
     bm = block_m_for(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    key = (x.device, n // bn)
-    if key not in _counters:
-        _counters[key] = torch.zeros(n // bn, dtype=torch.int32, device=x.device)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.bfloat16))
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, BLOCK_K],
                               gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.bfloat16))
     _smem_weights_gemm_kernel[(n // bn, split)](
-        x_desc, w_desc, part, out, _counters[key], m, n, out.stride(0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=BLOCK_K,
+        x_desc, w_desc, part, out, arrival_counters(x.device, n // bn), m, n, out.stride(0), BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=BLOCK_K,
         K_TILES=k // (BLOCK_K * split), SPLIT_K=split, STAGES=stages_for(bm, bn, k // (BLOCK_K * split), ring), PDL=pdl, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}))
     return out
