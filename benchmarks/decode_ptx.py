@@ -45,12 +45,12 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, v_tile: bool,
         "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
         "counter_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "q_rot_ptr": "*bf16",
         "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "qw_ptr": "*bf16",
-        "kw_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i32",
+        "kw_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i32", "rs_ptr": "*bf16",
     }
-    floats = {"k_scale_val", "v_scale_val", "qk_scale", "eps"}
+    floats = {"k_scale_val", "v_scale_val", "qk_scale", "eps", "rs_eps"}
     const = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, PAGE=page, BLOCK_N=block_n, DIRECT=True, SCALE_IS_PTR=True,
                  DOT_PREC="tf32", F16_DOT=fp8, PDL=False, KVH_MAJOR=True, FUSED_REDUCE=False, SPLITS_PAD=1,
-                 ROPE=rope, ROPE_NORM=rope, ROPE_GROUP_PAD=2, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
+                 ROPE=rope, ROPE_NORM=rope, ROPE_GROUP_PAD=2, ROPE_ROW_SCALE=False, RS_BLOCK=16, ROPE_QUANT=fp8, FP8_MAX=448.0, L2_PREFETCH=False,
                  KV_LINES=1 if fp8 else 2, V_CONVERT_AT_LOAD=v_tile and fp8 and not v_t, SUB=min(page, block_n),
                  RUN_ADDR=run_addr or v_t, V_T=v_t, V_LINES=128 * page * (1 if fp8 else 2) // 128, ORDERED=ordered)
     names = _decode_split_kernel.arg_names

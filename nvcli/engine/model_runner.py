@@ -206,6 +206,9 @@ class ModelRunner:
             load_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, iter_safetensors(model_dir))
+        fold = getattr(self.model, "fold_norm_weights", None)
+        if fold is not None:
+            fold()  # deferred RMSNorm (models/llama.py)
         self.model.eval()
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -321,7 +324,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _run_largest_prefill(self, step: StepInput) -> None:
         hidden, residual = self._forward(step)
-        logits = self.model.compute_logits(hidden[: self.config.max_num_seqs], residual[: self.config.max_num_seqs])
+        rows = slice(0, self.config.max_num_seqs)
+        logits = self.model.compute_logits(hidden[rows], residual[rows] if residual is not None else None)
         del hidden, residual, logits
 
     @torch.inference_mode()
@@ -419,8 +423,9 @@ class ModelRunner:
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     @torch.inference_mode()
-    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last token of each sequence: the final norm's inputs (hidden, residual), [num_seqs, hidden] each."""
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last token of each sequence: the final norm's inputs (hidden, residual), [num_seqs, hidden] each
+        (residual None where the model returns the residual stream itself: deferred norm, models/llama.py)."""
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step)
@@ -430,7 +435,7 @@ class ModelRunner:
         if step.decode_only:  # one token per sequence: every row is a last token
             return hidden, residual
         last = meta.query_start_loc[1:].long() - 1
-        return hidden[last], residual[last]
+        return hidden[last], residual[last] if residual is not None else None
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInput) -> torch.Tensor:
@@ -516,9 +521,9 @@ class ModelRunner:
         self.g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         # each graph's outputs: (hidden, residual) [bs, hidden] in the graphs' memory pool, rewritten by
         # every replay of that graph
-        self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _graph_forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _graph_forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step a graph of `bs` rows holds, on the static buffers (seq_len 0, slot -1: reads and
         writes no KV)."""
         meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
@@ -577,7 +582,7 @@ class ModelRunner:
             self.graphs.clear()
             torch.cuda.empty_cache()
 
-    def _replay_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copy the step's inputs into the graph's static buffers and replay; the graph's (hidden, residual)."""
         bs = len(step.seq_lens)
         graph_bs = next(s for s in self.graph_batch_sizes if s >= bs)
@@ -613,7 +618,7 @@ class ModelRunner:
         self._feed_back(self.g_input_ids, step)
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
-        return hidden[:bs], residual[:bs]
+        return hidden[:bs], residual[:bs] if residual is not None else None
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

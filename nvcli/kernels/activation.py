@@ -1,4 +1,8 @@
-"""SiLU(gate) * up in one pass over the fused gate_up projection output."""
+"""SiLU(gate) * up in one pass over the fused gate_up projection output.
+
+With `scale_rows` (deferred RMSNorm, models/llama.py) gate_up is the projection of the un-normalized rows, the
+norm's weight folded into the projection: each program first computes its row's 1 / RMS from the row itself and
+scales gate and up by it, so the norm needs no kernel (and no pass over the hidden states) of its own."""
 
 from __future__ import annotations
 
@@ -10,27 +14,44 @@ from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, D, rs_n, rs_eps,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr, RS_BLOCK: tl.constexpr):
     pdl_start(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < D
     gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
+    if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
+        offs_r = tl.arange(0, RS_BLOCK)
+        h = tl.load(rs_ptr + row.to(tl.int64) * stride_rs + offs_r, mask=offs_r < rs_n, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / rs_n + rs_eps)
+        gate = (gate * rstd).to(up.dtype).to(tl.float32)
+        up = (up.to(tl.float32) * rstd).to(up.dtype)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
     tl.store(out_ptr + row.to(tl.int64) * stride_o + col, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
              mask=mask)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+def silu_and_mul_triton(
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate then up
+    scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: gate and up first times each row's 1 / RMS
+    scale_eps: float = 1e-6,
+) -> torch.Tensor:  # [num_tokens, d]
     n, two_d = x.shape
     d = two_d // 2
     assert x.stride(-1) == 1
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    if scale_rows is not None:
+        assert scale_rows.shape[0] == n and scale_rows.stride(-1) == 1
     block = min(1024, triton.next_power_of_2(d))
     pdl = use_pdl(x, n)
-    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl,
-                                                      num_warps=4, **launch_kwargs(pdl))
+    rs = scale_rows if scale_rows is not None else x
+    _silu_and_mul_kernel[(n, triton.cdiv(d, block))](
+        x, out, rs, x.stride(0), out.stride(0), rs.stride(0), d, rs.shape[1] if scale_rows is not None else 1,
+        scale_eps, BLOCK=block, PDL=pdl, ROW_SCALE=scale_rows is not None,
+        RS_BLOCK=triton.next_power_of_2(rs.shape[1]) if scale_rows is not None else 16, num_warps=4,
+        **launch_kwargs(pdl))
     return out

@@ -89,6 +89,10 @@ class DecodeRope:
     q_weight: Optional[torch.Tensor] = None  # [head_dim]: per-head RMSNorm weights (Qwen3)
     k_weight: Optional[torch.Tensor] = None
     eps: float = 1e-6
+    # [num_seqs, hidden]: deferred RMSNorm (models/llama.py): q, k and v are projections of these rows before
+    # their norm, so the rotary step first multiplies them by each row's 1 / RMS (rope_qk_norm_store's ROW_SCALE)
+    scale_rows: Optional[torch.Tensor] = None
+    scale_eps: float = 1e-6
 
 
 @triton.jit
@@ -153,6 +157,10 @@ def _decode_split_kernel(
     slot_ptr,  # [num_seqs] cache slot of the new token, -1 = padding
     order_ptr,  # [num_seqs] int32 (ORDERED): the sequence each program row takes
     eps,
+    rs_ptr,  # [num_seqs, rs_n] (ROPE_ROW_SCALE)
+    stride_rs,
+    rs_n,
+    rs_eps,
     stride_knt,
     stride_knh,
     stride_vnt,
@@ -185,6 +193,8 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,  # first norm + rotate q (in place) and the new k, and store the new k and v
     ROPE_NORM: tl.constexpr,  # with ROPE: Qwen3's per-head q/k RMSNorm before the rotation
     ROPE_GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    ROPE_ROW_SCALE: tl.constexpr,  # with ROPE: q, k, v are projections of un-normalized rows (DecodeRope.scale_rows)
+    RS_BLOCK: tl.constexpr,  # rs_n rounded up to a power of two
     ROPE_QUANT: tl.constexpr,  # fp8 cache: the store quantizes
     FP8_MAX: tl.constexpr,
     L2_PREFETCH: tl.constexpr,  # PDL: prefetch the program's K/V lines into L2 before waiting
@@ -264,13 +274,14 @@ def _decode_split_kernel(
         rope_qk_norm_store(
             seq.to(tl.int64), kvh, owner,
             q_ptr, q_rot_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, k_scale, v_scale, eps,
+            slot_ptr, k_scale, v_scale, eps, rs_ptr, stride_rs, rs_n, rs_eps,
             stride_qs, stride_qh, HEAD_DIM * GROUP * num_kv_heads, HEAD_DIM, stride_knt, stride_knh, stride_vnt,
             stride_vnh,
             # V_T: the new token's V goes into its open page token-major (kv_layout.py), sealed once full
             stride_kb, stride_kt, stride_kh, stride_vb, HEAD_DIM if V_T else stride_vt, stride_vh,
             1 if V_T else stride_vd,
-            GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX, V_T,
+            GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX, V_T, ROPE_ROW_SCALE,
+            RS_BLOCK,
         )
         tl.debug_barrier()
         q_ptr = q_rot_ptr
@@ -546,12 +557,18 @@ def paged_decode_attention_triton(
         r = rope
         norm = r.q_weight is not None
         q_rot = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        rs = r.scale_rows
+        if rs is not None:
+            assert rs.shape[0] == num_seqs and rs.stride(-1) == 1
         rope_args = (q_rot, r.k, r.v, r.positions, r.cos_sin_cache, r.q_weight if norm else r.cos_sin_cache,
-                     r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps, r.k.stride(0), r.k.stride(1),
-                     r.v.stride(0), r.v.stride(1))
+                     r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps,
+                     rs if rs is not None else q, rs.stride(0) if rs is not None else 0,
+                     rs.shape[1] if rs is not None else 1, r.scale_eps,
+                     r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1))
     else:
         norm = False
-        rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, 0, 0, 0, 0)  # unused
+        rs = None
+        rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, q, 0, 1, 0.0, 0, 0, 0, 0)  # unused
     if order is not None:
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
     grid = (num_kv_heads, num_seqs, num_splits) if kvh_major else (num_seqs, num_kv_heads, num_splits)
@@ -605,6 +622,8 @@ def paged_decode_attention_triton(
         ROPE=rope is not None,
         ROPE_NORM=norm,
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
+        ROPE_ROW_SCALE=rs is not None,
+        RS_BLOCK=triton.next_power_of_2(rs.shape[1]) if rs is not None else 16,
         ROPE_QUANT=fp8,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         L2_PREFETCH=(pdl and L2_PREFETCH and num_seqs <= L2_PREFETCH_MAX_SEQS

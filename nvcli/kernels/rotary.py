@@ -34,16 +34,20 @@ def rope_qk_norm_store(
     store_kv,  # runtime flag: write k and v to the cache (STORE) or k back in place (not STORE)
     q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k_scale, v_scale, eps,
+    rs_ptr, stride_rs, rs_n, rs_eps,  # ROW_SCALE: the token's hidden row [rs_n] (the layer's input, before its norm)
     stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, SEAL: tl.constexpr = False,
+    ROW_SCALE: tl.constexpr = False, RS_BLOCK: tl.constexpr = 16,
 ):
     """Token t, KV head kvh: norm + rotate its query heads into q_out (may be q itself), and its key (and
     value) into the cache slot or back in place. Shared by the rotary kernel and the decode-attention kernel (which
     runs it first thing, so a decode step needs no separate rotary launch). The V strides are the open page's
     (token-major, kv_layout.py). SEAL (decode attention over a dims-major V cache: the token is the only one of
-    its page written in this launch): a token that fills its page seals it."""
+    its page written in this launch): a token that fills its page seals it. ROW_SCALE (deferred RMSNorm,
+    models/llama.py): q, k and v are projections of the un-normalized row, so each is first multiplied by the
+    row's 1 / RMS, computed here from the row itself (the norm's weight is folded into the projection)."""
     offs = tl.arange(0, HALF)  # [HALF]
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     g_mask = (offs_g < GROUP)[:, None]
@@ -67,6 +71,17 @@ def rope_qk_norm_store(
     k_base = k_ptr + t * stride_kt + kvh * stride_kh + offs
     k1 = tl.load(k_base).to(tl.float32)  # [HALF]
     k2 = tl.load(k_base + HALF).to(tl.float32)
+    if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
+        offs_r = tl.arange(0, RS_BLOCK)  # [RS_BLOCK]
+        row = tl.load(rs_ptr + t * stride_rs + offs_r, mask=offs_r < rs_n, other=0.0).to(tl.float32)
+        r_rstd = tl.rsqrt(tl.sum(row * row, axis=0) / rs_n + rs_eps)
+        q1 = (q1 * r_rstd).to(dtype).to(tl.float32)
+        q2 = (q2 * r_rstd).to(dtype).to(tl.float32)
+        k1 = (k1 * r_rstd).to(dtype).to(tl.float32)
+        k2 = (k2 * r_rstd).to(dtype).to(tl.float32)
+        if STORE:
+            v1 = (v1.to(tl.float32) * r_rstd).to(v1.dtype)
+            v2 = (v2.to(tl.float32) * r_rstd).to(v2.dtype)
     if NORM:
         # Round like the torch path: normalized value in the model dtype, then times the weight.
         q_rstd = tl.rsqrt((tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)) / (2 * HALF) + eps)[:, None]
@@ -122,6 +137,10 @@ def _rope_store_kernel(
     k_scale_val,
     v_scale_val,
     eps,
+    rs_ptr,  # [num_tokens, rs_n] (ROW_SCALE)
+    stride_rs,
+    rs_n,
+    rs_eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -145,15 +164,18 @@ def _rope_store_kernel(
     SCALE_IS_PTR: tl.constexpr,
     FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
+    ROW_SCALE: tl.constexpr,
+    RS_BLOCK: tl.constexpr,
 ):
     pdl_start(PDL)
     ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     rope_qk_norm_store(
         tl.program_id(0).to(tl.int64), tl.program_id(1), True,
         q_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks, vs,
-        eps, stride_qt, stride_qh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        eps, rs_ptr, stride_rs, rs_n, rs_eps,
+        stride_qt, stride_qh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX,
+        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX, False, ROW_SCALE, RS_BLOCK,
     )
 
 
@@ -172,8 +194,12 @@ def rope_qk_norm_triton(
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
     k_scale: Scale = None,
     v_scale: Scale = None,
+    scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: q, k, v first times each row's 1 / RMS
+    scale_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k."""
+    """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k.
+    `scale_rows` (deferred RMSNorm, models/llama.py; needs the cache store, which is where v is scaled): q, k and
+    v are first multiplied by rsqrt(mean(row ** 2) + scale_eps) of their token's row."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1
@@ -191,6 +217,9 @@ def rope_qk_norm_triton(
         v_cache = open_page_view(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions
+    if scale_rows is not None:
+        assert store, "scale_rows scales v on its way to the cache: pass k_cache"
+        assert scale_rows.shape[0] == num_tokens and scale_rows.stride(-1) == 1
     quant = store and is_fp8(k_cache.dtype)
     if not quant:
         k_scale = v_scale = None
@@ -202,6 +231,8 @@ def rope_qk_norm_triton(
         q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
         k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         eps,
+        scale_rows if scale_rows is not None else q, scale_rows.stride(0) if scale_rows is not None else 0,
+        scale_rows.shape[1] if scale_rows is not None else 1, scale_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1) if k_cache.dim() > 1 else 0, k_cache.stride(2) if k_cache.dim() > 2 else 0,
         v_cache.stride(0), v_cache.stride(1) if v_cache.dim() > 1 else 0, v_cache.stride(2) if v_cache.dim() > 2 else 0,
@@ -210,6 +241,8 @@ def rope_qk_norm_triton(
         PAGE=k_cache.shape[1] if store else 1, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         PDL=pdl,
+        ROW_SCALE=scale_rows is not None,
+        RS_BLOCK=triton.next_power_of_2(scale_rows.shape[1]) if scale_rows is not None else 16,
         num_warps=1 if group * head_dim <= 512 else 2,
         **launch_kwargs(pdl),
     )

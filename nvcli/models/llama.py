@@ -2,8 +2,18 @@
 
 The model is stateless about scheduling: forward takes packed tokens, their positions and
 the step's AttentionMetadata, and returns the last layer's output and residual; `compute_logits`
-applies the final add+RMSNorm and the LM head to the rows that need sampling only (one fused
-kernel for a few rows: the norm is the LM-head GEMM's prologue).
+applies the final add+RMSNorm and the LM head to the rows that need sampling only.
+
+Deferred RMSNorm. A layer's two RMSNorms each feed one projection, so after loading, each norm's weight is
+folded into its projection's input columns (`fold_norm_weights`; the norms keep weight 1) and
+RMSNorm(h) @ W.T = (h @ W'.T) * rstd(h) row by row. Steps of more than DEFERRED_NORM_MIN_ROWS rows then keep one
+residual stream h and run a layer as six kernels instead of eight: qkv = h @ Wqkv'.T; attention, whose rotary
+step scales q, k and v by rstd(h); h += o @ Wo.T (cuBLAS adds into h: beta = 1); gate_up = h @ Wgu'.T; SiLU-and-
+mul, which scales gate and up by rstd(h); h += act @ Wd.T. The two add+RMSNorm kernels per layer are gone:
+each was a few microseconds of launch and latency in a chain of dependent kernels (RESULTS, session 21). A few
+rows keep the fused kernels (the norm in the skinny GEMM's prologue). Not with tensor parallelism (o_proj and
+down are summed across ranks after the GEMM) or projection biases (a bias is added after the scaling).
+NV_DEFERRED_NORM=0 turns it off, `decode` keeps it to decode steps (A/B runs).
 """
 
 from __future__ import annotations
@@ -16,10 +26,15 @@ from torch import nn
 from nvcli.distributed import all_reduce, tp_size
 from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.kernels.ops import use_triton
-from nvcli.models.layers.activation import SiluAndMul
+from nvcli.models.layers.activation import SiluAndMul, row_rstd
 from nvcli.models.layers.attention import Attention
 from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nvcli.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nvcli.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear,
+)
 from nvcli.models.layers.norm import RMSNorm
 from nvcli.models.layers.rotary import RotaryEmbedding
 
@@ -30,6 +45,11 @@ from nvcli.models.layers.rotary import RotaryEmbedding
 # NV_DECODE_ROPE=0 keeps the separate rotary kernel everywhere, NV_DECODE_ROPE_MAX_ROWS bounds the rows (A/B runs).
 FUSED_DECODE_ROPE = os.environ.get("NV_DECODE_ROPE", "1") != "0"
 FUSED_DECODE_ROPE_MAX_ROWS = int(os.environ.get("NV_DECODE_ROPE_MAX_ROWS", str(1 << 30)))
+DEFERRED_NORM = os.environ.get("NV_DEFERRED_NORM", "1")  # "0": off; "decode": decode steps only; else every step
+if DEFERRED_NORM not in ("0", "1", "decode"):
+    raise ValueError(f"NV_DEFERRED_NORM={DEFERRED_NORM!r}: use 0, 1 or decode")
+# Up to SMALL_M rows the skinny GEMM computes the norm in its prologue (kernels/skinny_gemm.py): no kernel to save.
+DEFERRED_NORM_MIN_ROWS = 17
 
 
 class DecoderAttention(nn.Module):
@@ -60,6 +80,20 @@ class DecoderAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]."""
+        return self.o_proj(self.attention_heads(positions, qkv, meta))
+
+    def attention_heads(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        meta: AttentionMetadata,
+        scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized
+        scale_eps: float = 1e-6,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], before o_proj
+        """q/k norm, rotary, KV store and attention; with `scale_rows` (deferred norm) q, k and v are first scaled
+        by each row's 1 / RMS (inside the rotary kernels on the GPU)."""
+        if scale_rows is not None and not use_triton(qkv):
+            qkv = (qkv.float() * row_rstd(scale_rows, scale_eps)).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -74,21 +108,23 @@ class DecoderAttention(nn.Module):
                 # norm + rotary + KV store inside the attention kernel
                 from nvcli.kernels.decode_attention import DecodeRope
 
-                rope = DecodeRope(k, v, positions, self.rotary_emb.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps)
+                rope = DecodeRope(k, v, positions, self.rotary_emb.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps,
+                                  scale_rows, scale_eps)
                 o = attn.decode_with_rope(q, rope, meta)
             else:  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
                 from nvcli.kernels.rotary import rope_qk_norm_triton
 
                 q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
                                            k_cache=attn.k_cache, v_cache=attn.v_cache,
-                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale)
+                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale,
+                                           scale_rows=scale_rows, scale_eps=scale_eps)
                 o = attn(q, k, v, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
             o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(o.flatten(1))
+        return o.flatten(1)
 
 
 class DecoderMLP(nn.Module):
@@ -138,6 +174,31 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def forward_deferred(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer on the residual stream h [num_tokens, hidden], updated in place and returned (deferred norm,
+        see the module docstring; the norms' weights are folded into qkv_proj and gate_up_proj)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = linear(h, attn.qkv_proj.weight, None)  # [num_tokens, (H + 2 * KH) * head_dim] of the un-normed rows
+        o = attn.attention_heads(positions, qkv, meta, h, self.input_layernorm.eps)  # [num_tokens, H * head_dim]
+        h.addmm_(o, attn.o_proj.weight.t())  # h += o_proj(o), summed inside the GEMM
+        gate_up = linear(h, mlp.gate_up_proj.weight, None)
+        act = mlp.act(gate_up, h, self.post_attention_layernorm.eps)  # [num_tokens, intermediate]
+        return h.addmm_(act, mlp.down_proj.weight.t())
+
+    def fold_norm_weights(self) -> None:
+        """Fold each norm's weight into the projection it feeds, leaving the norm at weight 1: the same function,
+        and the form `forward_deferred` needs."""
+        for norm, proj in ((self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm,
+                                                                              self.mlp.gate_up_proj)):
+            w = proj.weight.data  # [out, hidden]
+            w.copy_((w.float() * norm.weight.data.float()[None, :]).to(w.dtype))
+            norm.weight.data.fill_(1.0)
+
+    @property
+    def can_defer_norm(self) -> bool:
+        return all(p.bias is None for p in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                                            self.mlp.down_proj))
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
@@ -145,12 +206,31 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norms_folded = False  # fold_norm_weights ran: forward may defer the norms
+
+    def fold_norm_weights(self) -> None:
+        for layer in self.layers:
+            layer.fold_norm_weights()
+        self.norms_folded = True
+
+    def defers_norm(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether a step of `num_tokens` rows runs the deferred-norm layers (module docstring)."""
+        if DEFERRED_NORM == "0" or num_tokens < DEFERRED_NORM_MIN_ROWS or not self.norms_folded or tp_size() > 1:
+            return False
+        if DEFERRED_NORM == "decode" and not meta.decode_only:
+            return False
+        return bool(self.layers) and all(layer.can_defer_norm for layer in self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) [num_tokens, hidden] each: the final norm's inputs (see compute_logits)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, residual) [num_tokens, hidden] each: the final norm's inputs (see compute_logits); residual None
+        when x is the whole residual stream (deferred norm)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        if self.defers_norm(x.shape[0], meta):
+            for layer in self.layers:
+                x = layer.forward_deferred(positions, x, meta)
+            return x, None
         residual = torch.zeros_like(x) if not self.layers else None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
@@ -181,12 +261,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last decoder layer's (output, residual), [num_tokens, hidden] each, before the final norm."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last decoder layer's (output, residual), [num_tokens, hidden] each (residual None: the output is the
+        residual stream), before the final norm."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Logits [num_seqs, vocab] of LM-head(RMSNorm(hidden + residual)) for the selected rows [num_seqs, hidden]."""
+    def fold_norm_weights(self) -> None:
+        """After loading: each decoder norm's weight into the projection it feeds (DecoderLayer.fold_norm_weights)."""
+        self.model.fold_norm_weights()
+
+    def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """Logits [num_seqs, vocab] of LM-head(RMSNorm(hidden + residual)) for the selected rows [num_seqs, hidden]
+        (residual None: of RMSNorm(hidden))."""
         return self.lm_head(hidden, residual, self.model.norm)
 
 

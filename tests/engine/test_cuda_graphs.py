@@ -71,3 +71,27 @@ def test_first_full_prompt_step_grows_no_segment(tiny_model_dir) -> None:
         assert torch.cuda.memory_stats()["segment.large_pool.allocated"] == before
     finally:
         llm.shutdown()
+
+
+def test_deferred_norm_decode_graphs_match_cpu(tiny_model_dir) -> None:
+    """Decode graphs of more than DEFERRED_NORM_MIN_ROWS rows run the deferred-norm layers (models/llama.py:
+    cuBLAS adds the residual, the rotary step and SiLU kernels scale by 1 / RMS): float32 on the GPU gives the
+    CPU's tokens while the batch drains from 24 rows through the graph sizes to 1."""
+    from nvcli.models import llama
+
+    prompts = [list(range(2000 + 31 * i, 2000 + 31 * i + 5 + 9 * i)) for i in range(24)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(len(prompts))]
+    assert len(prompts) >= llama.DEFERRED_NORM_MIN_ROWS
+    model_dir = tiny_model_dir("qwen3")
+    cpu = LLM(str(model_dir), device="cpu", max_model_len=512, num_kvcache_blocks=256)
+    try:
+        want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    finally:
+        cpu.shutdown()
+    got = []
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert got == want

@@ -209,3 +209,48 @@ def test_text_prompts_and_chat(tiny_model_dir) -> None:
     expected = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert chat.prompt_token_ids == tok(expected, add_special_tokens=False).input_ids
     assert chat.outputs[0].token_ids == hf_greedy(model_dir, chat.prompt_token_ids)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("regime", ["prefix_off", "chunked_prefill"])
+def test_greedy_matches_hf_with_deferred_norm(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                              regime: str) -> None:
+    """Deferred RMSNorm (models/llama.py: norm weights folded into the projections, the 1 / RMS applied after
+    them, residual adds inside the o_proj / down GEMMs) at every step, prompt and decode: still HF's tokens.
+    Qwen2's biased qkv projection keeps the explicit norms (a bias is added after the scaling)."""
+    from nvcli.models import llama
+
+    calls = []
+    real = llama.DecoderLayer.forward_deferred
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(llama, "DEFERRED_NORM_MIN_ROWS", 1)
+    monkeypatch.setattr(llama.DecoderLayer, "forward_deferred", counting)
+    check_greedy(tiny_model_dir, arch, regime, async_scheduling=False)
+    assert bool(calls) == (arch != "qwen2")
+
+
+def test_norm_weights_are_folded_into_the_projections(tiny_model_dir) -> None:
+    """After loading, each decoder norm has weight 1 and its projection carries the checkpoint's norm weight in
+    its input columns; the final norm (before the tied LM head) keeps its own."""
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_dir("qwen3")
+    ckpt = load_file(str(model_dir / "model.safetensors"))
+    llm = LLM(str(model_dir), device="cpu", max_model_len=128, num_kvcache_blocks=16)
+    try:
+        model = llm.engine.executor.runner.model.model
+        layer = model.layers[0]
+        g = ckpt["model.layers.0.input_layernorm.weight"]
+        assert not torch.allclose(g, torch.ones_like(g))
+        assert torch.equal(layer.input_layernorm.weight, torch.ones_like(g))
+        torch.testing.assert_close(layer.self_attn.qkv_proj.weight[:8],
+                                   ckpt["model.layers.0.self_attn.q_proj.weight"][:8] * g)
+        g2 = ckpt["model.layers.0.post_attention_layernorm.weight"]
+        torch.testing.assert_close(layer.mlp.gate_up_proj.weight[:8], ckpt["model.layers.0.mlp.gate_proj.weight"][:8] * g2)
+        torch.testing.assert_close(model.norm.weight, ckpt["model.norm.weight"])
+    finally:
+        llm.shutdown()

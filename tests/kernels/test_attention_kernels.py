@@ -385,3 +385,50 @@ def test_decode_and_prefill_agree_on_decode_batch() -> None:
     dec = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2)
     pre = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
     torch.testing.assert_close(dec, pre, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm,num_splits", [(False, 1), (True, 1), (True, 3)])
+def test_decode_with_fused_rope_scales_unnormalized_rows(norm: bool, num_splits: int) -> None:
+    """Deferred RMSNorm (models/llama.py): with `scale_rows` the decode kernel's rotary step first multiplies q, k
+    and v by each row's 1 / RMS, so attention and the stored K/V are those of the projections of the normalized
+    rows (the rows' RMS differ, so a row scaled by another's factor would show)."""
+    from nvcli.kernels.decode_attention import DecodeRope
+    from nvcli.kernels.rotary import rope_qk_norm_triton
+    from nvcli.models.layers.activation import row_rstd
+    from nvcli.models.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(41 + norm + num_splits)
+    lens = [40, 17, 1, 0]
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    heads, kv_heads, hidden = 4, 2, 48  # hidden not a power of two: the row loads are masked
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * HEAD_DIM, generator=gen)
+    rows = torch.randn(len(lens), hidden, generator=gen) * torch.tensor([[0.5], [2.0], [8.0], [1.0]])
+    positions = torch.tensor([max(n - 1, 0) for n in lens])
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1 for i, n in enumerate(lens)])
+    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
+    qw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
+    kw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def views(t: torch.Tensor):
+        q = t[:, : heads * HEAD_DIM].view(-1, heads, HEAD_DIM)
+        k = t[:, heads * HEAD_DIM : (heads + kv_heads) * HEAD_DIM].view(-1, kv_heads, HEAD_DIM)
+        v = t[:, (heads + kv_heads) * HEAD_DIM :].view(-1, kv_heads, HEAD_DIM)
+        return q, k, v
+
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    ref_qkv, ref_kc, ref_vc = dev(qkv * row_rstd(rows, 1e-6)), dev(k_cache.clone()), dev(v_cache.clone())
+    q, k, v = views(ref_qkv)
+    rope_qk_norm_triton(q, k, dev(positions), dev(rope.cos_sin_cache), dev(qw), dev(kw), 1e-6, v=v,
+                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=dev(slots))
+    ref = paged_decode_attention_triton(q, ref_kc, ref_vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16)
+
+    kc, vc = dev(k_cache.clone()), dev(v_cache.clone())
+    q, k, v = views(dev(qkv.clone()))
+    r = DecodeRope(k, v, dev(positions), dev(rope.cos_sin_cache), dev(slots), dev(qw), dev(kw), 1e-6,
+                   scale_rows=dev(rows), scale_eps=1e-6)
+    out = paged_decode_attention_triton(q, kc, vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16, rope=r)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc.cpu(), ref_kc.cpu(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(vc.cpu(), ref_vc.cpu(), atol=2e-5, rtol=2e-5)
+    assert not torch.allclose(vc.cpu(), v_cache)  # the new (scaled) values did land

@@ -106,3 +106,57 @@ def test_silu_and_mul_matches_torch() -> None:
     ref = torch.nn.functional.silu(x[:, :96]) * x[:, 96:]
     out = silu_and_mul_triton(x.to(DEVICE)).cpu()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_scales_unnormalized_rows() -> None:
+    """Deferred RMSNorm: with `scale_rows` gate and up are first multiplied by each row's 1 / RMS (the rows' RMS
+    differ by 16x, so a wrong row or a missing scale shows); the torch layer does the same."""
+    from nvcli.kernels.activation import silu_and_mul_triton
+    from nvcli.models.layers.activation import SiluAndMul, row_rstd
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2 * 96)
+    rows = torch.randn(3, 40) * torch.tensor([[0.5], [2.0], [8.0]])  # hidden 40: masked row loads
+    scaled = x * row_rstd(rows, 1e-5)
+    ref = torch.nn.functional.silu(scaled[:, :96]) * scaled[:, 96:]
+    out = silu_and_mul_triton(x.to(DEVICE), rows.to(DEVICE), 1e-5).cpu()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(SiluAndMul()(x, rows, 1e-5), ref, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(out, torch.nn.functional.silu(x[:, :96]) * x[:, 96:], atol=1e-3)
+
+
+def test_rope_store_scales_unnormalized_rows() -> None:
+    """The prompt-step rotary kernel with `scale_rows`: q (in place), and the k and v it stores, are those of the
+    rows' projections after RMSNorm; it refuses to scale without the cache store, where v is scaled."""
+    from nvcli.kernels.rotary import rope_qk_norm_triton
+    from nvcli.models.layers.activation import row_rstd
+
+    torch.manual_seed(2)
+    T, KH, D, page, nb, hidden = 5, 2, 32, 4, 4, 24
+    H = 2 * KH
+    qkv = torch.randn(T, (H + 2 * KH) * D)
+    rows = torch.randn(T, hidden) * torch.linspace(0.25, 4.0, T)[:, None]
+    positions = torch.tensor([0, 1, 5, 9, 13])
+    slots = torch.tensor([3, -1, 0, 9, 14])
+    rope = RotaryEmbedding(D, 64, 10000.0, None)
+    qw, kw = 1 + 0.1 * torch.randn(D), 1 + 0.1 * torch.randn(D)
+
+    def run(t: torch.Tensor, scale_rows: torch.Tensor | None):
+        t = t.clone().to(DEVICE)
+        q, k, v = t.split([H * D, KH * D, KH * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, KH, D), v.view(T, KH, D)
+        kc = torch.zeros(nb, page, KH, D, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        rope_qk_norm_triton(q, k, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), qw.to(DEVICE), kw.to(DEVICE),
+                            1e-6, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots.to(DEVICE),
+                            scale_rows=None if scale_rows is None else scale_rows.to(DEVICE), scale_eps=1e-6)
+        return q.cpu(), kc.cpu(), vc.cpu()
+
+    want = run(qkv * row_rstd(rows, 1e-6), None)
+    got = run(qkv, rows)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    q = qkv[:, : H * D].view(T, H, D).clone().to(DEVICE)
+    with pytest.raises(AssertionError, match="k_cache"):
+        rope_qk_norm_triton(q, q[:, :KH], positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE),
+                            scale_rows=rows.to(DEVICE))

@@ -7,11 +7,24 @@ from torch import nn
 from nvcli.kernels.ops import use_triton
 
 
+def row_rstd(rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """[n, 1] float32: 1 / RMS of each row, as RMSNorm computes it."""
+    x = rows.float()
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2 * d] -> [n, d]
+    def forward(
+        self,
+        x: torch.Tensor,  # [n, 2 * d]
+        scale_rows: torch.Tensor | None = None,  # [n, hidden]: gate and up first times each row's 1 / RMS
+        scale_eps: float = 1e-6,
+    ) -> torch.Tensor:  # [n, d]
         if use_triton(x):
             from nvcli.kernels.activation import silu_and_mul_triton
 
-            return silu_and_mul_triton(x)
+            return silu_and_mul_triton(x, scale_rows, scale_eps)
+        if scale_rows is not None:
+            x = (x.float() * row_rstd(scale_rows, scale_eps)).to(x.dtype)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -39,14 +39,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the selected rows, after the model's final add+RMSNorm; with TP the vocab shards are
     gathered on every rank."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """x, residual: [num_seqs, hidden] -> logits of norm(x + residual): [num_seqs, vocab]."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
+        """x, residual: [num_seqs, hidden] -> logits of norm(x + residual) (of norm(x) without a residual):
+        [num_seqs, vocab]."""
         from nvcli.models.layers.linear import linear
 
         # The norm stays a kernel of its own: fused into the LM head's prologue, each of its ~2,400
         # programs (vocab / 64 columns) redid the row's RMS pass. One request on the H100: 1.042-1.048 ms
         # per token fused, 1.028-1.029 unfused (each call beside the same baseline at 1.033-1.037).
-        logits = linear(norm(x, residual)[0], self.weight, None)
+        normed = norm(x) if residual is None else norm(x, residual)[0]
+        logits = linear(normed, self.weight, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

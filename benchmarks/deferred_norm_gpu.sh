@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Deferred RMSNorm (models/llama.py) on the GPU, in one device call per group of sections:
+#   bash benchmarks/deferred_norm_gpu.sh SECTION...   (tests, correctness, ab, ab_fp8, prompt, profile)
+# tests: the kernel and CUDA-graph tests the change touches; correctness: gpu_e2e's GPU-vs-CPU float32 check;
+# ab / ab_fp8: the DESIGN workload with NV_DEFERRED_NORM=0 / 1 / decode in turn (one process each, two rounds);
+# prompt: a prompt-heavy job, engine alone, off / on in turn; profile: a timeline of decode steps, on.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+for section in "$@"; do
+  echo "=== $section"
+  case $section in
+    tests)
+      python3 -m pytest -q -x tests/kernels/test_fused_layers.py tests/kernels/test_attention_kernels.py \
+        tests/kernels/test_rms_norm.py tests/engine/test_cuda_graphs.py tests/engine/test_model_runner.py 2>&1 | tail -4 ;;
+    correctness)
+      python3 benchmarks/gpu_e2e.py --sections correctness 2>&1 | grep "^## " ;;
+    ab)
+      bash benchmarks/ab_gpu.sh throughput 3 "off:NV_DEFERRED_NORM=0" "on:NV_DEFERRED_NORM=1" \
+        "decode:NV_DEFERRED_NORM=decode" "off2:NV_DEFERRED_NORM=0" "on2:NV_DEFERRED_NORM=1" ;;
+    ab_fp8)
+      bash benchmarks/ab_gpu.sh fp8 3 "off:NV_DEFERRED_NORM=0" "on:NV_DEFERRED_NORM=1" \
+        "off2:NV_DEFERRED_NORM=0" "on2:NV_DEFERRED_NORM=1" ;;
+    prompt)
+      for round in 1 2; do
+        for mode in 0 1; do
+          echo "[prompt-heavy NV_DEFERRED_NORM=$mode round $round]"
+          NV_DEFERRED_NORM=$mode python3 benchmarks/prompt_heavy.py --kinds engine --lines 2048 --max-tokens 16 \
+            --repeats 1 2>&1 | tail -3
+        done
+      done ;;
+    profile)
+      python3 benchmarks/profile_gpu.py --sections steps --batches 48:1500,128:1000,256:800 2>&1 | tail -30 ;;
+    *) echo "unknown section $section"; exit 2 ;;
+  esac
+done
