@@ -3,7 +3,7 @@
 #   bash benchmarks/deferred_norm_gpu.sh SECTION...   (tests, correctness, ab, ab_fp8, prompt, profile)
 # tests: the kernel and CUDA-graph tests the change touches; correctness: gpu_e2e's GPU-vs-CPU float32 check;
 # ab / ab_fp8: the DESIGN workload with NV_DEFERRED_NORM=0 / 1 / decode in turn (one process each, two rounds);
-# prompt: a prompt-heavy job, engine alone, off / on in turn; profile: a timeline of decode steps, on.
+# prompt: a prompt-heavy job, engine alone, off / on / decode in turn; profile: a timeline of decode steps, on.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -23,7 +23,7 @@ for section in "$@"; do
         "off2:NV_DEFERRED_NORM=0" "on2:NV_DEFERRED_NORM=1" ;;
     prompt)
       for round in 1 2; do
-        for mode in 0 1; do
+        for mode in 0 1 decode; do
           echo "[prompt-heavy NV_DEFERRED_NORM=$mode round $round]"
           NV_DEFERRED_NORM=$mode python3 benchmarks/prompt_heavy.py --kinds engine --lines 2048 --max-tokens 16 \
             --repeats 1 2>&1 | tail -3

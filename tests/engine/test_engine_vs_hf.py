@@ -213,11 +213,13 @@ def test_text_prompts_and_chat(tiny_model_dir) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 @pytest.mark.parametrize("regime", ["prefix_off", "chunked_prefill"])
+@pytest.mark.parametrize("mode", ["1", "decode"])
 def test_greedy_matches_hf_with_deferred_norm(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, arch: str,
-                                              regime: str) -> None:
+                                              regime: str, mode: str) -> None:
     """Deferred RMSNorm (models/llama.py: norm weights folded into the projections, the 1 / RMS applied after
-    them, residual adds inside the o_proj / down GEMMs) at every step, prompt and decode: still HF's tokens.
-    Qwen2's biased qkv projection keeps the explicit norms (a bias is added after the scaling)."""
+    them, residual adds inside the o_proj / down GEMMs) at every step of any size ("1") or at decode steps only
+    (the default, "decode"; prompt and mixed steps keep the norms): still HF's tokens. Qwen2's biased qkv
+    projection keeps the explicit norms (a bias is added after the scaling)."""
     from nvcli.models import llama
 
     calls = []
@@ -228,6 +230,7 @@ def test_greedy_matches_hf_with_deferred_norm(tiny_model_dir, monkeypatch: pytes
         return real(self, *args, **kw)
 
     monkeypatch.setattr(llama, "DEFERRED_NORM_MIN_ROWS", 1)
+    monkeypatch.setattr(llama, "DEFERRED_NORM", mode)
     monkeypatch.setattr(llama.DecoderLayer, "forward_deferred", counting)
     check_greedy(tiny_model_dir, arch, regime, async_scheduling=False)
     assert bool(calls) == (arch != "qwen2")
