@@ -209,20 +209,20 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norms_folded = False  # fold_norm_weights ran: forward may defer the norms
+        # set by fold_norm_weights: the norms' weights are in the projections and every layer can run deferred
+        self.can_defer_norm = False
 
     def fold_norm_weights(self) -> None:
         for layer in self.layers:
             layer.fold_norm_weights()
-        self.norms_folded = True
+        self.can_defer_norm = (bool(self.layers) and tp_size() == 1
+                               and all(layer.can_defer_norm for layer in self.layers))
 
     def defers_norm(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether a step of `num_tokens` rows runs the deferred-norm layers (module docstring)."""
-        if DEFERRED_NORM == "0" or num_tokens < DEFERRED_NORM_MIN_ROWS or not self.norms_folded or tp_size() > 1:
+        if DEFERRED_NORM == "0" or num_tokens < DEFERRED_NORM_MIN_ROWS or not self.can_defer_norm:
             return False
-        if DEFERRED_NORM == "decode" and not meta.decode_only:
-            return False
-        return bool(self.layers) and all(layer.can_defer_norm for layer in self.layers)
+        return DEFERRED_NORM == "1" or meta.decode_only
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -133,6 +133,36 @@ def test_decode_split_merge_paths(fused_reduce: bool, kvh_major: bool) -> None:
     assert arrival_counters.all_zero()
 
 
+def _dev(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEVICE)
+
+
+def _decode_rope_case(seed: int, norm: bool):
+    """A decode step for the rotary step inside decode attention: 4 sequences (the last one padding, length 0,
+    slot -1), 4 query heads over 2 KV heads: caches, raw qkv rows, positions, slots, the rotary table,
+    q/k norm weights (or None), lengths and a function splitting qkv into q, k, v views."""
+    from nvcli.models.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [40, 17, 1, 0]  # lengths after this step's token
+    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    heads, kv_heads = 4, 2
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * HEAD_DIM, generator=gen)
+    positions = torch.tensor([max(n - 1, 0) for n in lens])
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1 for i, n in enumerate(lens)])
+    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
+    qw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
+    kw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
+
+    def views(t: torch.Tensor):
+        q = t[:, : heads * HEAD_DIM].view(-1, heads, HEAD_DIM)
+        k = t[:, heads * HEAD_DIM : (heads + kv_heads) * HEAD_DIM].view(-1, kv_heads, HEAD_DIM)
+        v = t[:, (heads + kv_heads) * HEAD_DIM :].view(-1, kv_heads, HEAD_DIM)
+        return q, k, v
+
+    return k_cache, v_cache, tables, qkv, positions, slots, rope, qw, kw, torch.tensor(lens, dtype=torch.int32), views
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("fp8,num_splits", [(False, 1), (False, 3), (True, 2)])
 def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
@@ -141,53 +171,35 @@ def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
     (a padding row, slot -1 and length 0, writes nothing); every split rotates the raw q for itself."""
     from nvcli.kernels.decode_attention import DecodeRope
     from nvcli.kernels.rotary import rope_qk_norm_triton
-    from nvcli.models.layers.rotary import RotaryEmbedding
 
-    gen = torch.Generator().manual_seed(29 + norm + 2 * fp8 + num_splits)
-    lens = [40, 17, 1, 0]  # lengths after this step's token
-    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
+    c = _decode_rope_case(29 + norm + 2 * fp8 + num_splits, norm)
+    k_cache, v_cache, tables, qkv, positions, slots, rope, qw, kw, seq_lens, views = c
     scales = {}
     if fp8:
         k_cache, _ = quantize(k_cache, 0.01)
         v_cache, _ = quantize(v_cache, 0.02)
         scales = dict(k_scale=0.01, v_scale=0.02)
-    heads, kv_heads = 4, 2
-    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * HEAD_DIM, generator=gen)
-    positions = torch.tensor([max(n - 1, 0) for n in lens])
-    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1 for i, n in enumerate(lens)])
-    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
-    qw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
-    kw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-
-    def views(t: torch.Tensor):
-        q = t[:, : heads * HEAD_DIM].view(-1, heads, HEAD_DIM)
-        k = t[:, heads * HEAD_DIM : (heads + kv_heads) * HEAD_DIM].view(-1, kv_heads, HEAD_DIM)
-        v = t[:, (heads + kv_heads) * HEAD_DIM :].view(-1, kv_heads, HEAD_DIM)
-        return q, k, v
-
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    ref_qkv, ref_kc, ref_vc = dev(qkv.clone()), dev(k_cache.clone()), dev(v_cache.clone())
+    ref_qkv, ref_kc, ref_vc = _dev(qkv.clone()), _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(ref_qkv)
-    rope_qk_norm_triton(q, k, dev(positions), dev(rope.cos_sin_cache), dev(qw), dev(kw), 1e-6, v=v,
-                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=dev(slots), **scales)
+    rope_qk_norm_triton(q, k, _dev(positions), _dev(rope.cos_sin_cache), _dev(qw), _dev(kw), 1e-6, v=v,
+                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=_dev(slots), **scales)
     ref = paged_decode_attention_triton(q, ref_kc, ref_vc, tables, seq_lens, SCALE, num_splits=num_splits,
                                          block_n=16, **scales)
 
-    fused_qkv, kc, vc = dev(qkv.clone()), dev(k_cache.clone()), dev(v_cache.clone())
+    fused_qkv, kc, vc = _dev(qkv.clone()), _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(fused_qkv)
-    r = DecodeRope(k, v, dev(positions), dev(rope.cos_sin_cache), dev(slots), dev(qw), dev(kw), 1e-6)
+    r = DecodeRope(k, v, _dev(positions), _dev(rope.cos_sin_cache), _dev(slots), _dev(qw), _dev(kw), 1e-6)
     out = paged_decode_attention_triton(q, kc, vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
                                          rope=r, **scales)
     assert torch.equal(out.cpu(), ref.cpu())
     assert torch.equal(kc.cpu().view(torch.uint8), ref_kc.cpu().view(torch.uint8))
     assert torch.equal(vc.cpu().view(torch.uint8), ref_vc.cpu().view(torch.uint8))
-    assert torch.equal(fused_qkv.cpu(), dev(qkv).cpu())  # the raw projections are left as they were
+    assert torch.equal(fused_qkv.cpu(), _dev(qkv).cpu())  # the raw projections are left as they were
     assert not torch.equal(kc.cpu().view(torch.uint8), k_cache.view(torch.uint8))  # the new keys did land
 
     # programs taking the sequences longest first: the same output and cache bytes
     order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
-    kc2, vc2 = dev(k_cache.clone()), dev(v_cache.clone())
+    kc2, vc2 = _dev(k_cache.clone()), _dev(v_cache.clone())
     again = paged_decode_attention_triton(q, kc2, vc2, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
                                           rope=r, order=order, **scales)
     assert torch.equal(again.cpu(), ref.cpu())
@@ -395,38 +407,22 @@ def test_decode_with_fused_rope_scales_unnormalized_rows(norm: bool, num_splits:
     from nvcli.kernels.decode_attention import DecodeRope
     from nvcli.kernels.rotary import rope_qk_norm_triton
     from nvcli.models.layers.activation import row_rstd
-    from nvcli.models.layers.rotary import RotaryEmbedding
 
-    gen = torch.Generator().manual_seed(41 + norm + num_splits)
-    lens = [40, 17, 1, 0]
-    k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen)
-    heads, kv_heads, hidden = 4, 2, 48  # hidden not a power of two: the row loads are masked
-    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * HEAD_DIM, generator=gen)
-    rows = torch.randn(len(lens), hidden, generator=gen) * torch.tensor([[0.5], [2.0], [8.0], [1.0]])
-    positions = torch.tensor([max(n - 1, 0) for n in lens])
-    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 if n else -1 for i, n in enumerate(lens)])
-    rope = RotaryEmbedding(HEAD_DIM, 64, 10000.0, None)
-    qw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
-    kw = 1 + 0.1 * torch.randn(HEAD_DIM, generator=gen) if norm else None
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-
-    def views(t: torch.Tensor):
-        q = t[:, : heads * HEAD_DIM].view(-1, heads, HEAD_DIM)
-        k = t[:, heads * HEAD_DIM : (heads + kv_heads) * HEAD_DIM].view(-1, kv_heads, HEAD_DIM)
-        v = t[:, (heads + kv_heads) * HEAD_DIM :].view(-1, kv_heads, HEAD_DIM)
-        return q, k, v
-
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    ref_qkv, ref_kc, ref_vc = dev(qkv * row_rstd(rows, 1e-6)), dev(k_cache.clone()), dev(v_cache.clone())
+    c = _decode_rope_case(41 + norm + num_splits, norm)
+    k_cache, v_cache, tables, qkv, positions, slots, rope, qw, kw, seq_lens, views = c
+    # hidden 48, not a power of two: the row loads are masked; the rows' RMS differ 16x
+    rows = torch.randn(len(seq_lens), 48, generator=torch.Generator().manual_seed(7))
+    rows = rows * torch.tensor([[0.5], [2.0], [8.0], [1.0]])
+    ref_qkv, ref_kc, ref_vc = _dev(qkv * row_rstd(rows, 1e-6)), _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(ref_qkv)
-    rope_qk_norm_triton(q, k, dev(positions), dev(rope.cos_sin_cache), dev(qw), dev(kw), 1e-6, v=v,
-                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=dev(slots))
+    rope_qk_norm_triton(q, k, _dev(positions), _dev(rope.cos_sin_cache), _dev(qw), _dev(kw), 1e-6, v=v,
+                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=_dev(slots))
     ref = paged_decode_attention_triton(q, ref_kc, ref_vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16)
 
-    kc, vc = dev(k_cache.clone()), dev(v_cache.clone())
-    q, k, v = views(dev(qkv.clone()))
-    r = DecodeRope(k, v, dev(positions), dev(rope.cos_sin_cache), dev(slots), dev(qw), dev(kw), 1e-6,
-                   scale_rows=dev(rows), scale_eps=1e-6)
+    kc, vc = _dev(k_cache.clone()), _dev(v_cache.clone())
+    q, k, v = views(_dev(qkv.clone()))
+    r = DecodeRope(k, v, _dev(positions), _dev(rope.cos_sin_cache), _dev(slots), _dev(qw), _dev(kw), 1e-6,
+                   scale_rows=_dev(rows), scale_eps=1e-6)
     out = paged_decode_attention_triton(q, kc, vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16, rope=r)
     torch.testing.assert_close(out.cpu(), ref.cpu(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(kc.cpu(), ref_kc.cpu(), atol=2e-5, rtol=2e-5)
