@@ -206,9 +206,7 @@ class ModelRunner:
             load_dummy_weights(self.model, config.seed)
         else:
             load_weights(self.model, iter_safetensors(model_dir))
-        fold = getattr(self.model, "fold_norm_weights", None)
-        if fold is not None:
-            fold()  # deferred RMSNorm (models/llama.py)
+        self.model.fold_norm_weights()  # deferred RMSNorm (models/llama.py)
         self.model.eval()
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

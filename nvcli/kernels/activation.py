@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
+from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
 
 
 @triton.jit
@@ -23,9 +24,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
     gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
     if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
-        offs_r = tl.arange(0, RS_BLOCK)
-        h = tl.load(rs_ptr + row.to(tl.int64) * stride_rs + offs_r, mask=offs_r < rs_n, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / rs_n + rs_eps)
+        rstd = load_row_rstd(rs_ptr + row.to(tl.int64) * stride_rs, rs_n, rs_eps, RS_BLOCK)
         gate = (gate * rstd).to(up.dtype).to(tl.float32)
         up = (up.to(tl.float32) * rstd).to(up.dtype)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
@@ -44,14 +43,10 @@ def silu_and_mul_triton(
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    if scale_rows is not None:
-        assert scale_rows.shape[0] == n and scale_rows.stride(-1) == 1
+    rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, n, x)
     block = min(1024, triton.next_power_of_2(d))
     pdl = use_pdl(x, n)
-    rs = scale_rows if scale_rows is not None else x
     _silu_and_mul_kernel[(n, triton.cdiv(d, block))](
-        x, out, rs, x.stride(0), out.stride(0), rs.stride(0), d, rs.shape[1] if scale_rows is not None else 1,
-        scale_eps, BLOCK=block, PDL=pdl, ROW_SCALE=scale_rows is not None,
-        RS_BLOCK=triton.next_power_of_2(rs.shape[1]) if scale_rows is not None else 16, num_warps=4,
-        **launch_kwargs(pdl))
+        x, out, rs_ptr, x.stride(0), out.stride(0), rs_stride, d, rs_n, scale_eps, BLOCK=block, PDL=pdl,
+        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, num_warps=4, **launch_kwargs(pdl))
     return out

@@ -55,6 +55,7 @@ from nvcli.kernels.pdl import (
     prefetch_l2,
     use_pdl,
 )
+from nvcli.kernels.rms_norm import row_scale_args
 from nvcli.kernels.rotary import rope_qk_norm_store
 
 LOG2E = 1.4426950408889634
@@ -557,17 +558,14 @@ def paged_decode_attention_triton(
         r = rope
         norm = r.q_weight is not None
         q_rot = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        rs = r.scale_rows
-        if rs is not None:
-            assert rs.shape[0] == num_seqs and rs.stride(-1) == 1
+        row_scale = r.scale_rows is not None
+        rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(r.scale_rows, num_seqs, q)
         rope_args = (q_rot, r.k, r.v, r.positions, r.cos_sin_cache, r.q_weight if norm else r.cos_sin_cache,
-                     r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps,
-                     rs if rs is not None else q, rs.stride(0) if rs is not None else 0,
-                     rs.shape[1] if rs is not None else 1, r.scale_eps,
-                     r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1))
+                     r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps, rs_ptr, rs_stride, rs_n,
+                     r.scale_eps, r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1))
     else:
-        norm = False
-        rs = None
+        norm = row_scale = False
+        rs_block = 16
         rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, q, 0, 1, 0.0, 0, 0, 0, 0)  # unused
     if order is not None:
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
@@ -622,8 +620,8 @@ def paged_decode_attention_triton(
         ROPE=rope is not None,
         ROPE_NORM=norm,
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
-        ROPE_ROW_SCALE=rs is not None,
-        RS_BLOCK=triton.next_power_of_2(rs.shape[1]) if rs is not None else 16,
+        ROPE_ROW_SCALE=row_scale,
+        RS_BLOCK=rs_block,
         ROPE_QUANT=fp8,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         L2_PREFETCH=(pdl and L2_PREFETCH and num_seqs <= L2_PREFETCH_MAX_SEQS

@@ -55,6 +55,24 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def load_row_rstd(row_ptr, n, eps, BLOCK: tl.constexpr):
+    """1 / RMS (fp32) of the n elements at row_ptr, as the kernel above computes it: the deferred norm's row scale
+    (models/llama.py), for kernels that read a projection of the un-normalized row."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+
+
+def row_scale_args(scale_rows: Optional[torch.Tensor], num_rows: int, unused: torch.Tensor) -> tuple:
+    """(pointer, row stride, row length, BLOCK) for `load_row_rstd` over `scale_rows` [num_rows, hidden]; without
+    them, placeholders (`unused` as the pointer) for a kernel compiled without its row scale."""
+    if scale_rows is None:
+        return unused, 0, 1, 16
+    assert scale_rows.shape[0] == num_rows and scale_rows.stride(-1) == 1, "scale_rows: one contiguous row per row"
+    return scale_rows, scale_rows.stride(0), scale_rows.shape[1], triton.next_power_of_2(scale_rows.shape[1])
+
+
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(inner, stride0, stride1) addressing row r at (r // inner) * stride0 + (r % inner) * stride1."""
     if t.dim() == 2:

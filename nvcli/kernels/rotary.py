@@ -25,6 +25,7 @@ from nvcli.kernels.kv_store import (
     store_to_cache,
 )
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
+from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
 
 
 @triton.jit
@@ -72,9 +73,7 @@ def rope_qk_norm_store(
     k1 = tl.load(k_base).to(tl.float32)  # [HALF]
     k2 = tl.load(k_base + HALF).to(tl.float32)
     if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
-        offs_r = tl.arange(0, RS_BLOCK)  # [RS_BLOCK]
-        row = tl.load(rs_ptr + t * stride_rs + offs_r, mask=offs_r < rs_n, other=0.0).to(tl.float32)
-        r_rstd = tl.rsqrt(tl.sum(row * row, axis=0) / rs_n + rs_eps)
+        r_rstd = load_row_rstd(rs_ptr + t * stride_rs, rs_n, rs_eps, RS_BLOCK)
         q1 = (q1 * r_rstd).to(dtype).to(tl.float32)
         q2 = (q2 * r_rstd).to(dtype).to(tl.float32)
         k1 = (k1 * r_rstd).to(dtype).to(tl.float32)
@@ -217,9 +216,8 @@ def rope_qk_norm_triton(
         v_cache = open_page_view(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
     else:
         v, k_cache, v_cache, slot_mapping = k, k, k, positions
-    if scale_rows is not None:
-        assert store, "scale_rows scales v on its way to the cache: pass k_cache"
-        assert scale_rows.shape[0] == num_tokens and scale_rows.stride(-1) == 1
+    assert scale_rows is None or store, "scale_rows scales v on its way to the cache: pass k_cache"
+    rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, num_tokens, q)
     quant = store and is_fp8(k_cache.dtype)
     if not quant:
         k_scale = v_scale = None
@@ -231,8 +229,7 @@ def rope_qk_norm_triton(
         q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
         k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         eps,
-        scale_rows if scale_rows is not None else q, scale_rows.stride(0) if scale_rows is not None else 0,
-        scale_rows.shape[1] if scale_rows is not None else 1, scale_eps,
+        rs_ptr, rs_stride, rs_n, scale_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1) if k_cache.dim() > 1 else 0, k_cache.stride(2) if k_cache.dim() > 2 else 0,
         v_cache.stride(0), v_cache.stride(1) if v_cache.dim() > 1 else 0, v_cache.stride(2) if v_cache.dim() > 2 else 0,
@@ -242,7 +239,7 @@ def rope_qk_norm_triton(
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
         PDL=pdl,
         ROW_SCALE=scale_rows is not None,
-        RS_BLOCK=triton.next_power_of_2(scale_rows.shape[1]) if scale_rows is not None else 16,
+        RS_BLOCK=rs_block,
         num_warps=1 if group * head_dim <= 512 else 2,
         **launch_kwargs(pdl),
     )

@@ -26,7 +26,7 @@ from torch import nn
 from nvcli.distributed import all_reduce, tp_size
 from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.kernels.ops import use_triton
-from nvcli.models.layers.activation import SiluAndMul, row_rstd
+from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
 from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nvcli.models.layers.linear import (
@@ -35,7 +35,7 @@ from nvcli.models.layers.linear import (
     RowParallelLinear,
     linear,
 )
-from nvcli.models.layers.norm import RMSNorm
+from nvcli.models.layers.norm import RMSNorm, row_rstd
 from nvcli.models.layers.rotary import RotaryEmbedding
 
 # Decode steps on the GPU fold the rotary step into the attention kernel: one launch per layer fewer.

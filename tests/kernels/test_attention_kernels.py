@@ -406,7 +406,7 @@ def test_decode_with_fused_rope_scales_unnormalized_rows(norm: bool, num_splits:
     rows (the rows' RMS differ, so a row scaled by another's factor would show)."""
     from nvcli.kernels.decode_attention import DecodeRope
     from nvcli.kernels.rotary import rope_qk_norm_triton
-    from nvcli.models.layers.activation import row_rstd
+    from nvcli.models.layers.norm import row_rstd
 
     c = _decode_rope_case(41 + norm + num_splits, norm)
     k_cache, v_cache, tables, qkv, positions, slots, rope, qw, kw, seq_lens, views = c

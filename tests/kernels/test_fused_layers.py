@@ -112,7 +112,8 @@ def test_silu_and_mul_scales_unnormalized_rows() -> None:
     """Deferred RMSNorm: with `scale_rows` gate and up are first multiplied by each row's 1 / RMS (the rows' RMS
     differ by 16x, so a wrong row or a missing scale shows); the torch layer does the same."""
     from nvcli.kernels.activation import silu_and_mul_triton
-    from nvcli.models.layers.activation import SiluAndMul, row_rstd
+    from nvcli.models.layers.activation import SiluAndMul
+    from nvcli.models.layers.norm import row_rstd
 
     torch.manual_seed(0)
     x = torch.randn(3, 2 * 96)
@@ -129,7 +130,7 @@ def test_rope_store_scales_unnormalized_rows() -> None:
     """The prompt-step rotary kernel with `scale_rows`: q (in place), and the k and v it stores, are those of the
     rows' projections after RMSNorm; it refuses to scale without the cache store, where v is scaled."""
     from nvcli.kernels.rotary import rope_qk_norm_triton
-    from nvcli.models.layers.activation import row_rstd
+    from nvcli.models.layers.norm import row_rstd
 
     torch.manual_seed(2)
     T, KH, D, page, nb, hidden = 5, 2, 32, 4, 4, 24

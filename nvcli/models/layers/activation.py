@@ -5,12 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.kernels.ops import use_triton
-
-
-def row_rstd(rows: torch.Tensor, eps: float) -> torch.Tensor:
-    """[n, 1] float32: 1 / RMS of each row, as RMSNorm computes it."""
-    x = rows.float()
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from nvcli.models.layers.norm import row_rstd
 
 
 class SiluAndMul(nn.Module):

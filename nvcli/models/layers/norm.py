@@ -8,6 +8,12 @@ from torch import nn
 from nvcli.kernels.ops import use_triton
 
 
+def row_rstd(rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """[..., 1] float32: 1 / RMS of each row (last dimension), as RMSNorm computes it."""
+    x = rows.float()
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -16,8 +22,7 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x.float() * row_rstd(x, self.eps)
         return self.weight * x.to(dtype)
 
     def forward(
