@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import tempfile
 import time
 import traceback
@@ -31,6 +32,8 @@ from nvcli.testing.tiny_models import make_tiny_model
 ROWS: list[tuple[str, str]] = []
 FLOOR_TOKS = 25_500  # DESIGN.md §4: H100 floor for the workload
 NANO_VLLM = 13_216
+# A/B probe: the engine's token budget per step (the benchmark's setting is Nano-vLLM's default)
+BATCHED_TOKENS = int(os.environ.get("BENCH_MAX_BATCHED_TOKENS", "16384"))
 
 
 def row(name: str, value: str) -> None:
@@ -89,7 +92,7 @@ def correctness(tmp: Path) -> None:
 
 def bench_throughput(model_dir: str, repeats: int, kv_cache_dtype: str = "auto", label: str = "bf16") -> None:
     t0 = time.perf_counter()
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=BATCHED_TOKENS,
               kv_cache_dtype=kv_cache_dtype)
     row(f"start-up ({label}, dummy qwen3-0.6b, graphs captured)", f"{time.perf_counter() - t0:.1f} s, "
         f"{llm.stats().kv_blocks_total} KV blocks")
@@ -112,7 +115,7 @@ def bench_streaming(model_dir: str) -> None:
     """A long job in miniature: 1,024 requests through 128 slots, so most steps admit new prompts beside running
     decodes, each with a token count of its own. Run 1 meets the GEMMs' row counts for the first time; run 2
     (fresh prompts from the same distribution) is a long job's steady state."""
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=16384)
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=BATCHED_TOKENS)
     run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
     for run in (1, 2):
         work = make_workload(1024, (100, 1024), (100, 400), seed=run - 1)

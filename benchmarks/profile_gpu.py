@@ -113,7 +113,7 @@ def steps_section(model_dir: str, batches: list[tuple[int, int]], kv_cache_dtype
     from torch.profiler import ProfilerActivity, profile
 
     out = []
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=BATCHED_TOKENS,
               kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     for batch, prompt_len in batches:
@@ -163,7 +163,7 @@ def prefill_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
     tflops = _matmul_tflops(16384, 1024, 6144)
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=16384,
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=BATCHED_TOKENS,
               kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     cfg = engine.hf_config
@@ -217,6 +217,7 @@ def prefill_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
     return out
 
 
+BATCHED_TOKENS = int(os.environ.get("BENCH_MAX_BATCHED_TOKENS", "16384"))  # as in gpu_e2e.py
 KV_BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B, bf16 (DESIGN.md §4)
 WEIGHT_BYTES = 1.19e9
 
@@ -331,7 +332,7 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
     requests, max_num_seqs, out_min, out_max = (int(v) for v in os.environ.get("PROFILE_WORKLOAD",
                                                                                 "256,512,100,1024").split(","))
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=16384, kv_cache_dtype=kv_cache_dtype)
+              max_num_batched_tokens=BATCHED_TOKENS, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))
     work = make_workload(requests, (100, 1024), (out_min, out_max), seed=0)
