@@ -3,7 +3,9 @@
 #   bash benchmarks/deferred_norm_gpu.sh SECTION...   (tests, correctness, ab, ab_fp8, prompt, profile)
 # tests: the kernel and CUDA-graph tests the change touches; correctness: gpu_e2e's GPU-vs-CPU float32 check;
 # ab / ab_fp8: the DESIGN workload with NV_DEFERRED_NORM=0 / 1 / decode in turn (one process each, two rounds);
-# prompt: a prompt-heavy job, engine alone, off / on / decode in turn; profile: a timeline of decode steps, on.
+# prompt: a prompt-heavy job, engine alone, off / on / decode in turn (MODES="decode 1" picks others);
+# ab_steps: the DESIGN workload with deferral at decode steps (default) and at every step, in turn, two rounds;
+# prefill: the prompt steps' kernel tables, deferred at decode steps and at every step; profile: a timeline of decode steps, on.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -23,11 +25,18 @@ for section in "$@"; do
         "off2:NV_DEFERRED_NORM=0" "on2:NV_DEFERRED_NORM=1" ;;
     prompt)
       for round in 1 2; do
-        for mode in 0 1 decode; do
+        for mode in ${MODES:-0 1 decode}; do
           echo "[prompt-heavy NV_DEFERRED_NORM=$mode round $round]"
           NV_DEFERRED_NORM=$mode python3 benchmarks/prompt_heavy.py --kinds engine --lines 2048 --max-tokens 16 \
             --repeats 1 2>&1 | tail -3
         done
+      done ;;
+    ab_steps)
+      bash benchmarks/ab_gpu.sh throughput 3 "decode:" "all:NV_DEFERRED_NORM=1" "decode2:" "all2:NV_DEFERRED_NORM=1" ;;
+    prefill)
+      for mode in decode 1; do
+        echo "[prefill NV_DEFERRED_NORM=$mode]"
+        NV_DEFERRED_NORM=$mode python3 benchmarks/profile_gpu.py --sections prefill 2>&1 | grep -v Warning | tail -17
       done ;;
     profile)
       python3 benchmarks/profile_gpu.py --sections steps --batches 48:1500,128:1000,256:800 2>&1 | tail -30 ;;

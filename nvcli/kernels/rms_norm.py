@@ -55,22 +55,52 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output)
+PRECOMPUTED_RSTD = 1
+
+
 @triton.jit
 def load_row_rstd(row_ptr, n, eps, BLOCK: tl.constexpr):
     """1 / RMS (fp32) of the n elements at row_ptr, as the kernel above computes it: the deferred norm's row scale
-    (models/llama.py), for kernels that read a projection of the un-normalized row."""
+    (models/llama.py), for kernels that read a projection of the un-normalized row. BLOCK == PRECOMPUTED_RSTD:
+    row_ptr points at that value, computed once per row by `row_rstd_triton` (prompt steps, where a kernel runs
+    several programs per row and each would read the row again)."""
+    if BLOCK == PRECOMPUTED_RSTD:
+        return tl.load(row_ptr).to(tl.float32)
     offs = tl.arange(0, BLOCK)
     x = tl.load(row_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     return tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
 
 
 def row_scale_args(scale_rows: Optional[torch.Tensor], num_rows: int, unused: torch.Tensor) -> tuple:
-    """(pointer, row stride, row length, BLOCK) for `load_row_rstd` over `scale_rows` [num_rows, hidden]; without
-    them, placeholders (`unused` as the pointer) for a kernel compiled without its row scale."""
+    """(pointer, row stride, row length, BLOCK) for `load_row_rstd` over `scale_rows`: the rows [num_rows, hidden],
+    or their 1 / RMS precomputed [num_rows] float32; without them, placeholders (`unused` as the pointer) for a
+    kernel compiled without its row scale."""
     if scale_rows is None:
         return unused, 0, 1, 16
     assert scale_rows.shape[0] == num_rows and scale_rows.stride(-1) == 1, "scale_rows: one contiguous row per row"
-    return scale_rows, scale_rows.stride(0), scale_rows.shape[1], triton.next_power_of_2(scale_rows.shape[1])
+    if scale_rows.dim() == 1:
+        assert scale_rows.dtype == torch.float32, "a precomputed row scale is float32 (row_rstd_triton)"
+        return scale_rows, 1, 1, PRECOMPUTED_RSTD
+    return scale_rows, scale_rows.stride(0), scale_rows.shape[1], max(2, triton.next_power_of_2(scale_rows.shape[1]))
+
+
+@triton.jit
+def _row_rstd_kernel(x_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + row, load_row_rstd(x_ptr + row * stride_x, n, eps, BLOCK))
+
+
+def row_rstd_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """[rows] float32: 1 / RMS of each row of x [rows, hidden], as RMSNorm computes it (one read of the rows)."""
+    assert x.dim() == 2 and x.stride(-1) == 1
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = max(2, triton.next_power_of_2(n))
+        _row_rstd_kernel[(rows,)](x, out, x.stride(0), n, eps, BLOCK=block,
+                                  num_warps=1 if block <= 256 else (4 if block <= 2048 else 8))
+    return out
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:

@@ -35,7 +35,7 @@ from nvcli.models.layers.linear import (
     RowParallelLinear,
     linear,
 )
-from nvcli.models.layers.norm import RMSNorm, row_rstd
+from nvcli.models.layers.norm import RMSNorm, row_rstd_vector, row_scale
 from nvcli.models.layers.rotary import RotaryEmbedding
 
 # Decode steps on the GPU fold the rotary step into the attention kernel: one launch per layer fewer.
@@ -90,13 +90,14 @@ class DecoderAttention(nn.Module):
         positions: torch.Tensor,
         qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
         meta: AttentionMetadata,
-        scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized
+        scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized (or
+        # their 1 / RMS precomputed, [num_tokens] float32: layers.norm.row_scale)
         scale_eps: float = 1e-6,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], before o_proj
         """q/k norm, rotary, KV store and attention; with `scale_rows` (deferred norm) q, k and v are first scaled
         by each row's 1 / RMS (inside the rotary kernels on the GPU)."""
         if scale_rows is not None and not use_triton(qkv):
-            qkv = (qkv.float() * row_rstd(scale_rows, scale_eps)).to(qkv.dtype)
+            qkv = (qkv.float() * row_scale(scale_rows, scale_eps)).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -181,11 +182,17 @@ class DecoderLayer(nn.Module):
         """The layer on the residual stream h [num_tokens, hidden], updated in place and returned (deferred norm,
         see the module docstring; the norms' weights are folded into qkv_proj and gate_up_proj)."""
         attn, mlp = self.self_attn, self.mlp
+        eps_in, eps_post = self.input_layernorm.eps, self.post_attention_layernorm.eps
+        # Decode steps: each program of the rotary step and of SiLU computes its row's 1 / RMS from the row (no
+        # kernel for it). Prompt steps run several programs per row (rotary: one per KV head; SiLU: one per 1,024
+        # columns): there one small kernel computes each row's 1 / RMS once and they read that.
+        per_program = meta.decode_only
         qkv = linear(h, attn.qkv_proj.weight, None)  # [num_tokens, (H + 2 * KH) * head_dim] of the un-normed rows
-        o = attn.attention_heads(positions, qkv, meta, h, self.input_layernorm.eps)  # [num_tokens, H * head_dim]
+        scale = h if per_program else row_rstd_vector(h, eps_in)
+        o = attn.attention_heads(positions, qkv, meta, scale, eps_in)  # [num_tokens, H * head_dim]
         h.addmm_(o, attn.o_proj.weight.t())  # h += o_proj(o), summed inside the GEMM
         gate_up = linear(h, mlp.gate_up_proj.weight, None)
-        act = mlp.act(gate_up, h, self.post_attention_layernorm.eps)  # [num_tokens, intermediate]
+        act = mlp.act(gate_up, h if per_program else row_rstd_vector(h, eps_post), eps_post)  # [num_tokens, inter]
         return h.addmm_(act, mlp.down_proj.weight.t())
 
     def fold_norm_weights(self) -> None:

@@ -108,27 +108,40 @@ def test_silu_and_mul_matches_torch() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_silu_and_mul_scales_unnormalized_rows() -> None:
+def _row_scale_input(rows: torch.Tensor, form: str, eps: float) -> torch.Tensor:
+    """The deferred norm's row scale as the kernels take it: the rows themselves, or their 1 / RMS precomputed by
+    the Triton kernel (prompt steps)."""
+    from nvcli.kernels.rms_norm import row_rstd_triton
+
+    return rows.to(DEVICE) if form == "rows" else row_rstd_triton(rows.to(DEVICE), eps)
+
+
+@pytest.mark.parametrize("form", ["rows", "precomputed"])
+def test_silu_and_mul_scales_unnormalized_rows(form: str) -> None:
     """Deferred RMSNorm: with `scale_rows` gate and up are first multiplied by each row's 1 / RMS (the rows' RMS
-    differ by 16x, so a wrong row or a missing scale shows); the torch layer does the same."""
+    differ by 16x, so a wrong row or a missing scale shows), given the rows or their precomputed 1 / RMS; the
+    torch layer does the same."""
     from nvcli.kernels.activation import silu_and_mul_triton
     from nvcli.models.layers.activation import SiluAndMul
     from nvcli.models.layers.norm import row_rstd
 
     torch.manual_seed(0)
-    x = torch.randn(3, 2 * 96)
+    x = torch.randn(3, 2 * 1280)  # two column blocks per row: each program reads the row scale
     rows = torch.randn(3, 40) * torch.tensor([[0.5], [2.0], [8.0]])  # hidden 40: masked row loads
     scaled = x * row_rstd(rows, 1e-5)
-    ref = torch.nn.functional.silu(scaled[:, :96]) * scaled[:, 96:]
-    out = silu_and_mul_triton(x.to(DEVICE), rows.to(DEVICE), 1e-5).cpu()
+    ref = torch.nn.functional.silu(scaled[:, :1280]) * scaled[:, 1280:]
+    scale = _row_scale_input(rows, form, 1e-5)
+    out = silu_and_mul_triton(x.to(DEVICE), scale, 1e-5).cpu()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(SiluAndMul()(x, rows, 1e-5), ref, atol=1e-6, rtol=1e-6)
-    assert not torch.allclose(out, torch.nn.functional.silu(x[:, :96]) * x[:, 96:], atol=1e-3)
+    torch.testing.assert_close(SiluAndMul()(x, scale.cpu(), 1e-5), ref, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(out, torch.nn.functional.silu(x[:, :1280]) * x[:, 1280:], atol=1e-3)
 
 
-def test_rope_store_scales_unnormalized_rows() -> None:
-    """The prompt-step rotary kernel with `scale_rows`: q (in place), and the k and v it stores, are those of the
-    rows' projections after RMSNorm; it refuses to scale without the cache store, where v is scaled."""
+@pytest.mark.parametrize("form", ["rows", "precomputed"])
+def test_rope_store_scales_unnormalized_rows(form: str) -> None:
+    """The prompt-step rotary kernel with `scale_rows` (the rows, or their 1 / RMS precomputed): q (in place), and
+    the k and v it stores, are those of the rows' projections after RMSNorm; it refuses to scale without the cache
+    store, where v is scaled."""
     from nvcli.kernels.rotary import rope_qk_norm_triton
     from nvcli.models.layers.norm import row_rstd
 
@@ -154,7 +167,7 @@ def test_rope_store_scales_unnormalized_rows() -> None:
         return q.cpu(), kc.cpu(), vc.cpu()
 
     want = run(qkv * row_rstd(rows, 1e-6), None)
-    got = run(qkv, rows)
+    got = run(qkv, _row_scale_input(rows, form, 1e-6).cpu())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     q = qkv[:, : H * D].view(T, H, D).clone().to(DEVICE)

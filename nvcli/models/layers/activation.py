@@ -5,14 +5,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.kernels.ops import use_triton
-from nvcli.models.layers.norm import row_rstd
+from nvcli.models.layers.norm import row_scale
 
 
 class SiluAndMul(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [n, 2 * d]
-        scale_rows: torch.Tensor | None = None,  # [n, hidden]: gate and up first times each row's 1 / RMS
+        scale_rows: torch.Tensor | None = None,  # [n, hidden] or [n] precomputed: gate and up times each row's 1 / RMS
         scale_eps: float = 1e-6,
     ) -> torch.Tensor:  # [n, d]
         if use_triton(x):
@@ -20,6 +20,6 @@ class SiluAndMul(nn.Module):
 
             return silu_and_mul_triton(x, scale_rows, scale_eps)
         if scale_rows is not None:
-            x = (x.float() * row_rstd(scale_rows, scale_eps)).to(x.dtype)
+            x = (x.float() * row_scale(scale_rows, scale_eps)).to(x.dtype)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
