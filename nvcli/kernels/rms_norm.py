@@ -55,8 +55,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output)
-PRECOMPUTED_RSTD = 1
+# RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output). A
+# tl.constexpr: a jit function may read no other kind of global (the interpreter does not check this; the GPU does)
+PRECOMPUTED_RSTD = tl.constexpr(1)
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def row_scale_args(scale_rows: Optional[torch.Tensor], num_rows: int, unused: to
     assert scale_rows.shape[0] == num_rows and scale_rows.stride(-1) == 1, "scale_rows: one contiguous row per row"
     if scale_rows.dim() == 1:
         assert scale_rows.dtype == torch.float32, "a precomputed row scale is float32 (row_rstd_triton)"
-        return scale_rows, 1, 1, PRECOMPUTED_RSTD
+        return scale_rows, 1, 1, PRECOMPUTED_RSTD.value
     return scale_rows, scale_rows.stride(0), scale_rows.shape[1], max(2, triton.next_power_of_2(scale_rows.shape[1]))
 
 
