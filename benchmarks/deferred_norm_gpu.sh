@@ -4,7 +4,8 @@
 # tests: the kernel and CUDA-graph tests the change touches; correctness: gpu_e2e's GPU-vs-CPU float32 check;
 # ab / ab_fp8: the DESIGN workload with NV_DEFERRED_NORM=0 / 1 / decode in turn (one process each, two rounds);
 # prompt: a prompt-heavy job, engine alone, off / on / decode in turn (MODES="decode 1" picks others);
-# ab_steps: the DESIGN workload with deferral at decode steps (default) and at every step, in turn, two rounds;
+# ab_steps: the DESIGN workload with deferral at decode steps and at every step (the default), in turn, two rounds
+# (FP8=1: the fp8 cache too);
 # prefill: the prompt steps' kernel tables, deferred at decode steps and at every step; profile: a timeline of decode steps, on.
 set -u
 export PYTHONUNBUFFERED=1
@@ -32,7 +33,8 @@ for section in "$@"; do
         done
       done ;;
     ab_steps)
-      bash benchmarks/ab_gpu.sh throughput 3 "decode:" "all:NV_DEFERRED_NORM=1" "decode2:" "all2:NV_DEFERRED_NORM=1" ;;
+      bash benchmarks/ab_gpu.sh throughput${FP8:+,fp8} 3 "decode:NV_DEFERRED_NORM=decode" "every:" \
+        "decode2:NV_DEFERRED_NORM=decode" "every2:" ;;
     prefill)
       for mode in decode 1; do
         echo "[prefill NV_DEFERRED_NORM=$mode]"

@@ -87,9 +87,13 @@ def row_scale_args(scale_rows: Optional[torch.Tensor], num_rows: int, unused: to
 
 
 @triton.jit
-def _row_rstd_kernel(x_ptr, out_ptr, stride_x, n, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row, load_row_rstd(x_ptr + row * stride_x, n, eps, BLOCK))
+def _row_rstd_kernel(x_ptr, out_ptr, rows, stride_x, n, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS rows per program: a prompt step has ~16k rows of 2 KB, too little work for one program each."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    offs = tl.arange(0, BLOCK)
+    mask = (r < rows)[:, None] & (offs < n)[None, :]
+    x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, tl.rsqrt(tl.sum(x * x, axis=1) / n + eps), mask=r < rows)  # as load_row_rstd
 
 
 def row_rstd_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,9 +102,10 @@ def row_rstd_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
     rows, n = x.shape
     out = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block = max(2, triton.next_power_of_2(n))
-        _row_rstd_kernel[(rows,)](x, out, x.stride(0), n, eps, BLOCK=block,
-                                  num_warps=1 if block <= 256 else (4 if block <= 2048 else 8))
+        block = triton.next_power_of_2(n)
+        per_program = max(1, min(8, 8192 // block))
+        _row_rstd_kernel[(triton.cdiv(rows, per_program),)](x, out, rows, x.stride(0), n, eps, ROWS=per_program,
+                                                             BLOCK=block, num_warps=8 if block >= 1024 else 4)
     return out
 
 

@@ -6,14 +6,16 @@ applies the final add+RMSNorm and the LM head to the rows that need sampling onl
 
 Deferred RMSNorm. A layer's two RMSNorms each feed one projection, so after loading, each norm's weight is
 folded into its projection's input columns (`fold_norm_weights`; the norms keep weight 1) and
-RMSNorm(h) @ W.T = (h @ W'.T) * rstd(h) row by row. Decode steps of more than DEFERRED_NORM_MIN_ROWS rows then
-keep one residual stream h and run a layer as six kernels instead of eight: qkv = h @ Wqkv'.T; attention, whose rotary
-step scales q, k and v by rstd(h); h += o @ Wo.T (cuBLAS adds into h: beta = 1); gate_up = h @ Wgu'.T; SiLU-and-
-mul, which scales gate and up by rstd(h); h += act @ Wd.T. The two add+RMSNorm kernels per layer are gone:
-each was a few microseconds of launch and latency in a chain of dependent kernels (RESULTS, session 21). A few
-rows keep the fused kernels (the norm in the skinny GEMM's prologue). Not with tensor parallelism (o_proj and
-down are summed across ranks after the GEMM) or projection biases (a bias is added after the scaling).
-NV_DEFERRED_NORM=0 turns it off, `1` extends it to prompt steps (A/B runs).
+RMSNorm(h) @ W.T = (h @ W'.T) * rstd(h) row by row. Steps of more than DEFERRED_NORM_MIN_ROWS rows then keep one
+residual stream h and run a layer as six kernels instead of eight: qkv = h @ Wqkv'.T; attention, whose rotary step
+scales q, k and v by rstd(h); h += o @ Wo.T (cuBLAS adds into h: beta = 1); gate_up = h @ Wgu'.T; SiLU-and-mul, which
+scales gate and up by rstd(h); h += act @ Wd.T. In decode steps the two add+RMSNorm kernels per layer are simply gone:
+each was a few microseconds of launch and latency in a chain of dependent kernels (RESULTS, session 21). Prompt
+steps compute rstd(h) once per row with a small kernel instead (a pass over h, where add+RMSNorm made four), and the
+rotary and SiLU kernels read it (RESULTS, session 22). A few rows keep the fused kernels (the norm in the skinny
+GEMM's prologue). Not with tensor parallelism (o_proj and down are summed across ranks after the GEMM) or projection
+biases (a bias is added after the scaling).
+NV_DEFERRED_NORM=0 turns it off, `decode` limits it to decode steps (A/B runs).
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ from nvcli.models.layers.rotary import RotaryEmbedding
 # NV_DECODE_ROPE=0 keeps the separate rotary kernel everywhere, NV_DECODE_ROPE_MAX_ROWS bounds the rows (A/B runs).
 FUSED_DECODE_ROPE = os.environ.get("NV_DECODE_ROPE", "1") != "0"
 FUSED_DECODE_ROPE_MAX_ROWS = int(os.environ.get("NV_DECODE_ROPE_MAX_ROWS", str(1 << 30)))
-# "0": off; "decode" (the default): decode steps only; "1": every step. Prompt steps keep the explicit norms: there
-# the rotary kernel's programs (one per token and KV head) would each re-read their row for its RMS, and a
-# prompt-heavy job ran 1-4% slower with them deferred (RESULTS, session 21).
-DEFERRED_NORM = os.environ.get("NV_DEFERRED_NORM", "decode")
+# "1" (the default): every step; "decode": decode steps only; "0": off. Prompt steps gained once their row scale was
+# precomputed (a 16,384-token prompt step 36.4 -> 35.4 ms of GPU, a prompt-heavy job +3-6%; RESULTS, session 22);
+# with each rotary program re-reading its row for it they had lost 1-4% (session 21).
+DEFERRED_NORM = os.environ.get("NV_DEFERRED_NORM", "1")
 if DEFERRED_NORM not in ("0", "1", "decode"):
     raise ValueError(f"NV_DEFERRED_NORM={DEFERRED_NORM!r}: use 0, 1 or decode")
 # Up to SMALL_M rows the skinny GEMM computes the norm in its prologue (kernels/skinny_gemm.py): no kernel to save.

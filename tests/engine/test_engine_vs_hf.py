@@ -217,8 +217,8 @@ def test_text_prompts_and_chat(tiny_model_dir) -> None:
 def test_greedy_matches_hf_with_deferred_norm(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, arch: str,
                                               regime: str, mode: str) -> None:
     """Deferred RMSNorm (models/llama.py: norm weights folded into the projections, the 1 / RMS applied after
-    them, residual adds inside the o_proj / down GEMMs) at every step of any size ("1") or at decode steps only
-    (the default, "decode"; prompt and mixed steps keep the norms): still HF's tokens. Qwen2's biased qkv
+    them, residual adds inside the o_proj / down GEMMs) at every step of any size (the default, "1": prompt and
+    mixed steps with the row scale precomputed) or at decode steps only ("decode"): still HF's tokens. Qwen2's biased qkv
     projection keeps the explicit norms (a bias is added after the scaling)."""
     from nvcli.models import llama
 

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
             dict(GROUP=2, GROUP_PAD=2, HALF=64, PAGE=16, NORM=True, STORE=True, QUANT=False, SCALE_IS_PTR=False,
                  FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block))
     compile_for_hopper(rms_norm._row_rstd_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp32", "eps": "fp32"},
-                       dict(BLOCK=1024))
+                       dict(ROWS=8, BLOCK=1024))
     print("compiled")
 """)
 
