@@ -133,51 +133,59 @@ def _reader(x_ptr, y_ptr, n, WAIT: tl.constexpr):
 HIDDEN, Q_DIM, QKV_DIM, INTER = 1024, 2048, 4096, 3072
 
 
-def probe(rows: list[int]) -> list[str]:
-    out, dev, dt = [], "cuda", torch.bfloat16
+def late_write_trial(x: torch.Tensor, out: torch.Tensor, reader, expect: torch.Tensor, replays: int) -> tuple:
+    """Capture [_late_writer fills x with ones, reader()], turn the graph's plain kernel edges programmatic, replay:
+    (replays whose `out` matches `expect`, edges turned, kernels after the writer). x and out are zeroed before
+    each replay, so a reader that does not wait for the writer sees zeros."""
+    reader()  # cuBLAS handles and heuristics, Triton compiles: outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        _late_writer[(1,)](x, x.numel(), 1.0, 30_000)
+        reader()
+    names = [kernel_name(to) for _, to, _ in graph_edges(g.raw_cuda_graph()) if node_type(to) == CU_GRAPH_NODE_TYPE_KERNEL]
+    turned = make_programmatic(g.raw_cuda_graph())
+    g.instantiate()
+    right = 0
+    for _ in range(replays):
+        x.zero_()
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        right += int(torch.allclose(out.float(), expect.float(), rtol=2e-2, atol=2e-2))
+    return right, turned, names
+
+
+LAYER_SHAPES = (("qkv", HIDDEN, QKV_DIM, False), ("o_proj+res", Q_DIM, HIDDEN, True),
+                ("gate_up", HIDDEN, 2 * INTER, False), ("down+res", INTER, HIDDEN, True))
+
+
+def probe(rows: list[int]) -> None:
+    dev, dt = "cuda", torch.bfloat16
     n_ctrl = 1 << 16
     for wait in (False, True):
         x, y = torch.zeros(n_ctrl, device=dev, dtype=dt), torch.zeros(n_ctrl, device=dev, dtype=dt)
-        g = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(g):
-            _late_writer[(1,)](x, n_ctrl, 1.0, 30_000)
-            _reader[(n_ctrl // 1024,)](x, y, n_ctrl, WAIT=wait)
-        turned = make_programmatic(g.raw_cuda_graph())
-        g.instantiate()
-        x.zero_()
-        y.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        fresh = (y == 1).float().mean().item()
+        right, turned, _ = late_write_trial(x, y, lambda x=x, y=y, w=wait: _reader[(n_ctrl // 1024,)](x, y, n_ctrl,
+                                                                                                     WAIT=w),
+                                            torch.ones_like(y), 1)
         print(f"control: Triton reader {'with' if wait else 'without'} griddepcontrol.wait, {turned} edge "
-                   f"programmatic: {fresh:.0%} of the input read after the write")
+              f"programmatic: {'the new' if right else 'stale'} input read", flush=True)
     for m in rows:
-        for label, k, n, residual in (("qkv", HIDDEN, QKV_DIM, False), ("o_proj+res", Q_DIM, HIDDEN, True),
-                                      ("gate_up", HIDDEN, 2 * INTER, False), ("down+res", INTER, HIDDEN, True)):
+        for label, k, n, residual in LAYER_SHAPES:
             x = torch.zeros(m, k, device=dev, dtype=dt)
             w = torch.randn(n, k, device=dev, dtype=dt) * 0.05
             h = torch.zeros(m, n, device=dev, dtype=dt)
-            h.addmm_(x, w.t()) if residual else F.linear(x, w)  # cuBLAS handle and heuristics outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(g):
-                _late_writer[(1,)](x, m * k, 1.0, 30_000)
-                y = h.addmm_(x, w.t()) if residual else F.linear(x, w)
-            names = [kernel_name(to) for frm, to, d in graph_edges(g.raw_cuda_graph())
-                     if node_type(to) == CU_GRAPH_NODE_TYPE_KERNEL]
-            turned = make_programmatic(g.raw_cuda_graph())
-            g.instantiate()
-            ok = 0
-            for _ in range(5):
-                x.zero_()
-                h.zero_()
-                g.replay()
-                torch.cuda.synchronize()
-                expect = F.linear(torch.ones_like(x), w)
-                ok += int(torch.allclose(y.float(), expect.float(), rtol=2e-2, atol=2e-2))
-            print(f"M={m:3d} {label:10s}: {ok}/5 replays right with {turned} programmatic edge(s); "
-                       f"kernels after the writer: {', '.join(nm[:60] for nm in names)}")
-    return out
+            y = torch.zeros(m, n, device=dev, dtype=dt)
+
+            def gemm(x=x, w=w, h=h, y=y, residual=residual) -> None:
+                if residual:
+                    h.addmm_(x, w.t())  # h is zeroed before each replay: h == y's expectation
+                else:
+                    torch.matmul(x, w.t(), out=y)
+
+            right, turned, names = late_write_trial(x, h if residual else y, gemm, F.linear(torch.ones_like(x), w), 5)
+            print(f"M={m:3d} {label:10s}: {right}/5 replays right with {turned} programmatic edge(s); "
+                  f"kernels after the writer: {', '.join(nm[:60] for nm in names)}", flush=True)
 
 
 def probe_candidates(rows: list[int]) -> None:
@@ -187,38 +195,22 @@ def probe_candidates(rows: list[int]) -> None:
     lt = Lt(_cublaslt())
     dev, dt = "cuda", torch.bfloat16
     for m in rows:
-        for label, k, n in (("qkv", HIDDEN, QKV_DIM), ("o_proj", Q_DIM, HIDDEN), ("gate_up", HIDDEN, 2 * INTER),
-                            ("down", INTER, HIDDEN)):
+        for label, k, n, _ in LAYER_SHAPES:
             x = torch.zeros(m, k, device=dev, dtype=dt)
             w = torch.randn(n, k, device=dev, dtype=dt) * 0.05
             y = torch.zeros(m, n, device=dev, dtype=dt)
-            expect = F.linear(torch.ones_like(x), w).float()
+            expect = F.linear(torch.ones_like(x), w)
             prob = lt.problem(m, n, k)
             waiting, plain = [], []
             for i, h in enumerate(lt.heuristics(prob)):
                 try:
-                    lt.matmul(prob, h.algo, x, w, y)
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph(keep_graph=True)
-                    with torch.cuda.graph(g):
-                        _late_writer[(1,)](x, m * k, 1.0, 30_000)
-                        lt.matmul(prob, h.algo, x, w, y)
-                    names = [kernel_name(to) for _, to, _ in graph_edges(g.raw_cuda_graph())
-                             if node_type(to) == CU_GRAPH_NODE_TYPE_KERNEL]
-                    make_programmatic(g.raw_cuda_graph())
-                    g.instantiate()
-                    ok = 0
-                    for _ in range(3):
-                        x.zero_()
-                        y.zero_()
-                        g.replay()
-                        torch.cuda.synchronize()
-                        ok += int(torch.allclose(y.float(), expect, rtol=2e-2, atol=2e-2))
+                    right, _, names = late_write_trial(
+                        x, y, lambda a=h.algo, x=x, w=w, y=y, prob=prob: lt.matmul(prob, a, x, w, y), expect, 3)
                 except RuntimeError as e:
                     print(f"  M={m} {label} h{i}: {e}", flush=True)
                     continue
-                (waiting if ok == 3 else plain).append(f"h{i} {'+'.join(nm[:48] for nm in names)}")
-            print(f"M={m:3d} {label:8s}: {len(waiting)} candidates wait, {len(plain)} do not; waiting: "
+                (waiting if right == 3 else plain).append(f"h{i} {'+'.join(nm[:48] for nm in names)}")
+            print(f"M={m:3d} {label:10s}: {len(waiting)} candidates wait, {len(plain)} do not; waiting: "
                   f"{'; '.join(waiting) or '-'} | first plain: {'; '.join(plain[:3])}", flush=True)
 
 
@@ -229,8 +221,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if "probe" in args.sections:
-        for line in probe(rows):
-            print(line, flush=True)
+        probe(rows)
     if "candidates" in args.sections:
         probe_candidates(rows)
 
