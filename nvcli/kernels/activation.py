@@ -1,8 +1,9 @@
 """SiLU(gate) * up in one pass over the fused gate_up projection output.
 
 With `scale_rows` (deferred RMSNorm, models/llama.py) gate_up is the projection of the un-normalized rows, the
-norm's weight folded into the projection: each program first computes its row's 1 / RMS from the row itself and
-scales gate and up by it, so the norm needs no kernel (and no pass over the hidden states) of its own."""
+norm's weight folded into the projection: each program first computes its row's 1 / RMS from the row itself (or
+reads it, precomputed once per row where a row spans several programs) and scales gate and up by it, so the norm
+needs no kernel of its own."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
 
 def silu_and_mul_triton(
     x: torch.Tensor,  # [num_tokens, 2 * d]: gate then up
-    scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: gate and up first times each row's 1 / RMS
+    scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden] or [num_tokens] precomputed 1 / RMS: gate and
+    # up first times each row's 1 / RMS
     scale_eps: float = 1e-6,
 ) -> torch.Tensor:  # [num_tokens, d]
     n, two_d = x.shape

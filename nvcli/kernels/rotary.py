@@ -35,7 +35,8 @@ def rope_qk_norm_store(
     store_kv,  # runtime flag: write k and v to the cache (STORE) or k back in place (not STORE)
     q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k_scale, v_scale, eps,
-    rs_ptr, stride_rs, rs_n, rs_eps,  # ROW_SCALE: the token's hidden row [rs_n] (the layer's input, before its norm)
+    rs_ptr, stride_rs, rs_n, rs_eps,  # ROW_SCALE: the token's hidden row [rs_n] (the layer's input, before its norm),
+    # or its 1 / RMS precomputed (rms_norm.load_row_rstd)
     stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
@@ -48,7 +49,8 @@ def rope_qk_norm_store(
     (token-major, kv_layout.py). SEAL (decode attention over a dims-major V cache: the token is the only one of
     its page written in this launch): a token that fills its page seals it. ROW_SCALE (deferred RMSNorm,
     models/llama.py): q, k and v are projections of the un-normalized row, so each is first multiplied by the
-    row's 1 / RMS, computed here from the row itself (the norm's weight is folded into the projection)."""
+    row's 1 / RMS, computed here from the row itself or read precomputed (the norm's weight is folded into the
+    projection)."""
     offs = tl.arange(0, HALF)  # [HALF]
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     g_mask = (offs_g < GROUP)[:, None]
@@ -136,7 +138,7 @@ def _rope_store_kernel(
     k_scale_val,
     v_scale_val,
     eps,
-    rs_ptr,  # [num_tokens, rs_n] (ROW_SCALE)
+    rs_ptr,  # [num_tokens, rs_n] or [num_tokens] precomputed (ROW_SCALE)
     stride_rs,
     rs_n,
     rs_eps,
@@ -193,12 +195,13 @@ def rope_qk_norm_triton(
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
     k_scale: Scale = None,
     v_scale: Scale = None,
-    scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: q, k, v first times each row's 1 / RMS
+    scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden] or [num_tokens] precomputed: see the docstring
     scale_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k.
     `scale_rows` (deferred RMSNorm, models/llama.py; needs the cache store, which is where v is scaled): q, k and
-    v are first multiplied by rsqrt(mean(row ** 2) + scale_eps) of their token's row."""
+    v are first multiplied by rsqrt(mean(row ** 2) + scale_eps) of their token's row, or by the token's entry of a
+    [num_tokens] float32 of those values precomputed (layers.norm.row_rstd_vector)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1
