@@ -13,6 +13,9 @@ timeline: the DESIGN.md workload once after a warm-up, each engine step timed; t
 prefill: the workload's first steps (prompts only, 16,384-token chunks), timed in a fresh engine and again, then
   under torch.profiler: wall and host launch time per step, and the kernels that take it, against the step's GEMM
   FLOPs at the measured bf16 matmul rate.
+mixed: steps that carry a new prompt beside running decodes (a long job's steady state, where most steps admit a
+  prompt): 128 sequences decoding at ~700 tokens of context, then steps that each also admit one 562-token prompt,
+  against decode-only steps of the same batch: wall and host launch time per step, and the kernel table of each.
 sweep: the decode-attention kernel at the workload's (batch, context) shapes as it shrinks
   (256 x 800 ... 8 x 1600, and 256 sequences of 100-2000 tokens), over block_n / warps / stages /
   splits / grid order (fp8: stages / splits / V dequantized per tile), bf16 and fp8; also the default
@@ -213,6 +216,67 @@ def prefill_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
         while engine.has_unfinished():
             engine.step()
     print("\n".join(out))
+    llm.shutdown()
+    return out
+
+
+def mixed_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
+    """Decode-only steps of 128 sequences against steps of the same sequences that each admit one prompt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=BATCHED_TOKENS,
+              kv_cache_dtype=kv_cache_dtype)
+    engine = llm.engine
+    run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))
+    work = make_workload(128, (600, 600), (600, 600), seed=0)
+    for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+        engine.add_request(p, sp, request_id=f"mixed-base-{i}")
+    for _ in range(100):  # prompts, then decode steps: contexts ~700
+        engine.step()
+    extra = make_workload(200, (562, 562), (600, 600), seed=1)
+    added = 0
+    launch = engine.executor.launch
+    out = []
+
+    def steps(n: int, admit: bool) -> tuple[float, list[float], list[int]]:
+        nonlocal added
+        launch_s: list[float] = []
+        tokens: list[int] = []
+
+        def timed_launch(batch, *a, **kw):
+            t = time.perf_counter()
+            handle = launch(batch, *a, **kw)
+            launch_s.append(time.perf_counter() - t)
+            tokens.append(batch.num_tokens)
+            return handle
+
+        engine.executor.launch = timed_launch
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            for _ in range(n):
+                if admit:
+                    engine.add_request(extra.prompts[added], extra.params[added], request_id=f"mixed-new-{added}")
+                    added += 1
+                engine.step()
+            torch.cuda.synchronize()
+        finally:
+            engine.executor.launch = launch
+        return (time.perf_counter() - t0) / n, launch_s, tokens
+
+    for label, admit in (("decode-only", False), ("one prompt admitted per step", True)):
+        steps(5, admit)
+        wall, launch_s, tokens = steps(12, admit)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps(12, admit)
+        count, busy, rows = kernel_table(prof, 12)
+        line = (f"{label} ({kv_cache_dtype}, ~{len(engine.scheduler.running)} running, tokens/step "
+                f"{min(tokens)}-{max(tokens)}): wall {wall * 1e3:.2f} ms/step, host launch "
+                f"{1e3 * sorted(launch_s)[len(launch_s) // 2]:.2f} ms (median), GPU busy {busy / 1e3:.2f} ms/step, "
+                f"{count} kernels/step")
+        out.append(line)
+        out += [f"    {name:40s} {calls:6.1f} calls {us / 1e3:8.3f} ms" for name, calls, us in rows[:10]]
+    print("\n".join(out), flush=True)
     llm.shutdown()
     return out
 
@@ -475,6 +539,8 @@ def main() -> None:
             lines += timeline_section(model_dir, args.kv_cache_dtype, bw)
         elif name == "prefill":
             lines += prefill_section(model_dir, args.kv_cache_dtype)
+        elif name == "mixed":
+            lines += mixed_section(model_dir, args.kv_cache_dtype)
         elif name == "sweep":
             lines += sweep_section()
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)

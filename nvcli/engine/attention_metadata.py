@@ -9,6 +9,23 @@ import torch
 
 
 @dataclass
+class DecodeSplit:
+    """A step that carries prompt chunks beside one-token rows (a long job's steady state: running sequences
+    decode while new prompts are admitted). The one-token rows come first (the scheduler orders them so) and go to
+    the decode kernel; the prompt chunks' rows go to the prefill kernel, whose query tiles would otherwise hold one
+    real row per decode sequence. GPU only: the torch reference reads the whole-step fields of AttentionMetadata."""
+
+    num_rows: int  # rows [0, num_rows) of q for the decode kernel; in a CUDA graph its capacity, unused rows length 0
+    seq_lens: torch.Tensor  # [num_rows] int32, KV length of each one-token row (0: unused)
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32
+    order: torch.Tensor  # [num_rows] int32 permutation, longest first (decode kernel program order)
+    prefill_query_start_loc: torch.Tensor  # [num_prefill + 1] int32, absolute rows: starts after the one-token rows
+    prefill_seq_lens: torch.Tensor  # [num_prefill] int32 (0: unused entry of a graph)
+    prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
+    prefill_max_query_len: int  # bound on the prompt chunks' lengths (a graph: its token count)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (-1: padding, skipped)
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, packed query rows of each sequence
@@ -20,3 +37,4 @@ class AttentionMetadata:
     # [num_seqs] int32 permutation, longest sequence first: the order decode attention's programs take the
     # sequences in (decode graphs; None: batch order)
     decode_order: Optional[torch.Tensor] = None
+    split: Optional[DecodeSplit] = None  # a step with prompt chunks and one-token rows, on the GPU

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from nvcli.config import ConfigError, EngineConfig
-from nvcli.engine.attention_metadata import AttentionMetadata
+from nvcli.engine.attention_metadata import AttentionMetadata, DecodeSplit
 from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
@@ -43,6 +43,11 @@ LONGEST_FIRST = os.environ.get("NV_DECODE_LONGEST_FIRST", "1") != "0"
 # Start-up compiles its Triton kernels side by side first (kernels/compile_ahead.py), in worker processes;
 # NV_COMPILE_AHEAD=threads compiles on threads of this process instead, 0 turns it off (A/B runs).
 COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
+# Steps that carry prompt chunks run their one-token rows through the decode kernel (AttentionMetadata.split) and,
+# up to the largest of mixed_graph_sizes tokens, replay a CUDA graph: launched eagerly such a step cost the host
+# ~27 ms against ~8 ms of GPU work (RESULTS session 23). NV_SPLIT_MIXED=0 / NV_MIXED_GRAPHS=0 turn either off.
+SPLIT_MIXED = os.environ.get("NV_SPLIT_MIXED", "1") != "0"
+MIXED_GRAPHS = os.environ.get("NV_MIXED_GRAPHS", "1") != "0"
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -64,6 +69,8 @@ class StepInput:
     decode_only: bool
     # Input rows whose token the previous (still running) step samples: (input row, that step's row).
     pending: list[tuple[int, int]] = field(default_factory=list)
+    # A step with prompt chunks: its leading sequences that compute one token each (decode kernel rows)
+    num_decode_rows: int = 0
 
 
 def _feeding_row(seq: Sequence, prev_rows: dict[int, int] | None) -> int:
@@ -120,7 +127,8 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
         table = np.asarray(seq.block_table[start // block_size : (end - 1) // block_size + 1], dtype=np.int64)
         slots[rows] = table[pos // block_size - start // block_size] * block_size + pos % block_size
         seq_lens.append(end)
-    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending)
+    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending,
+                     batch.num_single_token_rows)
 
 
 @dataclass
@@ -141,6 +149,13 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, 512)
     sizes = [1, 2, 4, 8] + list(range(16, top + 1, 16))
     return sorted({s for s in sizes if s <= top} | {top})
+
+
+def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts of steps with prompt chunks that get a CUDA graph; a step replays the smallest one that fits
+    (its padding rows cost GEMM rows, at most an eighth more from 1,024 tokens up)."""
+    sizes = [64, 128] + list(range(256, 1025, 128)) + list(range(1280, 2049, 256))
+    return [s for s in sizes if s <= max_num_batched_tokens]
 
 
 def pick_dtype(config: EngineConfig, hf_config, device: str) -> torch.dtype:
@@ -211,6 +226,12 @@ class ModelRunner:
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_mixed_replays = 0
+        self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED
+                            and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton")
+        self.mixed_graph_sizes = (mixed_graph_sizes(config.max_num_batched_tokens)
+                                  if self.split_mixed and MIXED_GRAPHS and not config.enforce_eager else [])
         if marker is not None:
             try:
                 num_variants, dry_s = self._compile_ahead(workers)
@@ -301,7 +322,7 @@ class ModelRunner:
         return num_blocks
 
     def _decode_activation_bytes(self) -> int:
-        bs = self.graph_batch_sizes[-1]
+        bs = max([self.graph_batch_sizes[-1], *self.mixed_graph_sizes])
         hidden = self.hf_config.hidden_size
         inter = self.hf_config.intermediate_size // max(1, self.model.tp_size)
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -366,12 +387,14 @@ class ModelRunner:
         if cache_tokens < 32 or (self.config.max_model_len or 32) < 32:
             return  # the shapes below need 32 tokens of cache to read from
         blocks = [list(range(-(-32 // self.block_size)))]
-        for lens in ([17, 14], [16, 32], [1]):  # prefill: odd / multiple-of-16 token counts; eager decode
+        # prefill: odd / multiple-of-16 token counts; eager decode; decode rows beside a prompt chunk (split
+        # attention: the decode kernel at one and at 17 rows) where a step too large for the mixed graphs runs them
+        for lens in ([17, 14], [16, 32], [1], [1, 16], [1] * 17 + [14]):
             qsl = [0]
             for n in lens:
                 qsl.append(qsl[-1] + n)
             step = StepInput([0] * qsl[-1], [p for n in lens for p in range(n)], [-1] * qsl[-1], qsl, lens,
-                             blocks * len(lens), False)
+                             blocks * len(lens), False, num_decode_rows=lens.count(1) if len(lens) > 1 else 0)
             self._forward(step)
         for rows in (1, 2, 3, 17):  # LM head: skinny FMA (1, 2 rows), skinny tensor-core, cuBLAS
             step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
@@ -405,6 +428,15 @@ class ModelRunner:
             max_seq_len=max(step.seq_lens),
             decode_only=step.decode_only,
         )
+        d = step.num_decode_rows
+        if d and not step.decode_only and self.split_mixed:
+            lens = np.asarray(step.seq_lens, dtype=np.int32)
+            qsl = step.query_start_loc
+            meta.split = DecodeSplit(
+                num_rows=d, seq_lens=meta.seq_lens[:d], block_tables=meta.block_tables[:d],
+                order=t(np.argsort(-lens[:d], kind="stable"), np.int32), prefill_query_start_loc=meta.query_start_loc[d:],
+                prefill_seq_lens=meta.seq_lens[d:], prefill_block_tables=meta.block_tables[d:],
+                prefill_max_query_len=max([b - a for a, b in zip(qsl[d:], qsl[d + 1:])], default=0))
         return t(step.input_ids, np.int64), t(step.positions, np.int64), meta
 
     def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
@@ -427,6 +459,9 @@ class ModelRunner:
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step)
+        if (not step.decode_only and self.mixed_graphs and len(step.input_ids) <= self.mixed_graph_sizes[-1]
+                and max(len(b) for b in step.block_tables) <= self.g_max_blocks):
+            return self._replay_mixed_graph(step)
         input_ids, positions, meta = self._tensors(step)
         self._feed_back(input_ids, step)
         hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
@@ -520,6 +555,59 @@ class ModelRunner:
         # each graph's outputs: (hidden, residual) [bs, hidden] in the graphs' memory pool, rewritten by
         # every replay of that graph
         self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.mixed_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if self.mixed_graph_sizes:
+            self._make_mixed_graph_inputs(max_blocks)
+
+    def _make_mixed_graph_inputs(self, max_blocks: int) -> None:
+        """The mixed graphs' static inputs: one device byte buffer and two pinned staging copies of it.
+
+        Byte layout: int64 [3, T] (input ids, positions, slots) | int64 [S] each sequence's last row | int32 decode
+        rows' lengths [D] and program order [D], prompt chunks' query starts [P + 1] and lengths [P] | int32 decode
+        rows' tables [D, max_blocks] | int32 prompt chunks' tables [P, max_blocks]; T the largest graph's tokens,
+        S the sequence limit, D and P the largest graph's decode-row and prompt-chunk capacities."""
+        t_max = self.mixed_graph_sizes[-1]
+        s_max = self.config.max_num_seqs
+        d_max, p_max = self._mixed_capacity(t_max)
+        sizes = [("i64", 3 * t_max * 8), ("last", s_max * 8), ("i32", (2 * d_max + 2 * p_max + 1) * 4),
+                 ("dec_tables", d_max * max_blocks * 4), ("pre_tables", p_max * max_blocks * 4)]
+        offsets, at = {}, 0
+        for name, n in sizes:
+            offsets[name] = (at, at + n)
+            at += n
+
+        def views(blob: torch.Tensor) -> dict[str, torch.Tensor]:
+            v = {name: blob[a:b] for name, (a, b) in offsets.items()}
+            i32 = v["i32"].view(torch.int32)
+            return {"i64": v["i64"].view(torch.int64).view(3, t_max), "last": v["last"].view(torch.int64),
+                    "i32": v["i32"], "dec_lens": i32[:d_max], "dec_order": i32[d_max : 2 * d_max],
+                    "pre_qsl": i32[2 * d_max : 2 * d_max + p_max + 1], "pre_lens": i32[2 * d_max + p_max + 1 :],
+                    "dec_tables": v["dec_tables"].view(torch.int32).view(d_max, max_blocks),
+                    "pre_tables": v["pre_tables"].view(torch.int32).view(p_max, max_blocks)}
+
+        self.m_blob = torch.zeros(at, dtype=torch.uint8, device=self.device)
+        self.m = views(self.m_blob)
+        self.m["i64"][2] = -1
+        self.m_stage_blobs = [torch.zeros(at, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.m_stages = [views(blob) for blob in self.m_stage_blobs]
+        for stage in self.m_stages:
+            stage["i64"][2] = -1
+
+    def _mixed_capacity(self, tokens: int) -> tuple[int, int]:
+        """(decode rows, prompt chunks) a mixed graph of `tokens` rows holds: a prompt chunk has 2+ tokens (the
+        scheduler's one-token rows are decode rows)."""
+        return min(tokens, self.config.max_num_seqs), max(1, min(self.config.max_num_seqs, tokens // 2))
+
+    def _mixed_graph_forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step with prompt chunks that a mixed graph of `tokens` rows holds, on the static buffers (lengths 0,
+        slots -1: reads and writes no KV)."""
+        d, p = self._mixed_capacity(tokens)
+        m = self.m
+        split = DecodeSplit(d, m["dec_lens"][:d], m["dec_tables"][:d], m["dec_order"][:d], m["pre_qsl"][: p + 1],
+                            m["pre_lens"][:p], m["pre_tables"][:p], tokens)
+        meta = AttentionMetadata(m["i64"][2, :tokens], m["pre_qsl"][: p + 1], m["pre_lens"][:p], m["pre_tables"][:p],
+                                 tokens, self.g_max_blocks * self.block_size, False, None, split)
+        return self.model(m["i64"][0, :tokens], m["i64"][1, :tokens], meta)
 
     def _graph_forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step a graph of `bs` rows holds, on the static buffers (seq_len 0, slot -1: reads and
@@ -541,6 +629,13 @@ class ModelRunner:
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
+            torch.cuda.synchronize()
+        for tokens in reversed(self.mixed_graph_sizes):
+            self._mixed_graph_forward(tokens)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.mixed_outputs[tokens] = self._mixed_graph_forward(tokens)
+            self.mixed_graphs[tokens] = graph
             torch.cuda.synchronize()
 
     def _startup_marker(self) -> StartupMarker:
@@ -566,6 +661,8 @@ class ModelRunner:
                 self._make_graph_inputs()
                 for bs in reversed(self.graph_batch_sizes):
                     self._graph_forward(bs)
+                for tokens in reversed(self.mixed_graph_sizes):
+                    self._mixed_graph_forward(tokens)
             self._warm_up_kernels(dry_run=True)
 
         result = compile_ahead(forwards, self.device, workers=workers)
@@ -575,9 +672,10 @@ class ModelRunner:
         return result
 
     def release_cuda_graphs(self) -> None:
-        if self.graphs:
+        if self.graphs or self.mixed_graphs:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
+            self.mixed_graphs.clear()
             torch.cuda.empty_cache()
 
     def _replay_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -617,6 +715,55 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
         return hidden[:bs], residual[:bs] if residual is not None else None
+
+
+    def _replay_mixed_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage a step with prompt chunks into the mixed graphs' buffers, replay the smallest graph that holds it;
+        (hidden, residual) of each sequence's last row."""
+        num_tokens, num_seqs, d = len(step.input_ids), len(step.seq_lens), step.num_decode_rows
+        tokens = next(s for s in self.mixed_graph_sizes if s >= num_tokens)
+        d_cap, p_cap = self._mixed_capacity(tokens)
+        p = num_seqs - d
+        stage = self.m_stages[self.num_mixed_replays % 2]
+        self.num_mixed_replays += 1
+        ints = stage["i64"].numpy()  # [3, T]: input ids, positions, slots
+        ints[0, :num_tokens] = step.input_ids
+        ints[1, :num_tokens] = step.positions
+        ints[2, :num_tokens] = step.slot_mapping
+        ints[:2, num_tokens:tokens] = 0
+        ints[2, num_tokens:tokens] = -1
+        qsl = np.asarray(step.query_start_loc, dtype=np.int64)
+        lens = np.asarray(step.seq_lens, dtype=np.int32)
+        stage["last"].numpy()[:num_seqs] = qsl[1:] - 1
+        dec_lens = stage["dec_lens"].numpy()
+        dec_lens[:d] = lens[:d]
+        dec_lens[d:d_cap] = 0
+        stage["dec_order"].numpy()[:d_cap] = np.argsort(-dec_lens[:d_cap], kind="stable")
+        pre_qsl = stage["pre_qsl"].numpy()
+        pre_qsl[: p + 1] = qsl[d:]
+        pre_qsl[p + 1 : p_cap + 1] = num_tokens
+        pre_lens = stage["pre_lens"].numpy()
+        pre_lens[:p] = lens[d:]
+        pre_lens[p:p_cap] = 0
+        width = max(len(b) for b in step.block_tables)
+        dec_tables, pre_tables = stage["dec_tables"].numpy(), stage["pre_tables"].numpy()
+        for row, b in enumerate(step.block_tables[:d]):
+            dec_tables[row, : len(b)] = b
+        for row, b in enumerate(step.block_tables[d:]):
+            pre_tables[row, : len(b)] = b
+        m = self.m
+        m["i64"][:, :tokens].copy_(stage["i64"][:, :tokens], non_blocking=True)
+        m["last"][:num_seqs].copy_(stage["last"][:num_seqs], non_blocking=True)
+        m["i32"].copy_(stage["i32"], non_blocking=True)
+        if d:
+            m["dec_tables"][:d, :width].copy_(stage["dec_tables"][:d, :width], non_blocking=True)
+        if p:
+            m["pre_tables"][:p, :width].copy_(stage["pre_tables"][:p, :width], non_blocking=True)
+        self._feed_back(m["i64"][0], step)
+        self.mixed_graphs[tokens].replay()
+        hidden, residual = self.mixed_outputs[tokens]
+        last = m["last"][:num_seqs]
+        return hidden.index_select(0, last), residual.index_select(0, last) if residual is not None else None
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

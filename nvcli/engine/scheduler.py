@@ -32,6 +32,14 @@ class ScheduledBatch:
     is_decode_only: bool = False
 
     @property
+    def num_single_token_rows(self) -> int:
+        """Leading sequences that compute one token each (the scheduler puts them first)."""
+        n = 0
+        while n < len(self.num_new_tokens) and self.num_new_tokens[n] == 1:
+            n += 1
+        return n
+
+    @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
@@ -130,6 +138,11 @@ class Scheduler:
         return self._advance(seqs, counts)
 
     def _advance(self, seqs: list[Sequence], counts: list[int]) -> ScheduledBatch:
+        # One-token rows first: a step that also carries prompt chunks runs its first rows through the decode
+        # kernel, and the rest through the prefill kernel (AttentionMetadata.split).
+        if any(n > 1 for n in counts):
+            order = sorted(range(len(seqs)), key=lambda i: counts[i] > 1)  # stable
+            seqs, counts = [seqs[i] for i in order], [counts[i] for i in order]
         batch = ScheduledBatch(seqs, counts)
         batch.is_decode_only = bool(seqs) and all(
             n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(seqs, counts)

@@ -54,7 +54,7 @@ def channel_words(config: EngineConfig) -> int:
 def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     n, s = len(step.input_ids), len(step.seq_lens)
     width = max(len(b) for b in step.block_tables)
-    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, len(step.pending), 0, 0)
+    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, len(step.pending), step.num_decode_rows, 0)
     o = _HEADER
     for arr in (step.input_ids, step.positions, step.slot_mapping):
         buf[o : o + n] = arr
@@ -73,7 +73,7 @@ def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
 
 
 def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
-    cmd, decode_only, n, s, width, num_pending = (int(x) for x in buf[:6])
+    cmd, decode_only, n, s, width, num_pending, num_decode_rows = (int(x) for x in buf[:7])
     if cmd != CMD_STEP:
         return cmd, None
     o = _HEADER
@@ -87,7 +87,7 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
     o += s * width
     flat = buf[o : o + 2 * num_pending].tolist()
     pending = list(zip(flat[0::2], flat[1::2]))
-    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only), pending)
+    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only), pending, num_decode_rows)
 
 
 def _init_dist(config: EngineConfig, rank: int, port: int) -> None:

@@ -477,8 +477,10 @@ def paged_decode_attention_triton(
     v_dequant_in_tile: Optional[bool] = None,
     run_addressing: Optional[bool] = None,
     order: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim].
+    """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim] (`out`, a
+    contiguous [num_seqs, num_heads, head_dim] tensor, when given).
 
     k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
     store quantizes with them when `rope` is given) and are ignored otherwise. With `rope` the kernel
@@ -502,7 +504,9 @@ def paged_decode_attention_triton(
     assert block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == (num_seqs, num_heads, head_dim) and out.is_contiguous()
     if num_seqs == 0:
         return out
 

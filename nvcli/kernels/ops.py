@@ -12,11 +12,15 @@ other dtype ignore them.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from nvcli.kernels import reference
 from nvcli.kernels.reference import Scale
+
+if TYPE_CHECKING:
+    from nvcli.engine.attention_metadata import DecodeSplit
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -71,6 +75,35 @@ def paged_decode_attention(
     return reference.paged_decode_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     )
+
+
+def paged_split_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    split: DecodeSplit,
+    scale: float,
+    k_scale: Scale = None,
+    v_scale: Scale = None,
+) -> torch.Tensor:
+    """Attention of a step whose first `split.num_rows` rows are one-token queries (decode kernel) and whose other
+    rows are prompt chunks (prefill kernel) -> like q. Triton only (the split exists on the GPU).
+
+    The decode kernel runs first: in a CUDA graph its capacity may reach into the prompt rows, where it writes
+    zeros (length 0) that the prefill kernel then overwrites."""
+    from nvcli.kernels.decode_attention import paged_decode_attention_triton
+    from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
+
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    d = split.num_rows
+    if d:
+        paged_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens, scale, k_scale,
+                                      v_scale, order=split.order, out=out[:d])
+    if split.prefill_seq_lens.shape[0]:
+        paged_prefill_attention_triton(q, k_cache, v_cache, split.prefill_query_start_loc, split.prefill_seq_lens,
+                                       split.prefill_block_tables, split.prefill_max_query_len, 0, scale, k_scale,
+                                       v_scale, out=out)
+    return out
 
 
 def paged_prefill_attention(

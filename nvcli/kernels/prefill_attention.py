@@ -165,6 +165,8 @@ def _prefill_kernel(
         else:
             hi = mid
     seq = lo - 1
+    if seq < 0:
+        return  # ids below the first sequence's: its rows start after a step's one-token rows (DecodeSplit)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -253,8 +255,13 @@ def paged_prefill_attention_triton(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal varlen attention of packed queries over the paged cache -> like q.
+
+    query_start_loc holds absolute rows of q: with query_start_loc[0] > 0 the rows before it are not this kernel's
+    (a step's one-token rows, which the decode kernel takes: DecodeSplit) and are left as they are in `out`
+    (written in place when given, else a new tensor).
 
     max_query_len (>= every q_len) picks the query tile height. max_seq_len is accepted for
     API symmetry (the kernel reads each sequence's length on the device). k_scale / v_scale
@@ -271,7 +278,9 @@ def paged_prefill_attention_triton(
     v_t = is_dims_major(v_cache)
     assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
 

@@ -56,6 +56,37 @@ def test_prefill_then_decode_in_one_batch() -> None:
     assert not batch.is_decode_only
 
 
+def test_one_token_rows_lead_a_step_with_prompt_chunks() -> None:
+    """A step that carries prompt chunks lists its one-token rows first (the GPU runs them through the decode
+    kernel, the rest through the prefill kernel), and each sampled token still reaches its own sequence."""
+    sched, _ = make(budget=40)
+    a, b = seq(12, max_tokens=8), seq(30, max_tokens=8, first=100)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()  # a's prompt and the first 28 tokens of b's
+    assert batch.num_new_tokens == [12, 28]
+    sched.postprocess(batch, [5, 0])
+    c = seq(6, max_tokens=8, first=200)
+    sched.add(c)
+    batch = sched.schedule()  # a decodes, b's prompt ends (2 tokens), c's prompt (6)
+    assert [s.seq_id for s in batch.seqs] == [a.seq_id, b.seq_id, c.seq_id]
+    assert batch.num_new_tokens == [1, 2, 6] and batch.num_single_token_rows == 1
+    sched.postprocess(batch, [11, 12, 13])
+    batch = sched.schedule()  # all three decode
+    assert batch.is_decode_only
+    sched.postprocess(batch, [21, 22, 23])
+    d = seq(9, max_tokens=8, first=300)
+    sched.add(d)
+    e = seq(1, max_tokens=8, first=400)
+    sched.add(e)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1, 1, 1, 1, 9] and batch.num_single_token_rows == 4
+    assert [s.seq_id for s in batch.seqs] == [a.seq_id, b.seq_id, c.seq_id, e.seq_id, d.seq_id]
+    sched.postprocess(batch, [31, 32, 33, 34, 35])
+    assert a.token_ids[-3:] == [11, 21, 31] and c.token_ids[-3:] == [13, 23, 33]
+    assert e.token_ids == [400, 34] and d.token_ids[-1] == 35
+
+
 def test_chunked_prefill_respects_budget_and_lets_decodes_run() -> None:
     sched, _ = make(budget=8)
     a = seq(3)

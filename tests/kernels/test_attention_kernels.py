@@ -428,3 +428,48 @@ def test_decode_with_fused_rope_scales_unnormalized_rows(norm: bool, num_splits:
     torch.testing.assert_close(kc.cpu(), ref_kc.cpu(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(vc.cpu(), ref_vc.cpu(), atol=2e-5, rtol=2e-5)
     assert not torch.allclose(vc.cpu(), v_cache)  # the new (scaled) values did land
+
+
+# ----------------------------------------------------------------------------- decode rows beside prompt chunks
+
+
+@pytest.mark.parametrize("many_decodes", [False, True])
+@pytest.mark.parametrize("graph_padding", [False, True])
+def test_split_attention_matches_one_pass(graph_padding: bool, many_decodes: bool) -> None:
+    """A step with prompt chunks and one-token rows (a long job's steady state): the one-token rows, first, go to
+    the decode kernel and the chunks to the prefill kernel, whose query starts begin after them (many_decodes:
+    past whole query tiles of the prefill kernel, whose first program ids then own no sequence). As a CUDA graph
+    holds it (graph_padding): the decode kernel's capacity reaches into the prompt rows (length 0: it writes zeros
+    there first), the prefill kernel sees padding entries (no queries) and the step has padding rows at the end.
+    Every real row equals the reference over the whole step."""
+    from nvcli.engine.attention_metadata import DecodeSplit
+    from nvcli.kernels.ops import paged_split_attention
+
+    gen = torch.Generator().manual_seed(23)
+    if many_decodes:
+        seq_lens_l = [3 + 7 * i for i in range(20)] + [8, 20, 3]
+        q_lens = [1] * 20 + [8, 5, 3]  # prompt chunks of at most 8 tokens: 8-token query tiles
+    else:
+        seq_lens_l = [25, 64, 3, 33, 40, 5]
+        q_lens = [1, 1, 1, 33, 24, 3]  # three decodes, a full prompt, a chunk after 16 cached tokens, a chunk
+    d = q_lens.count(1)
+    k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen)
+    q, qsl = _packed(q_lens, 4, gen)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
+    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    num_tokens = q.shape[0]
+    d_cap, p_extra, pad_rows = (d + 5, 2, 5) if graph_padding else (d, 0, 0)
+    q_in = torch.cat([q, torch.randn(pad_rows, 4, HEAD_DIM, generator=gen)])
+    dec_lens = torch.zeros(d_cap, dtype=torch.int32)
+    dec_lens[:d] = seq_lens[:d]
+    dec_tables = torch.zeros(d_cap, tables.shape[1], dtype=torch.int32)
+    dec_tables[:d] = tables[:d]
+    order = torch.argsort(-dec_lens, stable=True).to(torch.int32)
+    pre_qsl = torch.cat([qsl[d:], torch.full((p_extra,), num_tokens, dtype=torch.int32)])
+    pre_lens = torch.cat([seq_lens[d:], torch.zeros(p_extra, dtype=torch.int32)])
+    pre_tables = torch.cat([tables[d:], torch.zeros(p_extra, tables.shape[1], dtype=torch.int32)])
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    split = DecodeSplit(d_cap, dev(dec_lens), dev(dec_tables), dev(order), dev(pre_qsl), dev(pre_lens),
+                        dev(pre_tables), max(q_lens[d:]))
+    out = paged_split_attention(dev(q_in), dev(k_cache), dev(v_cache), split, SCALE).cpu()
+    assert_close(out[:num_tokens], ref)

@@ -40,6 +40,9 @@ class Attention(nn.Module):
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         # A page is full once its last slot is written, so this step's slots name the pages it filled (kv_layout.py)
         ops.seal_pages(self.v_cache, meta.slot_mapping)
+        if meta.split is not None:
+            return ops.paged_split_attention(q, self.k_cache, self.v_cache, meta.split, self.scale, self.k_scale,
+                                             self.v_scale)
         if meta.decode_only:
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
