@@ -459,9 +459,9 @@ class ModelRunner:
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step)
-        if (not step.decode_only and self.mixed_graphs and len(step.input_ids) <= self.mixed_graph_sizes[-1]
-                and max(len(b) for b in step.block_tables) <= self.g_max_blocks):
-            return self._replay_mixed_graph(step)
+        tokens = self._mixed_graph_for(step) if self.mixed_graphs and not step.decode_only else 0
+        if tokens:
+            return self._replay_mixed_graph(step, tokens)
         input_ids, positions, meta = self._tensors(step)
         self._feed_back(input_ids, step)
         hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
@@ -562,14 +562,13 @@ class ModelRunner:
     def _make_mixed_graph_inputs(self, max_blocks: int) -> None:
         """The mixed graphs' static inputs: one device byte buffer and two pinned staging copies of it.
 
-        Byte layout: int64 [3, T] (input ids, positions, slots) | int64 [S] each sequence's last row | int32 decode
+        Byte layout: int64 [3, T] (input ids, positions, slots) | int64 [D + P] each sequence's last row | int32 decode
         rows' lengths [D] and program order [D], prompt chunks' query starts [P + 1] and lengths [P] | int32 decode
         rows' tables [D, max_blocks] | int32 prompt chunks' tables [P, max_blocks]; T the largest graph's tokens,
-        S the sequence limit, D and P the largest graph's decode-row and prompt-chunk capacities."""
+        D and P its decode-row and prompt-chunk capacities."""
         t_max = self.mixed_graph_sizes[-1]
-        s_max = self.config.max_num_seqs
         d_max, p_max = self._mixed_capacity(t_max)
-        sizes = [("i64", 3 * t_max * 8), ("last", s_max * 8), ("i32", (2 * d_max + 2 * p_max + 1) * 4),
+        sizes = [("i64", 3 * t_max * 8), ("last", (d_max + p_max) * 8), ("i32", (2 * d_max + 2 * p_max + 1) * 4),
                  ("dec_tables", d_max * max_blocks * 4), ("pre_tables", p_max * max_blocks * 4)]
         offsets, at = {}, 0
         for name, n in sizes:
@@ -717,11 +716,19 @@ class ModelRunner:
         return hidden[:bs], residual[:bs] if residual is not None else None
 
 
-    def _replay_mixed_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Stage a step with prompt chunks into the mixed graphs' buffers, replay the smallest graph that holds it;
+    def _mixed_graph_for(self, step: StepInput) -> int:
+        """The token count of the smallest mixed graph that holds `step`, or 0 (the step runs eagerly)."""
+        num_tokens, d = len(step.input_ids), step.num_decode_rows
+        if num_tokens > self.mixed_graph_sizes[-1] or max(len(b) for b in step.block_tables) > self.g_max_blocks:
+            return 0
+        tokens = next(s for s in self.mixed_graph_sizes if s >= num_tokens)
+        d_cap, p_cap = self._mixed_capacity(tokens)
+        return tokens if d <= d_cap and len(step.seq_lens) - d <= p_cap else 0
+
+    def _replay_mixed_graph(self, step: StepInput, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage a step with prompt chunks into the buffers of the mixed graph of `tokens` rows and replay it;
         (hidden, residual) of each sequence's last row."""
         num_tokens, num_seqs, d = len(step.input_ids), len(step.seq_lens), step.num_decode_rows
-        tokens = next(s for s in self.mixed_graph_sizes if s >= num_tokens)
         d_cap, p_cap = self._mixed_capacity(tokens)
         p = num_seqs - d
         stage = self.m_stages[self.num_mixed_replays % 2]

@@ -1,0 +1,79 @@
+"""Steps that carry prompt chunks beside one-token rows, on the CPU machine: the GPU path's split attention (decode
+kernel for the one-token rows, prefill kernel for the chunks) and the mixed CUDA graphs' input staging, checked
+through the Triton interpreter. A mixed graph's replay is stood in for by running the forward it captured on its
+static buffers, so everything but the capture itself runs: the staged ids, positions, slots, the decode rows' and
+prompt chunks' lengths, tables and query starts, the padding rows, and the gather of each sequence's last row.
+(tests/engine/test_cuda_graphs.py replays real graphs on a GPU.)
+
+The check runs in a subprocess: TRITON_INTERPRET must be set before the kernels are imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    _zeros = torch.zeros
+    def zeros(*a, **k):  # pinned staging buffers: plain memory without a GPU
+        k.pop("pin_memory", None)
+        return _zeros(*a, **k)
+    torch.zeros = zeros
+    torch.cuda.synchronize = lambda *a, **k: None
+    from nvcli import LLM, SamplingParams
+    from nvcli.engine import model_runner
+
+    model_dir, mode = sys.argv[1], sys.argv[2]
+    prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
+    common = dict(device="cpu", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=256, num_kvcache_blocks=256)
+    cpu = LLM(model_dir, **common)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    cpu.shutdown()
+
+    llm = LLM(model_dir, **common)
+    r = llm.engine.executor.runner
+    r.split_mixed = True  # the GPU's path, on CPU tensors through the interpreter
+    if mode == "graphs":
+        r.mixed_graph_sizes = model_runner.mixed_graph_sizes(256)
+        r.config.enforce_eager = False
+        r._make_graph_inputs()
+
+        class StandInGraph:  # replay = the captured forward on the static buffers, into the graph's outputs
+            def __init__(self, tokens):
+                self.tokens = tokens
+
+            def replay(self):
+                for out, new in zip(r.mixed_outputs[self.tokens], r._mixed_graph_forward(self.tokens)):
+                    if out is not None:
+                        out.copy_(new)
+
+        for tokens in r.mixed_graph_sizes:
+            r.mixed_outputs[tokens] = tuple(None if x is None else x.clone() for x in r._mixed_graph_forward(tokens))
+            r.mixed_graphs[tokens] = StandInGraph(tokens)
+        r._warm_up_kernels()  # its 18-sequence step exceeds the graphs' capacity (2 sequences): eager
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.shutdown()
+    print(json.dumps({"replays": r.num_mixed_replays, "got": got, "want": want}))
+''')
+
+
+@pytest.mark.parametrize("mode", ["graphs", "eager"])
+def test_split_steps_give_the_reference_tokens(tiny_model_dir, mode: str) -> None:
+    """Two slots for six requests, so new prompts join running decodes: with the split attention, replayed from
+    (stand-in) mixed graphs or run eagerly, greedy tokens equal the torch reference path's."""
+    model_dir = tiny_model_dir("qwen3")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), mode], capture_output=True, text=True,
+                          cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["replays"] > 0) == (mode == "graphs")
+    assert result["got"] == result["want"]
