@@ -122,3 +122,22 @@ def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.
     finally:
         llm.shutdown()
     assert got == want
+
+
+def test_fp8_steps_with_prompt_chunks_match_one_prefill_kernel(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 cache (32-token pages, V sealed dims-major when full) through the same admissions: the mixed graphs'
+    split attention gives the tokens of the old path, every row on the prefill kernel (both read the same
+    quantized cache; float32 model)."""
+    model_dir = tiny_model_dir("qwen3")
+    common = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8", max_model_len=512, max_num_seqs=2,
+                  max_num_batched_tokens=256, num_kvcache_blocks=128)
+    results = []
+    for split in (True, False):
+        monkeypatch.setattr(model_runner, "SPLIT_MIXED", split)
+        llm = LLM(str(model_dir), **common)
+        try:
+            results.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)])
+            assert (llm.engine.executor.runner.num_mixed_replays > 0) == split
+        finally:
+            llm.shutdown()
+    assert results[0] == results[1]
