@@ -312,7 +312,7 @@ class ModelRunner:
         current = torch.cuda.memory_allocated()
         # Activations of the worst step come back on every step; the graph pool holds about one
         # decode step's worth (graphs of all sizes share it).
-        graph_pool = 0 if self.config.enforce_eager else self._decode_activation_bytes()
+        graph_pool = 0 if self.config.enforce_eager else self._graph_activation_bytes()
         budget = total * self.config.gpu_memory_utilization - used - (peak - current) - graph_pool
         num_blocks = int(budget) // per_block
         if num_blocks < 1:
@@ -323,7 +323,8 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _decode_activation_bytes(self) -> int:
+    def _graph_activation_bytes(self) -> int:
+        """Activation bytes of the largest CUDA graph (decode or mixed): the graphs' shared pool holds about that."""
         bs = max([self.graph_batch_sizes[-1], *self.mixed_graph_sizes])
         hidden = self.hf_config.hidden_size
         inter = self.hf_config.intermediate_size // max(1, self.model.tp_size)
@@ -702,8 +703,7 @@ class ModelRunner:
         # decode attention's programs take the longest sequences first (padding rows, length 0, last)
         stage_order.numpy()[:graph_bs] = np.argsort(-lens[:graph_bs], kind="stable")
         tables = stage_tables.numpy()  # [max_bs, max_blocks]
-        for row, b in enumerate(step.block_tables):
-            tables[row, : len(b)] = b
+        _fill_tables(tables, step.block_tables)
         prefix = self.g_off_tables + bs * self.g_max_blocks * 4  # bytes up to the last table row used
         if prefix <= SINGLE_UPLOAD_BYTES:  # one copy: a latency, not bandwidth, for a few rows
             self.g_blob[:prefix].copy_(stage_blob[:prefix], non_blocking=True)
@@ -716,7 +716,6 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
         return hidden[:bs], residual[:bs] if residual is not None else None
-
 
     def _mixed_graph_for(self, step: StepInput) -> int:
         """The token count of the smallest mixed graph that holds `step`, or 0 (the step runs eagerly)."""
@@ -756,10 +755,8 @@ class ModelRunner:
         pre_lens[p:p_cap] = 0
         width = max(len(b) for b in step.block_tables)
         dec_tables, pre_tables = stage["dec_tables"].numpy(), stage["pre_tables"].numpy()
-        for row, b in enumerate(step.block_tables[:d]):
-            dec_tables[row, : len(b)] = b
-        for row, b in enumerate(step.block_tables[d:]):
-            pre_tables[row, : len(b)] = b
+        _fill_tables(dec_tables, step.block_tables[:d])
+        _fill_tables(pre_tables, step.block_tables[d:])
         m = self.m
         m["i64"][:, :tokens].copy_(stage["i64"][:, :tokens], non_blocking=True)
         m["last"][:num_seqs].copy_(stage["last"][:num_seqs], non_blocking=True)
@@ -775,8 +772,14 @@ class ModelRunner:
         return hidden.index_select(0, last), residual.index_select(0, last) if residual is not None else None
 
 
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    out = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
+def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+    """Row i of `out` starts with table i; entries past a table's length keep what they held (kernels read a
+    sequence's table only up to its length)."""
     for i, b in enumerate(tables):
         out[i, : len(b)] = b
+
+
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
+    _fill_tables(out, tables)
     return out
