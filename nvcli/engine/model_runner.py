@@ -105,17 +105,31 @@ def build_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int
 
 
 def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int, int] | None) -> StepInput:
-    """build_step_input for a step with prompt chunks: the token-level columns as numpy arrays."""
-    qsl = [0]
-    for n in batch.num_new_tokens:
+    """build_step_input for a step with prompt chunks: the token-level columns as numpy arrays. The leading one-token
+    rows (a long job's running decodes, often hundreds) are gathered as lists in one pass; only prompt chunks take
+    the per-sequence numpy slices (1.65 ms -> about 0.2 ms of host for 157 decode rows and one prompt, CPU machine)."""
+    d = batch.num_single_token_rows
+    qsl = list(range(d + 1))
+    for n in batch.num_new_tokens[d:]:
         qsl.append(qsl[-1] + n)
     num_tokens = qsl[-1]
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slots = np.empty(num_tokens, dtype=np.int64)
-    seq_lens: list[int] = []
     pending: list[tuple[int, int]] = []
-    for seq, start, n, row_start in zip(batch.seqs, batch.start, batch.num_new_tokens, qsl):
+    decode_seqs, decode_pos = batch.seqs[:d], batch.start[:d]
+    if d:
+        ids = [seq.token_ids[pos] for seq, pos in zip(decode_seqs, decode_pos)]
+        for row, token in enumerate(ids):
+            if token == PENDING:
+                pending.append((row, _feeding_row(decode_seqs[row], prev_rows)))
+                ids[row] = 0
+        input_ids[:d] = ids
+        positions[:d] = decode_pos
+        slots[:d] = [seq.block_table[pos // block_size] * block_size + pos % block_size
+                     for seq, pos in zip(decode_seqs, decode_pos)]
+    seq_lens = [pos + 1 for pos in decode_pos]
+    for seq, start, n, row_start in zip(batch.seqs[d:], batch.start[d:], batch.num_new_tokens[d:], qsl[d:]):
         end = start + n
         rows = slice(row_start, row_start + n)
         input_ids[rows] = seq.token_ids[start:end]
@@ -127,8 +141,7 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
         table = np.asarray(seq.block_table[start // block_size : (end - 1) // block_size + 1], dtype=np.int64)
         slots[rows] = table[pos // block_size - start // block_size] * block_size + pos % block_size
         seq_lens.append(end)
-    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending,
-                     batch.num_single_token_rows)
+    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending, d)
 
 
 @dataclass

@@ -113,7 +113,7 @@ def test_step_columns_of_prompt_chunks_and_decodes() -> None:
     ids, pos, slots, pending = _per_token_reference(second, bs, prev_rows)
     assert list(step.input_ids) == ids and list(step.positions) == pos and list(step.slot_mapping) == slots
     assert step.pending == pending == [(0, 0)]
-    assert step.query_start_loc == [0, 1, 17, 23] and step.seq_lens == [10, 30, 6]
+    assert step.query_start_loc == [0, 1, 17, 23] and step.seq_lens == [10, 30, 6] and step.num_decode_rows == 1
 
     sched.postprocess(first, [7, 0])
     prev_rows = {s.seq_id: i for i, s in enumerate(second.seqs)}
@@ -123,3 +123,38 @@ def test_step_columns_of_prompt_chunks_and_decodes() -> None:
     ids, pos, slots, pending = _per_token_reference(third, bs, prev_rows)
     assert (step.input_ids, step.positions, step.slot_mapping, step.pending) == (ids, pos, slots, pending)
     assert step.pending == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_step_columns_of_many_decode_rows_beside_a_prompt() -> None:
+    """A long job's usual step: several running decodes (tokens known, and one still in flight) lead, a new prompt
+    follows. The one-token rows are gathered in one pass; each must still get its own id, position, slot and
+    length, and the decode-row count must cover exactly them."""
+    from nvcli.engine.block_manager import BlockManager
+    from nvcli.engine.model_runner import build_step_input
+    from nvcli.engine.scheduler import Scheduler
+    from nvcli.engine.sequence import Sequence
+    from nvcli.sampling_params import SamplingParams
+
+    bs = 4
+    sched = Scheduler(BlockManager(64, bs, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=32,
+                      max_model_len=128)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    running = [Sequence(list(range(100 * i + 1, 100 * i + 1 + n)), sp, bs) for i, n in enumerate([3, 4, 5, 7])]
+    for s in running:
+        sched.add(s)
+    first = sched.schedule()
+    sched.postprocess(first, [11, 12, 13, 14])  # every first token known
+    second = sched.schedule()  # four decodes: position = prompt length
+    prev_rows = {s.seq_id: i for i, s in enumerate(second.seqs)}
+    sched.postprocess(second, [21, 22, 23, 24])
+    late = Sequence(list(range(900, 913)), sp, bs)
+    sched.add(late)
+    third = sched.schedule()  # four decodes (tokens known) + the new prompt's 13 tokens
+    assert third.num_new_tokens == [1, 1, 1, 1, 13] and not third.is_decode_only
+    third.seqs[2].token_ids[third.start[2]] = -1  # as if its token were still in flight on row 2 of `second`
+    step = build_step_input(third, bs, prev_rows)
+    ids, pos, slots, pending = _per_token_reference(third, bs, prev_rows)
+    assert list(step.input_ids) == ids and list(step.positions) == pos and list(step.slot_mapping) == slots
+    assert list(step.input_ids[:4]) == [21, 22, 0, 24] and step.pending == pending == [(2, 2)]
+    assert step.seq_lens == [5, 6, 7, 9, 13] and step.query_start_loc == [0, 1, 2, 3, 4, 17]
+    assert step.num_decode_rows == 4
