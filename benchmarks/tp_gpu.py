@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/tp_gpu.py [--tp 2] [--skip-bench]
 
 1. Greedy TP=N vs TP=1 on tiny random Qwen3 / Llama models: float32 (expect identical) and bf16
-   (report the agreement rate).
+   (report the agreement rate); with CUDA graphs also a streaming float32 case (48 prompts through 8 slots, so
+   most steps replay a mixed graph on every rank).
 2. `nv bench` on dummy Qwen3-8B weights with the DESIGN.md workload at TP=1 and TP=N, each in its
    own process; throughput and the scaling ratio.
 Prints a table last.
@@ -62,6 +63,37 @@ def correctness(tp: int, tmp: Path, eager: bool = False) -> None:
                 f"agreement {agreement(outs[1], outs[tp]):.3f}")
 
 
+def streaming_correctness(tp: int, tmp: Path) -> None:
+    """A long job in miniature at TP=N and TP=1, float32 greedy, CUDA graphs: 48 prompts through 8 slots, so most
+    steps admit a prompt chunk beside running decodes (the mixed graphs on every rank). Expect identical tokens."""
+    import gc
+    import random
+
+    import torch
+
+    from nvcli import LLM, SamplingParams
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(3, 200))] for _ in range(48)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 40), ignore_eos=True) for _ in prompts]
+    d = str(make_tiny_model(tmp / "qwen3-stream", "qwen3", num_attention_heads=8, num_key_value_heads=4))
+    outs, replays = {}, {}
+    for size in (1, tp):
+        print(f"-- streaming qwen3 float32 TP={size}", flush=True)
+        llm = LLM(d, device="cuda", dtype="float32", tensor_parallel_size=size, num_kvcache_blocks=512,
+                  max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
+        outs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        replays[size] = llm.engine.executor.runner.num_mixed_replays
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    same = sum(x == y for x, y in zip(outs[1], outs[tp]))
+    row(f"streaming qwen3 float32 TP={tp} vs TP=1 greedy (mixed-graph steps {replays[tp]} / {replays[1]})",
+        f"{same}/{len(prompts)} identical")
+
+
 def bench(tp: int, out_dir: Path, extra: list[str]) -> float | None:
     out = out_dir / f"tp{tp}.json"
     cmd = [sys.executable, "-m", "nvcli", "bench", "--model", "qwen3-8b", "--load-format", "dummy", "--tp", str(tp),
@@ -97,6 +129,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     try:
         correctness(args.tp, tmp, args.eager)
+        if not args.eager:
+            streaming_correctness(args.tp, tmp)
     except Exception as e:  # keep going to the benchmark
         import traceback
 

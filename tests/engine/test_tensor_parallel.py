@@ -94,3 +94,31 @@ def test_tp2_async_with_preemption_and_chunked_prefill(tiny_model_dir) -> None:
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0
     assert stats.kv_blocks_used == 0
+
+
+def test_a_step_with_prompt_chunks_reaches_the_workers_whole() -> None:
+    """Rank 0 ships each step to the workers through shared memory: a step with one-token rows ahead of prompt
+    chunks must arrive with its decode-row count (the workers split attention on it, in the same CUDA graph as
+    rank 0), its in-flight token rows, and every row's ids, positions, slots, lengths and block table."""
+    import numpy as np
+
+    from nvcli.config import EngineConfig
+    from nvcli.engine.model_runner import StepInput
+    from nvcli.engine.tp_executor import CMD_STEP, channel_words, pack_step, unpack_step
+
+    config = EngineConfig(model="unused", device="cpu", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    step = StepInput(input_ids=np.array([0, 7, 0, 30, 31, 32, 33], dtype=np.int64),
+                     positions=np.array([40, 18, 99, 0, 1, 2, 3], dtype=np.int64),
+                     slot_mapping=np.array([88, 34, 195, 300, 301, 302, 303], dtype=np.int64),
+                     query_start_loc=[0, 1, 2, 3, 7], seq_lens=[41, 19, 100, 4],
+                     block_tables=[[5, 2, 5], [1, 2], [9, 8, 7, 6, 5, 4, 3], [18]], decode_only=False,
+                     pending=[(0, 2), (2, 0)], num_decode_rows=3)
+    buf = np.full(channel_words(config), -7, dtype=np.int32)  # stale words from an earlier, longer step
+    pack_step(buf, step)
+    cmd, got = unpack_step(buf)
+    assert cmd == CMD_STEP and got is not None
+    assert list(got.input_ids) == list(step.input_ids) and list(got.positions) == list(step.positions)
+    assert list(got.slot_mapping) == list(step.slot_mapping)
+    assert (got.query_start_loc, got.seq_lens) == (step.query_start_loc, step.seq_lens)
+    assert (got.decode_only, got.pending, got.num_decode_rows) == (False, step.pending, 3)
+    assert [row[: len(b)] for row, b in zip(got.block_tables, step.block_tables)] == step.block_tables
