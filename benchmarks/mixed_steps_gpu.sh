@@ -5,7 +5,9 @@
 # steps that admit a prompt: wall, host launch, kernels) with mixed graphs (default), eager split steps
 # (NV_MIXED_GRAPHS=0) and one prefill kernel for every row (NV_SPLIT_MIXED=0), in turn; streaming: gpu_e2e's
 # streaming job (1,024 requests through 128 slots) default / NV_SPLIT_MIXED=0 / default / NV_SPLIT_MIXED=0;
-# design: the DESIGN.md workload (bf16, median of 3) default and NV_SPLIT_MIXED=0, in turn.
+# design: the DESIGN.md workload (bf16, median of 3) default and NV_SPLIT_MIXED=0, in turn; tree-mixed: the mixed
+# section from the tree in $BASE_TREE (default .baseline, a `git archive` of the base commit) and from this one, in
+# turn, two rounds; host-profile: the mixed section with a host cProfile of each kind of step (PROFILE_CPROFILE_MIXED).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
@@ -25,6 +27,20 @@ for section in "$@"; do
       bash benchmarks/ab_gpu.sh streaming 1 "graphs:" "unsplit:NV_SPLIT_MIXED=0" "graphs2:" "unsplit2:NV_SPLIT_MIXED=0" ;;
     design)
       bash benchmarks/ab_gpu.sh throughput 3 "graphs:" "unsplit:NV_SPLIT_MIXED=0" ;;
+    tree-mixed)
+      base=$(cd "${BASE_TREE:-.baseline}" && pwd); here=$PWD
+      for round in 1 2; do
+        for tree in "$base" "$here"; do
+          label=$([ "$tree" = "$here" ] && echo new || echo base)
+          (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" python3 benchmarks/profile_gpu.py --sections mixed) \
+            > "$OUT/tree_mixed_${label}_$round.log" 2>&1
+          echo "[$label round $round] exit $?"
+          grep "^decode-only\|^one prompt" "$OUT/tree_mixed_${label}_$round.log" | tail -2
+        done
+      done ;;
+    host-profile)
+      PROFILE_CPROFILE_MIXED=1 python3 benchmarks/profile_gpu.py --sections mixed > "$OUT/host_profile.log" 2>&1
+      grep -A40 "^-- host profile, one prompt" "$OUT/host_profile.log" | head -45 ;;
     *) echo "unknown section $section"; exit 2 ;;
   esac
 done

@@ -16,6 +16,7 @@ prefill: the workload's first steps (prompts only, 16,384-token chunks), timed i
 mixed: steps that carry a new prompt beside running decodes (a long job's steady state, where most steps admit a
   prompt): 128 sequences decoding at ~700 tokens of context, then steps that each also admit one 562-token prompt,
   against decode-only steps of the same batch: wall and host launch time per step, and the kernel table of each.
+  PROFILE_CPROFILE_MIXED=1 adds a host cProfile of 12 steps of each kind (slower under it: the shares count).
 sweep: the decode-attention kernel at the workload's (batch, context) shapes as it shrinks
   (256 x 800 ... 8 x 1600, and 256 sequences of 100-2000 tokens), over block_n / warps / stages /
   splits / grid order (fp8: stages / splits / V dequantized per tile), bf16 and fp8; also the default
@@ -39,6 +40,7 @@ import torch
 
 from nvcli import LLM
 from nvcli.bench import make_workload, run_workload
+from nvcli.kernels.compile_ahead import variant_difference
 from nvcli.models.presets import preset_dir
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -267,6 +269,16 @@ def mixed_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
     for label, admit in (("decode-only", False), ("one prompt admitted per step", True)):
         steps(5, admit)
         wall, launch_s, tokens = steps(12, admit)
+        if os.environ.get("PROFILE_CPROFILE_MIXED") == "1":  # where the host's launch time goes (slows it: shares only)
+            import cProfile
+            import pstats
+
+            host = cProfile.Profile()
+            host.enable()
+            steps(12, admit)
+            host.disable()
+            print(f"-- host profile, {label}, 12 steps")
+            pstats.Stats(host).sort_stats("tottime").print_stats(18)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             steps(12, admit)
         count, busy, rows = kernel_table(prof, 12)
@@ -303,9 +315,11 @@ def _run_counters(tag: str) -> Iterator[list[tuple[int, float]]]:
             gc_pauses.append((info["generation"], time.perf_counter() - gc_started.pop()))
 
     compiled: list[str] = []
+    variants: list[tuple[object, str]] = []
 
     def on_compile(**kwargs) -> bool:
         compiled.append(kwargs["fn"].name)
+        variants.append((kwargs["fn"].jit_function, kwargs["key"]))
         return False  # compile as usual
 
     mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
@@ -336,6 +350,9 @@ def _run_counters(tag: str) -> Iterator[list[tuple[int, float]]]:
           f"allocated: {host_now.get('num_host_alloc', 0) - host.get('num_host_alloc', 0)} in "
           f"{(host_now.get('host_alloc_time.total', 0) - host.get('host_alloc_time.total', 0)) / 1e3:.1f} ms",
           flush=True)
+    for fn, key in variants:
+        print(f"[{tag}]   {fn.__name__}: {variant_difference(fn, key)}", flush=True)
+
 
 
 def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, int, bool, int]]]:

@@ -24,6 +24,7 @@ from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
 from nvcli.kernels.kv_layout import allocate_kv_cache
+from nvcli.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
@@ -388,6 +389,10 @@ class ModelRunner:
         if blocks <= self.num_kvcache_blocks:
             self._run_largest_prefill(step)
 
+    def _max_table_width(self) -> int:
+        """Blocks in the block table of a sequence of max_model_len tokens."""
+        return -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
+
     @torch.inference_mode()
     def _warm_up_kernels(self, dry_run: bool = False) -> None:
         """Compile, at start-up, the Triton variants a job would otherwise compile mid-run.
@@ -403,18 +408,28 @@ class ModelRunner:
         if cache_tokens < 32 or (self.config.max_model_len or 32) < 32:
             return  # the shapes below need 32 tokens of cache to read from
         blocks = [list(range(-(-32 // self.block_size)))]
+        # As wide a table as max_model_len allows (block 0 over and over; the lengths stay short, so only the first
+        # tokens are read): decode attention splits the KV as it does for long sequences, which is its other variant
+        # (the FUSED_REDUCE merge). Without it a job's first long eager step compiled that variant mid-run.
+        wide = [[0] * self._max_table_width()]
         # prefill: odd / multiple-of-16 token counts; eager decode; decode rows beside a prompt chunk (split
-        # attention: the decode kernel at one and at 17 rows) where a step too large for the mixed graphs runs them
-        for lens in ([17, 14], [16, 32], [1], [1, 16], [1] * 17 + [14]):
+        # attention: the decode kernel at one and at 17 rows, over short and long tables) where a step too large for
+        # the mixed graphs runs them
+        for lens, table in (([17, 14], blocks), ([16, 32], blocks), ([1], blocks), ([1, 16], blocks), ([1, 16], wide),
+                            ([1] * 17 + [14], blocks), ([1] * 17 + [14], wide)):
             qsl = [0]
             for n in lens:
                 qsl.append(qsl[-1] + n)
             step = StepInput([0] * qsl[-1], [p for n in lens for p in range(n)], [-1] * qsl[-1], qsl, lens,
-                             blocks * len(lens), False, num_decode_rows=lens.count(1) if len(lens) > 1 else 0)
+                             table * len(lens), False, num_decode_rows=lens.count(1) if len(lens) > 1 else 0)
             self._forward(step)
-        for rows in (1, 2, 3, 17):  # LM head: skinny FMA (1, 2 rows), skinny tensor-core, cuBLAS
+        # LM head at every row count the skinny GEMM takes (its configs and row blocks change with the count and with
+        # the model's shape: a tiny model's LM head compiled a variant mid-run when only 1, 2 and 3 rows were warmed)
+        # and cuBLAS past them; eager decode steps (enforce_eager) over short and long tables, as above
+        skinny_rows = [(rows, blocks) for rows in range(2, SKINNY_MAX_M + 1)]
+        for rows, table in [(1, wide), *skinny_rows, (SKINNY_MAX_M + 1, blocks), (SKINNY_MAX_M + 1, wide)]:
             step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
-                             blocks * rows, True)
+                             table * rows, True)
             if dry_run and not self.config.enforce_eager:
                 hidden = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
                 final = (hidden, hidden)
@@ -543,7 +558,7 @@ class ModelRunner:
         if hasattr(self, "g_blob"):
             return
         max_bs = self.graph_batch_sizes[-1]
-        max_blocks = -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
+        max_blocks = self._max_table_width()
         self.g_max_blocks = max_blocks
         # byte layout: int64 [3, max_bs] (input ids, positions, slots) | int32 [max_bs] seq lens |
         # int32 [max_bs] decode order | int32 [max_bs, max_blocks] block tables; a step of bs rows needs the

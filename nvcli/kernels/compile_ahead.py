@@ -47,6 +47,24 @@ KERNELS_DIR = Path(__file__).parent
 log = logging.getLogger("nvcli")
 
 
+def variant_difference(fn: JITFunction, key: str) -> str:
+    """How a kernel variant first met mid-run differs from the nearest one the process had already: the arguments
+    whose specialization (type, alignment / divisibility, constexpr value) differ, nearest -> new."""
+    for _, key_cache, *_ in fn.device_caches.values():
+        specs = {cache_key: spec for (spec, _), cache_key in key_cache.items()}
+        if key not in specs:
+            continue
+        new = specs[key]
+        others = [spec for k, spec in specs.items() if k != key and len(spec) == len(new)]
+        if not others:
+            return "the kernel's first variant"
+        near = min(others, key=lambda spec: sum(a != b for a, b in zip(spec, new)))
+        names = [p.name for p in fn.params]
+        return ", ".join(f"{names[i] if i < len(names) else i}: {a} -> {b}"
+                         for i, (a, b) in enumerate(zip(near, new)) if a != b)
+    return "specialization not found"
+
+
 @dataclass(frozen=True)
 class KernelVariant:
     """One specialization of a kernel, as the JIT serializes it (`JITFunction.preload` takes it back)."""

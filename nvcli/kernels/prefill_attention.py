@@ -110,7 +110,11 @@ def _prefill_tile(
     return acc, m_new, l_i, blk_next, run_blk_next
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # batch shape changes every step: one compile
+# Batch shape changes every step: one compile. The metadata pointers are not specialized on 16-byte alignment: a
+# step with one-token rows passes them offset by that row count (DecodeSplit), which otherwise compiled a variant
+# mid-run whenever the count's alignment changed (scalar loads: alignment buys nothing there).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
