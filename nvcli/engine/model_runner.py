@@ -24,7 +24,6 @@ from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
 from nvcli.kernels.kv_layout import allocate_kv_cache
-from nvcli.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
@@ -426,6 +425,9 @@ class ModelRunner:
         # LM head at every row count the skinny GEMM takes (its configs and row blocks change with the count and with
         # the model's shape: a tiny model's LM head compiled a variant mid-run when only 1, 2 and 3 rows were warmed)
         # and cuBLAS past them; eager decode steps (enforce_eager) over short and long tables, as above
+        # imported here, not with this module: the CPU tests switch Triton to its interpreter after importing the engine
+        from nvcli.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
+
         skinny_rows = [(rows, blocks) for rows in range(2, SKINNY_MAX_M + 1)]
         for rows, table in [(1, wide), *skinny_rows, (SKINNY_MAX_M + 1, blocks), (SKINNY_MAX_M + 1, wide)]:
             step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
