@@ -158,3 +158,26 @@ def test_step_columns_of_many_decode_rows_beside_a_prompt() -> None:
     assert list(step.input_ids[:4]) == [21, 22, 0, 24] and step.pending == pending == [(2, 2)]
     assert step.seq_lens == [5, 6, 7, 9, 13] and step.query_start_loc == [0, 1, 2, 3, 4, 17]
     assert step.num_decode_rows == 4
+
+
+def test_importing_the_engine_decorates_no_kernel() -> None:
+    """The CPU machine runs the kernels through Triton's interpreter, switched on before the first `@triton.jit`
+    decoration (tests/kernels/conftest.py). Test modules import the engine first, so importing it (CLI, LLM, engine,
+    runner, TP executor, models) must decorate no kernel: one module-level kernel import made 220 kernel tests fail
+    in CI."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import nvcli.cli, nvcli.llm, nvcli.engine.llm_engine, nvcli.engine.model_runner, nvcli.engine.tp_executor\n"
+        "import nvcli.models.llama\n"
+        "from triton.runtime.jit import JITFunction\n"
+        "print([n for n, m in list(sys.modules.items()) if n.startswith('nvcli')\n"
+        "       and any(isinstance(v, JITFunction) for v in vars(m).values())])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
