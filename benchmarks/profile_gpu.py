@@ -17,6 +17,8 @@ mixed: steps that carry a new prompt beside running decodes (a long job's steady
   prompt): 128 sequences decoding at ~700 tokens of context, then steps that each also admit one 562-token prompt,
   against decode-only steps of the same batch: wall and host launch time per step, and the kernel table of each.
   PROFILE_CPROFILE_MIXED=1 adds a host cProfile of 12 steps of each kind (slower under it: the shares count).
+splits: bf16 decode attention at the workload's batches of 48-256 rows (their length spread, longest first), at
+  choose_num_splits' count and at 2x / 4x it.
 sweep: the decode-attention kernel at the workload's (batch, context) shapes as it shrinks
   (256 x 800 ... 8 x 1600, and 256 sequences of 100-2000 tokens), over block_n / warps / stages /
   splits / grid order (fp8: stages / splits / V dequantized per tile), bf16 and fp8; also the default
@@ -470,6 +472,42 @@ def _time_decode(kb, q, kc, vc, bt, sl, ks, vs, **kw) -> float:
     return kb.bench(lambda: paged_decode_attention_triton(q, kc, vc, bt, sl, 128**-0.5, ks, vs, **kw), True)
 
 
+def splits_section() -> list[str]:
+    """Decode attention at the DESIGN workload's batches as they shrink (prompt lengths 100-1024 plus the step's
+    generated tokens, graph-width tables, programs longest first as the engine launches them), at the split count
+    choose_num_splits picks and at 2x / 4x it: does splitting the KV shorten the last wave's tail at 66-256 rows?"""
+    import random
+
+    import kernels as kb
+
+    from nvcli.kernels.decode_attention import choose_num_splits
+
+    out = []
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    bw = kb.copy_bandwidth("cuda", True, False)
+    out.append(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    for rows, step in ((256, 60), (192, 250), (128, 500), (96, 650), (66, 780), (48, 850)):
+        lens = [rng.randint(100, 1024) + step for _ in range(rows)]
+        kc, vc, bt = kb.paged_kv(lens, 8, 128, 16, torch.bfloat16, "cuda", table_width=256)
+        q = torch.randn(rows, 16, 128, device="cuda").to(torch.bfloat16)
+        sl = kb.i32(lens, "cuda")
+        order = torch.argsort(sl, descending=True, stable=True).to(torch.int32)
+        nbytes = 2 * sum(lens) * 8 * 128 * 2
+        auto = choose_num_splits(rows, 8, 4096, 64, 132)
+        cells = []
+        for splits in (auto, 2 * auto, 4 * auto):
+            kw = dict(num_splits=splits, order=order if splits == 1 else None)
+            _time_decode(kb, q, kc, vc, bt, sl, None, None, **kw)  # compile, clocks
+            t = min(_time_decode(kb, q, kc, vc, bt, sl, None, None, **kw) for _ in range(3))
+            cells.append(f"{splits} splits {t * 1e6:.1f} us ({nbytes / t / bw:.0%})")
+        line = f"bf16 B={rows} ctx {min(lens)}-{max(lens)}: " + ", ".join(cells)
+        print(line, flush=True)
+        out.append(line)
+        del kc, vc
+    return out
+
+
 def sweep_section() -> list[str]:
     import kernels as kb
 
@@ -560,6 +598,8 @@ def main() -> None:
             lines += mixed_section(model_dir, args.kv_cache_dtype)
         elif name == "sweep":
             lines += sweep_section()
+        elif name == "splits":
+            lines += splits_section()
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
