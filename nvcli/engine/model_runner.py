@@ -84,24 +84,24 @@ def build_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int
     """`prev_rows`: seq_id -> row of the step in flight, whose sampled tokens feed PENDING inputs."""
     if not batch.is_decode_only:
         return _build_chunked_step_input(batch, block_size, prev_rows)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
+    input_ids, slots, seq_lens, pending = _one_token_columns(batch.seqs, batch.start, block_size, prev_rows)
+    return StepInput(input_ids, list(batch.start), slots, list(range(len(batch.seqs) + 1)), seq_lens,
+                     [s.block_table for s in batch.seqs], True, pending)
+
+
+def _one_token_columns(seqs: list[Sequence], positions: list[int], block_size: int, prev_rows: dict[int, int] | None
+                       ) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+    """(input ids, cache slots, lengths, pending rows) of rows that compute one token each, at `positions`: a
+    decode-only step, or the leading rows of a step with prompt chunks. A token still in flight is 0 here, and its
+    (row, row of the step in flight) is in pending."""
+    input_ids = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
     pending: list[tuple[int, int]] = []
-    for row, seq in enumerate(batch.seqs):
-        pos = batch.start[row]
-        token = seq.token_ids[pos]
+    for row, token in enumerate(input_ids):
         if token == PENDING:
-            pending.append((row, _feeding_row(seq, prev_rows)))
-            token = 0
-        input_ids.append(token)
-        positions.append(pos)
-        slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-        qsl.append(row + 1)
-        seq_lens.append(pos + 1)
-    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], True, pending)
+            pending.append((row, _feeding_row(seqs[row], prev_rows)))
+            input_ids[row] = 0
+    slots = [seq.block_table[pos // block_size] * block_size + pos % block_size for seq, pos in zip(seqs, positions)]
+    return input_ids, slots, [pos + 1 for pos in positions], pending
 
 
 def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows: dict[int, int] | None) -> StepInput:
@@ -116,19 +116,9 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
     input_ids = np.empty(num_tokens, dtype=np.int64)
     positions = np.empty(num_tokens, dtype=np.int64)
     slots = np.empty(num_tokens, dtype=np.int64)
-    pending: list[tuple[int, int]] = []
-    decode_seqs, decode_pos = batch.seqs[:d], batch.start[:d]
-    if d:
-        ids = [seq.token_ids[pos] for seq, pos in zip(decode_seqs, decode_pos)]
-        for row, token in enumerate(ids):
-            if token == PENDING:
-                pending.append((row, _feeding_row(decode_seqs[row], prev_rows)))
-                ids[row] = 0
-        input_ids[:d] = ids
-        positions[:d] = decode_pos
-        slots[:d] = [seq.block_table[pos // block_size] * block_size + pos % block_size
-                     for seq, pos in zip(decode_seqs, decode_pos)]
-    seq_lens = [pos + 1 for pos in decode_pos]
+    input_ids[:d], slots[:d], seq_lens, pending = _one_token_columns(batch.seqs[:d], batch.start[:d], block_size,
+                                                                     prev_rows)
+    positions[:d] = batch.start[:d]
     for seq, start, n, row_start in zip(batch.seqs[d:], batch.start[d:], batch.num_new_tokens[d:], qsl[d:]):
         end = start + n
         rows = slice(row_start, row_start + n)
