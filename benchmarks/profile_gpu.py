@@ -505,6 +505,22 @@ def splits_section() -> list[str]:
         print(line, flush=True)
         out.append(line)
         del kc, vc
+    return out + kernel_variant_resources()
+
+
+def kernel_variant_resources() -> list[str]:
+    """Registers and shared memory of each decode-attention variant this process compiled: they set how many
+    programs an SM holds (4 at 128 registers and 4 warps), which the split rule's wave sizing assumes."""
+    from nvcli.kernels.decode_attention import _decode_split_kernel
+
+    out = []
+    names = _decode_split_kernel.arg_names
+    for cache in _decode_split_kernel.device_caches.values():
+        for k in cache[0].values():
+            consts = {names[i[0]]: v for i, v in getattr(k.src, "constants", {}).items() if isinstance(i, tuple)}
+            flags = {n: consts.get(n) for n in ("DIRECT", "FUSED_REDUCE", "SPLITS_PAD", "ORDERED", "ROPE")}
+            out.append(f"variant {flags}: {k.n_regs} registers, {k.n_spills} spills, {k.metadata.shared} B shared")
+            print(out[-1], flush=True)
     return out
 
 
