@@ -52,10 +52,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--profile", action="store_true", help="cProfile the engine's construction and first token")
-    ap.add_argument("--verbose", action="store_true", help="print every Triton compile")
+    ap.add_argument("--verbose", action="store_true",
+                    help="print every Triton compile, and when each compile-ahead variant was submitted, started and "
+                         "finished")
     args = ap.parse_args()
     logging.basicConfig(format="%(message)s")
-    logging.getLogger("nvcli").setLevel(logging.INFO)  # the engine's start-up lines
+    # the engine's start-up lines (with --verbose, compile-ahead's timeline too)
+    logging.getLogger("nvcli").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     t_imports = time.perf_counter() - T_START
     triton.knobs.runtime.jit_cache_hook = _before
     triton.knobs.runtime.jit_post_compile_hook = _after

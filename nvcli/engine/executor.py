@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nvcli.config import EngineConfig
 from nvcli.engine.model_runner import ModelRunner, StepHandle, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from nvcli.kernels.compile_ahead import CompileWorkers
 
 
 class Executor(Protocol):
@@ -24,8 +27,9 @@ class Executor(Protocol):
 class LocalExecutor:
     supports_async = True
 
-    def __init__(self, config: EngineConfig, hf_config, model_dir: Path) -> None:
-        self.runner = ModelRunner(config, hf_config, model_dir)
+    def __init__(self, config: EngineConfig, hf_config, model_dir: Path,
+                 compile_workers: CompileWorkers | None = None) -> None:
+        self.runner = ModelRunner(config, hf_config, model_dir, compile_workers=compile_workers)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.block_size = config.kvcache_block_size
 
@@ -40,9 +44,11 @@ class LocalExecutor:
         pass
 
 
-def make_executor(config: EngineConfig, hf_config, model_dir: Path) -> Executor:
+def make_executor(config: EngineConfig, hf_config, model_dir: Path, compile_workers: CompileWorkers | None = None
+                  ) -> Executor:
+    """`compile_workers`: rank 0's, started early by the engine (model_runner.start_compile_workers_if_cold)."""
     if config.tensor_parallel_size == 1:
-        return LocalExecutor(config, hf_config, model_dir)
+        return LocalExecutor(config, hf_config, model_dir, compile_workers)
     from nvcli.engine.tp_executor import TensorParallelExecutor
 
-    return TensorParallelExecutor(config, hf_config, model_dir)
+    return TensorParallelExecutor(config, hf_config, model_dir, compile_workers)

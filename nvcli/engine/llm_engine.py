@@ -56,11 +56,11 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         from nvcli.engine.executor import make_executor
+        from nvcli.engine.model_runner import start_compile_workers_if_cold
         from nvcli.models.resolve import resolve_model
 
         self.model_dir = resolve_model(config.model, config.load_format)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", 4096))
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ConfigError(f"--max-model-len={config.max_model_len} exceeds the model's {max_pos} positions")
@@ -70,7 +70,16 @@ class LLMEngine:
             async_scheduling = config.resolved_device() == "cuda"
         self.config = dataclasses.replace(config, max_model_len=config.max_model_len or max_pos,
                                           async_scheduling=async_scheduling)
-        self.executor = make_executor(self.config, self.hf_config, self.model_dir)
+        # A first start-up on a machine compiles its kernels ahead (kernels/compile_ahead.py): its compile workers
+        # start here, so that their start and warm-up overlap the tokenizer's load (transformers' imports).
+        workers = start_compile_workers_if_cold(self.config, self.hf_config)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
+            self.executor = make_executor(self.config, self.hf_config, self.model_dir, compile_workers=workers)
+        except BaseException:
+            if workers is not None:  # the runner shuts them down once it has compiled; this is for the failures
+                workers.shutdown()
+            raise
         num_blocks = self.executor.num_kvcache_blocks
         capacity = num_blocks * self.config.kvcache_block_size
         if capacity < self.config.max_model_len:

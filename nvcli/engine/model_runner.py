@@ -175,8 +175,44 @@ def pick_dtype(config: EngineConfig, hf_config, device: str) -> torch.dtype:
     return dtype
 
 
+def startup_marker(config: EngineConfig, hf_config, rank: int, device: torch.device) -> StartupMarker:
+    """A start-up's compile-ahead marker: keyed by what shapes its launches (where the model lives, its tokenizer
+    and the seed shape none)."""
+    from nvcli.kernels.compile_ahead import StartupMarker
+
+    skip = ("model", "tokenizer", "seed")
+    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in skip}
+    shapes = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}
+    major, minor = torch.cuda.get_device_capability(device)
+    return StartupMarker([settings, shapes, rank], f"{torch.cuda.get_device_name(device)} sm_{major}{minor}")
+
+
+def start_compile_workers_if_cold(config: EngineConfig, hf_config, rank: int = 0) -> CompileWorkers | None:
+    """The compile workers of a start-up that will compile ahead (on a GPU, NV_COMPILE_AHEAD not off or threads, and
+    no earlier start-up of the same key left its marker), started now; else None. Each worker warms up for the GPU
+    as it starts (compile_ahead._warm_worker). The engine calls this before loading the tokenizer, so that the
+    workers' imports and warm-up (3-5 s on the H100 host) overlap it instead of the dry pass."""
+    if config.resolved_device() != "cuda" or COMPILE_AHEAD in ("0", "threads"):
+        return None
+    device = torch.device("cuda", rank)
+    if startup_marker(config, hf_config, rank, device).exists():
+        return None
+    from triton.runtime.driver import driver
+
+    from nvcli.kernels.compile_ahead import start_compile_workers
+
+    torch.cuda.set_device(device)
+    target = driver.active.get_current_target()
+    num_workers = int(os.environ.get("NV_COMPILE_WORKERS", "0")) or min(16, (os.cpu_count() or 1))  # env: A/B runs
+    return start_compile_workers(max(1, num_workers // config.tensor_parallel_size),
+                                 (target.backend, target.arch, target.warp_size))
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_dir: Path, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, hf_config, model_dir: Path, rank: int = 0,
+                 compile_workers: CompileWorkers | None = None) -> None:
+        """`compile_workers`: started by the caller for this start-up (start_compile_workers_if_cold); else the
+        runner starts them itself if it compiles ahead."""
         self.config = config
         self.hf_config = hf_config
         self.rank = rank
@@ -205,15 +241,18 @@ class ModelRunner:
             t0 = now
 
         # A start-up like an earlier one (its marker exists) finds every Triton variant in the disk cache;
-        # otherwise the compile workers start now, so their imports overlap the weights' load.
-        marker = self._startup_marker() if self.device.type == "cuda" and COMPILE_AHEAD != "0" else None
+        # otherwise the compile workers start now (unless the caller started them earlier), so their imports
+        # overlap the weights' load.
+        marker = (startup_marker(config, hf_config, rank, self.device)
+                  if self.device.type == "cuda" and COMPILE_AHEAD != "0" else None)
         if marker is not None and marker.exists():
             marker = None
-        workers = None
-        if marker is not None and COMPILE_AHEAD != "threads":
-            from nvcli.kernels.compile_ahead import start_compile_workers
-
-            workers = start_compile_workers(max(1, min(16, (os.cpu_count() or 1) // config.tensor_parallel_size)))
+        workers = compile_workers
+        if marker is not None and workers is None:
+            workers = start_compile_workers_if_cold(config, hf_config, rank)
+        elif marker is None and workers is not None:
+            workers.shutdown()
+            workers = None
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -659,17 +698,6 @@ class ModelRunner:
                 self.mixed_outputs[tokens] = self._mixed_graph_forward(tokens)
             self.mixed_graphs[tokens] = graph
             torch.cuda.synchronize()
-
-    def _startup_marker(self) -> StartupMarker:
-        """This start-up's marker: keyed by what shapes its launches (where the model lives, its tokenizer
-        and the seed shape none)."""
-        from nvcli.kernels.compile_ahead import StartupMarker
-
-        skip = ("model", "tokenizer", "seed")
-        settings = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in skip}
-        shapes = {k: v for k, v in self.hf_config.to_dict().items() if k != "_name_or_path"}
-        major, minor = torch.cuda.get_device_capability(self.device)
-        return StartupMarker([settings, shapes, self.rank], f"{torch.cuda.get_device_name(self.device)} sm_{major}{minor}")
 
     @torch.inference_mode()
     def _compile_ahead(self, workers: CompileWorkers | None) -> tuple[int, float]:

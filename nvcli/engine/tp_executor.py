@@ -21,6 +21,7 @@ import uuid
 from datetime import timedelta
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ import torch.distributed as dist
 from nvcli.config import EngineConfig
 from nvcli.engine.model_runner import ModelRunner, StepHandle, StepInput, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from nvcli.kernels.compile_ahead import CompileWorkers
 
 CMD_STEP, CMD_EXIT = 1, 2
 
@@ -139,7 +143,9 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, hf_config, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, hf_config, model_dir: Path,
+                 compile_workers: CompileWorkers | None = None) -> None:
+        """`compile_workers`: rank 0's, already started (model_runner.start_compile_workers_if_cold)."""
         self.config = config
         self.block_size = config.kvcache_block_size
         world = config.tensor_parallel_size
@@ -172,7 +178,7 @@ class TensorParallelExecutor:
         self._watchdog.start()
         try:
             _init_dist(config, 0, port)
-            self.runner = ModelRunner(config, hf_config, model_dir, rank=0)
+            self.runner = ModelRunner(config, hf_config, model_dir, rank=0, compile_workers=compile_workers)
         except BaseException:
             self._cleanup(kill=True)
             raise

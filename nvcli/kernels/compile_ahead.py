@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 import xxhash
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
@@ -112,15 +113,22 @@ def _twin(kernel: JITFunction) -> JITFunction:
                        noinline=kernel.noinline, repr=kernel._repr, launch_metadata=kernel.launch_metadata)
 
 
-def _build(variant: KernelVariant, kernel: JITFunction) -> None:
+def _build(variant: KernelVariant, kernel: JITFunction) -> tuple[float, float]:
+    started = time.time()
     compiled = kernel.preload(variant.specialization)
     compiled._init_handles()  # the launcher's C build (cached on disk too) and the module load
+    return started, time.time()
 
 
 def compile_variants(variants: list[KernelVariant], device: torch.device, max_workers: int | None = None) -> None:
     """Compile each variant into its kernel's in-memory cache (and Triton's disk cache), build its
-    launcher and load it on `device`, `max_workers` at a time (default: one per CPU core, at most 16)."""
+    launcher and load it on `device`, `max_workers` at a time (default: one per CPU core, at most 16; 0: one after
+    another in this thread)."""
     if not variants:
+        return
+    if max_workers == 0:  # in this thread (profiling)
+        for v in variants:
+            _build(v, v.kernel)
         return
     with _pool(device, max_workers) as pool:
         for future in [pool.submit(_build, v, v.kernel) for v in variants]:
@@ -133,10 +141,12 @@ def _pool(device: torch.device, max_workers: int | None) -> ThreadPoolExecutor:
 
 
 def _compile_into_cache(module: str, name: str, specialization: str, target: tuple[str, int, int],
-                        cache_dir: str) -> None:
+                        cache_dir: str) -> tuple[float, float]:
     """In a worker process: compile one variant of the kernel `module.name` and build its launcher, both
     into Triton's disk cache at `cache_dir`. What `JITFunction.preload` does, without a GPU: the target
-    comes from the parent, and nothing is loaded onto a device (no CUDA context per worker)."""
+    comes from the parent, and nothing is loaded onto a device (no CUDA context per worker). Returns the
+    wall-clock start and end (time.time(), comparable across processes)."""
+    started = time.time()
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -158,10 +168,44 @@ def _compile_into_cache(module: str, name: str, specialization: str, target: tup
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu_target,
                               options=options.__dict__)
     driver.active.launcher_cls(compiled.src, compiled.metadata)  # the launcher's C build (cached by its source)
+    return started, time.time()
 
 
 def _worker_ready() -> int:
     return os.getpid()
+
+
+@triton.jit
+def _warm_up_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)
+
+
+KERNEL_MODULES = sorted(p.stem for p in KERNELS_DIR.glob("*.py") if p.stem not in ("__init__", "compile_ahead"))
+
+
+def _warm_worker(target: tuple[str, int, int] | None, cache_dir: str) -> None:
+    """A worker's first compile pays one-time costs (1.3-1.5 s on the H100 host, RESULTS session 25): importing
+    our kernel modules and Triton's compiler, the backend's first pass pipeline, the driver's C helpers on a cold
+    cache. Each worker pays them here, as it starts, which the engine arranges to be while it loads the tokenizer:
+    a trivial kernel compiled for the parent's GPU, launcher included. A failure here only leaves them to the
+    first real compile."""
+    if target is None:
+        return
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, make_backend
+
+        triton.knobs.cache.dir = cache_dir
+        for name in KERNEL_MODULES:
+            importlib.import_module(f"{__package__}.{name}")
+        gpu_target = GPUTarget(*target)
+        options = make_backend(gpu_target).parse_options({"num_warps": 1})
+        compiled = triton.compile(ASTSource(_warm_up_kernel, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                                            {(2,): 128}), target=gpu_target, options=options.__dict__)
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception as e:  # noqa: BLE001
+        log.debug("compile worker warm-up failed: %s: %s", type(e).__name__, e)
 
 
 class CompileWorkers:
@@ -172,8 +216,11 @@ class CompileWorkers:
     this process goes on at once, and variants submitted before the pool is up are queued for it. A
     worker needs no GPU and holds no CUDA context."""
 
-    def __init__(self, max_workers: int | None = None) -> None:
+    def __init__(self, max_workers: int | None = None, target: tuple[str, int, int] | None = None) -> None:
+        """`target`: (backend, arch, warp size) of the GPU the variants are for; each worker then warms up for it
+        as it starts (`_warm_worker`)."""
         self.num_workers = max_workers or min(16, os.cpu_count() or 1)
+        self.target = target
         self.pool: ProcessPoolExecutor | None = None
         self._error: BaseException | None = None
         self._queued: list[tuple[Future, tuple]] = []
@@ -186,7 +233,8 @@ class CompileWorkers:
         try:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__])  # not __main__: a script's top level stays unrun
-            pool = ProcessPoolExecutor(self.num_workers, mp_context=context)
+            pool = ProcessPoolExecutor(self.num_workers, mp_context=context, initializer=_warm_worker,
+                                       initargs=(self.target, triton.knobs.cache.dir))
             for _ in range(self.num_workers):  # one process per submit: start them all now
                 pool.submit(_worker_ready)
         except BaseException as e:  # noqa: BLE001 - surfaces through every queued and later submit
@@ -235,12 +283,13 @@ def _forward(source: Future, target: Future) -> None:
     source.add_done_callback(done)
 
 
-def start_compile_workers(max_workers: int | None = None) -> CompileWorkers | None:
+def start_compile_workers(max_workers: int | None = None, target: tuple[str, int, int] | None = None
+                          ) -> CompileWorkers | None:
     """CompileWorkers, or None where this process may not start them (compile-ahead then uses threads): a
     daemonic process, such as a tensor-parallel worker rank, may have no children."""
     if multiprocessing.current_process().daemon:
         return None
-    return CompileWorkers(max_workers)
+    return CompileWorkers(max_workers, target)
 
 
 def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: int | None = None,
@@ -254,30 +303,48 @@ def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: 
     target = driver.active.get_current_target()
     target_args = (target.backend, target.arch, target.warp_size)
     with _pool(device, max_workers) as pool:
-        futures: list[tuple[KernelVariant, Future]] = []
+        futures: list[tuple[KernelVariant, float, Future]] = []
 
         def on_record(v: KernelVariant) -> None:
             if workers is not None:
-                futures.append((v, workers.submit(v, target_args)))
+                futures.append((v, time.time(), workers.submit(v, target_args)))
             else:
                 twin = twins.setdefault(id(v.kernel), _twin(v.kernel))
-                futures.append((v, pool.submit(_build, v, twin)))
+                futures.append((v, time.time(), pool.submit(_build, v, twin)))
 
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         with skipping_uncompiled_launches(on_record) as variants:
             run()
         torch.cuda.synchronize(device)
         dry_s = time.perf_counter() - t0
-        for variant, future in futures:
+        timeline = []
+        for variant, submitted, future in futures:
             try:
-                future.result()
+                span = future.result()
             except Exception as e:  # noqa: BLE001 - the load below compiles it, or raises the real error
                 if workers is None:
                     raise
                 log.warning("compile worker failed on %s (%s: %s); compiling it here",
                             variant.kernel.fn.__name__, type(e).__name__, e)
-    compile_variants(variants, device, max_workers)  # from the disk cache now
+            else:
+                if span is not None:
+                    timeline.append((variant.kernel.fn.__name__, submitted - wall0, *(t - wall0 for t in span)))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("compile-ahead, s after the dry pass began (it took %.1f s): %s", dry_s, compile_timeline(timeline))
+    t1 = time.perf_counter()
+    load_threads = os.environ.get("NV_COMPILE_AHEAD_LOAD_THREADS")  # A/B runs
+    compile_variants(variants, device, max_workers if load_threads is None else int(load_threads))  # from disk now
+    log.debug("compile-ahead: %d variants loaded in %.2f s (%.2f s after the dry pass began)", len(variants),
+              time.perf_counter() - t1, time.perf_counter() - t0)
     return len(variants), dry_s
+
+
+def compile_timeline(timeline: list[tuple[str, float, float, float]]) -> str:
+    """(kernel, submitted, started, finished) per variant, in seconds after the dry pass began: one line each,
+    latest finish first, so the start-up's critical path leads."""
+    rows = sorted(timeline, key=lambda r: -r[3])
+    return "".join(f"\n  {name}: submitted {sub:.2f}, started {start:.2f}, finished {end:.2f} ({end - start:.2f} s)"
+                   for name, sub, start, end in rows)
 
 
 class StartupMarker:

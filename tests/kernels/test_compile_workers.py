@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 
 from nvcli.kernels.compile_ahead import CompileWorkers, _worker_ready, start_compile_workers
 
@@ -37,3 +39,36 @@ def test_daemonic_process_falls_back_to_threads() -> None:
     finally:
         proc.join(timeout=60)
     assert proc.exitcode == 0
+
+
+WARM_UP_SCRIPT = """
+import sys
+from pathlib import Path
+
+from nvcli.kernels.compile_ahead import CompileWorkers, _worker_ready
+
+if __name__ == "__main__":
+    target = ("cuda", 90, 32) if sys.argv[1] == "sm90" else None
+    workers = CompileWorkers(1, target)
+    try:
+        assert workers.wait_started()
+        workers.pool.submit(_worker_ready).result(timeout=180)
+    finally:
+        workers.shutdown()
+"""
+
+
+def test_workers_warm_up_for_the_gpu_as_they_start(tmp_path) -> None:
+    """Given the GPU target, each worker pays its first compile's one-time costs as it starts, before any variant
+    is submitted: a trivial kernel compiled for that GPU lands in Triton's cache (for sm_90, on any machine; the
+    launcher's C build needs a CUDA driver, so only the compile is checked). Without a target, nothing compiles.
+    In a fresh process without the interpreter: this session's forkserver runs with it."""
+    script = tmp_path / "warm_up.py"
+    script.write_text(WARM_UP_SCRIPT)
+    for arg in ("sm90", "none"):
+        cache = tmp_path / arg
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(cache)}
+        proc = subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert bool(list(cache.glob("*/_warm_up_kernel.cubin"))) == (arg == "sm90")
