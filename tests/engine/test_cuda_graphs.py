@@ -187,3 +187,43 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert any(rows > 1 and rows % 4 for rows in result["split_rows"]), result  # eager split steps did run
     assert result["compiled"] == [], "\n".join(result["compiled"])
+
+
+STARTUP_COMPILES_SCRIPT = '''
+import json, os, sys, tempfile
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a machine's first start-up
+import triton
+from nvcli import LLM, SamplingParams
+from nvcli.engine import model_runner
+
+model_runner.DRY_PASS_LAYERS = int(sys.argv[2])
+outside = []  # compiles at real launches, that is outside compile-ahead's dry pass and loads
+triton.knobs.runtime.jit_cache_hook = lambda **kw: (None if kw["is_manual_warmup"]
+                                                    else outside.append(f"{kw['fn'].jit_function.__name__} {kw['key']}"))
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=32)
+llm.generate([[5, 6, 7, 8] * 30, [9] * 200], SamplingParams(max_tokens=8, ignore_eos=True))
+llm.shutdown()
+print(json.dumps(sorted(outside)))
+'''
+
+
+def test_the_dry_pass_over_two_layers_records_every_variant(tmp_path) -> None:
+    """Compile-ahead's dry pass runs two of the model's decoder layers (model_runner.DRY_PASS_LAYERS): every later
+    layer launches the variants the second one does. On an empty Triton cache, a five-layer model's start-up and
+    first steps compile at their launches exactly what they compile when the dry pass runs all five layers: the
+    shortened pass records every variant the full one does."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "five_layers", "qwen3", num_hidden_layers=5)
+    outside = {}
+    for layers in (2, 5):
+        proc = subprocess.run([sys.executable, "-c", STARTUP_COMPILES_SCRIPT, str(model_dir), str(layers)],
+                              capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outside[layers] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outside[2] == outside[5]

@@ -181,3 +181,25 @@ def test_importing_the_engine_decorates_no_kernel() -> None:
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_dry_pass_runs_the_first_decoder_layers_then_all_again(tmp_path) -> None:
+    """first_decoder_layers (compile-ahead's dry pass): within it the decoder holds only its first n layers, and
+    all of them again afterwards, also when the pass fails; a model of n layers or fewer stays whole."""
+    from transformers import AutoConfig
+
+    from nvcli.engine.model_runner import first_decoder_layers
+    from nvcli.models.registry import model_class
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    hf_config = AutoConfig.from_pretrained(make_tiny_model(tmp_path / "four", "qwen3", num_hidden_layers=4))
+    model = model_class(hf_config)(hf_config)
+    layers = list(model.model.layers)
+    with first_decoder_layers(model, 2):
+        assert list(model.model.layers) == layers[:2]
+    assert list(model.model.layers) == layers
+    with pytest.raises(RuntimeError), first_decoder_layers(model, 2):
+        raise RuntimeError("a dry pass that fails")
+    assert list(model.model.layers) == layers
+    with first_decoder_layers(model, 4):
+        assert list(model.model.layers) == layers
