@@ -227,8 +227,10 @@ def start_compile_workers_if_cold(config: EngineConfig, hf_config, rank: int = 0
 
     torch.cuda.set_device(device)
     target = driver.active.get_current_target()
-    num_workers = int(os.environ.get("NV_COMPILE_WORKERS", "0")) or min(16, (os.cpu_count() or 1))  # env: A/B runs
-    return start_compile_workers(max(1, num_workers // config.tensor_parallel_size),
+    # NV_COMPILE_WORKERS (A/B runs) sets the count; else one per core this rank's share of the cores holds, at most 16
+    num_workers = int(os.environ.get("NV_COMPILE_WORKERS", "0")) or min(16, (os.cpu_count() or 1)
+                                                                        // config.tensor_parallel_size)
+    return start_compile_workers(max(1, num_workers),
                                  (target.backend, target.arch, target.warp_size))
 
 
