@@ -221,6 +221,14 @@ def start_compile_workers_if_cold(config: EngineConfig, hf_config, rank: int = 0
     device = torch.device("cuda", rank)
     if startup_marker(config, hf_config, rank, device).exists():
         return None
+    return _start_compile_workers(config, device)
+
+
+def _start_compile_workers(config: EngineConfig, device: torch.device) -> CompileWorkers | None:
+    """Compile workers for `device`'s start-up, started now (None with NV_COMPILE_AHEAD=threads, or where this
+    process may have no children); the caller has checked that the start-up compiles ahead."""
+    if COMPILE_AHEAD == "threads":
+        return None
     from triton.runtime.driver import driver
 
     from nvcli.kernels.compile_ahead import start_compile_workers
@@ -275,7 +283,7 @@ class ModelRunner:
             marker = None
         workers = compile_workers
         if marker is not None and workers is None:
-            workers = start_compile_workers_if_cold(config, hf_config, rank)
+            workers = _start_compile_workers(config, self.device)
         elif marker is None and workers is not None:
             workers.shutdown()
             workers = None

@@ -147,9 +147,7 @@ def _compile_into_cache(module: str, name: str, specialization: str, target: tup
     comes from the parent, and nothing is loaded onto a device (no CUDA context per worker). Returns the
     wall-clock start and end (time.time(), comparable across processes)."""
     started = time.time()
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import ASTSource
     from triton.runtime.jit import convert_to_tuple_if_list
 
     triton.knobs.cache.dir = cache_dir
@@ -163,12 +161,19 @@ def _compile_into_cache(module: str, name: str, specialization: str, target: tup
     attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
     signature = {key: convert_to_tuple_if_list(value) for key, value in data["signature"].items()}
     options = {key: tuple(value) if isinstance(value, list) else value for key, value in data["options"].items()}
-    gpu_target = GPUTarget(*target)
-    options = make_backend(gpu_target).parse_options(options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu_target,
-                              options=options.__dict__)
-    driver.active.launcher_cls(compiled.src, compiled.metadata)  # the launcher's C build (cached by its source)
+    _compile_with_launcher(ASTSource(kernel, signature, constexprs, attrs), options, target)
     return started, time.time()
+
+
+def _compile_with_launcher(src: object, options: dict, target: tuple[str, int, int]) -> None:
+    """Compile `src` (a Triton ASTSource) for `target` into Triton's disk cache, and build its launcher (the C build,
+    cached by its source), without loading anything onto a device."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    gpu_target = GPUTarget(*target)
+    compiled = triton.compile(src, target=gpu_target, options=make_backend(gpu_target).parse_options(options).__dict__)
+    driver.active.launcher_cls(compiled.src, compiled.metadata)
 
 
 def _worker_ready() -> int:
@@ -193,17 +198,13 @@ def _warm_worker(target: tuple[str, int, int] | None, cache_dir: str) -> None:
     if target is None:
         return
     try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, make_backend
+        from triton.compiler import ASTSource
 
         triton.knobs.cache.dir = cache_dir
         for name in KERNEL_MODULES:
             importlib.import_module(f"{__package__}.{name}")
-        gpu_target = GPUTarget(*target)
-        options = make_backend(gpu_target).parse_options({"num_warps": 1})
-        compiled = triton.compile(ASTSource(_warm_up_kernel, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
-                                            {(2,): 128}), target=gpu_target, options=options.__dict__)
-        driver.active.launcher_cls(compiled.src, compiled.metadata)
+        _compile_with_launcher(ASTSource(_warm_up_kernel, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                                         {(2,): 128}), {"num_warps": 1}, target)
     except Exception as e:  # noqa: BLE001
         log.debug("compile worker warm-up failed: %s: %s", type(e).__name__, e)
 
@@ -327,8 +328,7 @@ def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: 
                 log.warning("compile worker failed on %s (%s: %s); compiling it here",
                             variant.kernel.fn.__name__, type(e).__name__, e)
             else:
-                if span is not None:
-                    timeline.append((variant.kernel.fn.__name__, submitted - wall0, *(t - wall0 for t in span)))
+                timeline.append((variant.kernel.fn.__name__, submitted - wall0, *(t - wall0 for t in span)))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("compile-ahead, s after the dry pass began (it took %.1f s): %s", dry_s, compile_timeline(timeline))
     t1 = time.perf_counter()
