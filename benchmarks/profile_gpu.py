@@ -173,7 +173,7 @@ def prefill_section(model_dir: str, kv_cache_dtype: str) -> list[str]:
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=BATCHED_TOKENS,
               kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
-    cfg = engine.hf_config
+    cfg = engine.model_config
     # linear FLOPs per token: qkv, o, gate_up, down (the LM head runs on the last token of each prompt only)
     per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (
         (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim + cfg.num_attention_heads * cfg.head_dim

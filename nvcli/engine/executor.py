@@ -11,6 +11,7 @@ from nvcli.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
+    from nvcli.models.model_config import ModelConfig
 
 
 class Executor(Protocol):
@@ -27,9 +28,9 @@ class Executor(Protocol):
 class LocalExecutor:
     supports_async = True
 
-    def __init__(self, config: EngineConfig, hf_config, model_dir: Path,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path,
                  compile_workers: CompileWorkers | None = None) -> None:
-        self.runner = ModelRunner(config, hf_config, model_dir, compile_workers=compile_workers)
+        self.runner = ModelRunner(config, model_config, model_dir, compile_workers=compile_workers)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.block_size = config.kvcache_block_size
 
@@ -44,11 +45,11 @@ class LocalExecutor:
         pass
 
 
-def make_executor(config: EngineConfig, hf_config, model_dir: Path, compile_workers: CompileWorkers | None = None
+def make_executor(config: EngineConfig, model_config: ModelConfig, model_dir: Path, compile_workers: CompileWorkers | None = None
                   ) -> Executor:
     """`compile_workers`: rank 0's, started early by the engine (model_runner.start_compile_workers_if_cold)."""
     if config.tensor_parallel_size == 1:
-        return LocalExecutor(config, hf_config, model_dir, compile_workers)
+        return LocalExecutor(config, model_config, model_dir, compile_workers)
     from nvcli.engine.tp_executor import TensorParallelExecutor
 
-    return TensorParallelExecutor(config, hf_config, model_dir, compile_workers)
+    return TensorParallelExecutor(config, model_config, model_dir, compile_workers)

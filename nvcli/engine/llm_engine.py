@@ -12,6 +12,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.block_manager import BlockManager
@@ -21,6 +23,9 @@ from nvcli.engine.sequence import Sequence
 from nvcli.outputs import CompletionOutput, RequestOutput
 from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
+
+if TYPE_CHECKING:
+    from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
 
@@ -53,15 +58,15 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
         from nvcli.engine.executor import make_executor
         from nvcli.engine.model_runner import start_compile_workers_if_cold
+        from nvcli.models.model_config import load_model_config
         from nvcli.models.resolve import resolve_model
+        from nvcli.models.tokenizer import load_tokenizer
 
         self.model_dir = resolve_model(config.model, config.load_format)
-        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        max_pos = int(getattr(self.hf_config, "max_position_embeddings", 4096))
+        self.model_config = load_model_config(self.model_dir)
+        max_pos = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ConfigError(f"--max-model-len={config.max_model_len} exceeds the model's {max_pos} positions")
         explicit_len = config.max_model_len is not None
@@ -72,10 +77,10 @@ class LLMEngine:
                                           async_scheduling=async_scheduling)
         # A first start-up on a machine compiles its kernels ahead (kernels/compile_ahead.py): its compile workers
         # start here, so that their start and warm-up overlap the tokenizer's load (transformers' imports).
-        workers = start_compile_workers_if_cold(self.config, self.hf_config)
+        workers = start_compile_workers_if_cold(self.config, self.model_config)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.model_dir)
-            self.executor = make_executor(self.config, self.hf_config, self.model_dir, compile_workers=workers)
+            self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
+            self.executor = make_executor(self.config, self.model_config, self.model_dir, compile_workers=workers)
         except BaseException:
             if workers is not None:  # the runner shuts them down once it has compiled; this is for the failures
                 workers.shutdown()
@@ -99,7 +104,7 @@ class LLMEngine:
             self.max_model_len,
             self.config.enable_chunked_prefill,
         )
-        self.eos_token_ids = _eos_ids(self.model_dir, self.hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.model_dir, self.model_config, self.tokenizer)
         self._inbox: deque[Sequence] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
@@ -153,7 +158,7 @@ class LLMEngine:
             token_ids, text = self.encode(prompt), prompt
         else:
             token_ids, text = list(prompt), prompt_text
-            vocab = self.hf_config.vocab_size
+            vocab = self.model_config.vocab_size
             if not valid_token_ids(token_ids, vocab):
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         if not token_ids:
@@ -309,7 +314,7 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
+def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:
     import json
 
     ids: set[int] = set()
@@ -323,6 +328,6 @@ def _eos_ids(model_dir, hf_config, tokenizer) -> set[int]:
     gen = model_dir / "generation_config.json"
     if gen.exists():
         add(json.loads(gen.read_text()).get("eos_token_id"))
-    add(getattr(hf_config, "eos_token_id", None))
+    add(model_config.eos_token_id)
     add(tokenizer.eos_token_id)
     return ids

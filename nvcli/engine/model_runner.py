@@ -34,6 +34,7 @@ from nvcli.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from nvcli.engine.sequence import Sequence
     from nvcli.kernels.compile_ahead import CompileWorkers, StartupMarker
+    from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
 
@@ -165,7 +166,7 @@ def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
     return [s for s in sizes if s <= max_num_batched_tokens]
 
 
-def pick_dtype(config: EngineConfig, hf_config, device: str) -> torch.dtype:
+def pick_dtype(config: EngineConfig, model_config: ModelConfig, device: str) -> torch.dtype:
     if config.dtype != "auto":
         dtype = TORCH_DTYPES[config.dtype]
     elif device == "cpu":
@@ -199,19 +200,19 @@ def first_decoder_layers(model: torch.nn.Module, n: int) -> Iterator[None]:
         decoder.layers = layers
 
 
-def startup_marker(config: EngineConfig, hf_config, rank: int, device: torch.device) -> StartupMarker:
+def startup_marker(config: EngineConfig, model_config: ModelConfig, rank: int, device: torch.device) -> StartupMarker:
     """A start-up's compile-ahead marker: keyed by what shapes its launches (where the model lives, its tokenizer
     and the seed shape none)."""
     from nvcli.kernels.compile_ahead import StartupMarker
 
     skip = ("model", "tokenizer", "seed")
     settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in skip}
-    shapes = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}
+    shapes = model_config.to_dict()
     major, minor = torch.cuda.get_device_capability(device)
     return StartupMarker([settings, shapes, rank], f"{torch.cuda.get_device_name(device)} sm_{major}{minor}")
 
 
-def start_compile_workers_if_cold(config: EngineConfig, hf_config, rank: int = 0) -> CompileWorkers | None:
+def start_compile_workers_if_cold(config: EngineConfig, model_config: ModelConfig, rank: int = 0) -> CompileWorkers | None:
     """The compile workers of a start-up that will compile ahead (on a GPU, NV_COMPILE_AHEAD not off or threads, and
     no earlier start-up of the same key left its marker), started now; else None. Each worker warms up for the GPU
     as it starts (compile_ahead._warm_worker). The engine calls this before loading the tokenizer, so that the
@@ -219,7 +220,7 @@ def start_compile_workers_if_cold(config: EngineConfig, hf_config, rank: int = 0
     if config.resolved_device() != "cuda" or COMPILE_AHEAD in ("0", "threads"):
         return None
     device = torch.device("cuda", rank)
-    if startup_marker(config, hf_config, rank, device).exists():
+    if startup_marker(config, model_config, rank, device).exists():
         return None
     return _start_compile_workers(config, device)
 
@@ -243,17 +244,17 @@ def _start_compile_workers(config: EngineConfig, device: torch.device) -> Compil
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_dir: Path, rank: int = 0,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path, rank: int = 0,
                  compile_workers: CompileWorkers | None = None) -> None:
         """`compile_workers`: started by the caller for this start-up (start_compile_workers_if_cold); else the
         runner starts them itself if it compiles ahead."""
         self.config = config
-        self.hf_config = hf_config
+        self.model_config = model_config
         self.rank = rank
         self.device = torch.device("cpu") if config.resolved_device() == "cpu" else torch.device("cuda", rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = pick_dtype(config, hf_config, self.device.type)
+        self.dtype = pick_dtype(config, model_config, self.device.type)
         self.block_size = config.kvcache_block_size
         self.graph_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -277,7 +278,7 @@ class ModelRunner:
         # A start-up like an earlier one (its marker exists) finds every Triton variant in the disk cache;
         # otherwise the compile workers start now (unless the caller started them earlier), so their imports
         # overlap the weights' load.
-        marker = (startup_marker(config, hf_config, rank, self.device)
+        marker = (startup_marker(config, model_config, rank, self.device)
                   if self.device.type == "cuda" and COMPILE_AHEAD != "0" else None)
         if marker is not None and marker.exists():
             marker = None
@@ -292,7 +293,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = model_class(hf_config)(hf_config)
+                self.model = model_class(model_config)(model_config)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
@@ -350,7 +351,7 @@ class ModelRunner:
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cpu":
-            max_len = self.config.max_model_len or self.hf_config.max_position_embeddings
+            max_len = self.config.max_model_len or self.model_config.max_position_embeddings
             wanted = -(-max_len // self.block_size) * self.config.max_num_seqs
             num_blocks = max(1, min(wanted, int(self.config.cpu_kvcache_space_gib * 2**30) // per_block))
         else:
@@ -402,8 +403,8 @@ class ModelRunner:
     def _graph_activation_bytes(self) -> int:
         """Activation bytes of the largest CUDA graph (decode or mixed): the graphs' shared pool holds about that."""
         bs = max([self.graph_batch_sizes[-1], *self.mixed_graph_sizes])
-        hidden = self.hf_config.hidden_size
-        inter = self.hf_config.intermediate_size // max(1, self.model.tp_size)
+        hidden = self.model_config.hidden_size
+        inter = self.model_config.intermediate_size // max(1, self.model.tp_size)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return bs * (6 * hidden + 3 * inter) * elem + (64 << 20)
 
@@ -453,7 +454,7 @@ class ModelRunner:
 
     def _max_table_width(self) -> int:
         """Blocks in the block table of a sequence of max_model_len tokens."""
-        return -(-(self.config.max_model_len or self.hf_config.max_position_embeddings) // self.block_size)
+        return -(-(self.config.max_model_len or self.model_config.max_position_embeddings) // self.block_size)
 
     @torch.inference_mode()
     def _warm_up_kernels(self, dry_run: bool = False) -> None:
@@ -496,7 +497,7 @@ class ModelRunner:
             step = StepInput([0] * rows, [0] * rows, [-1] * rows, list(range(rows + 1)), [1] * rows,
                              table * rows, True)
             if dry_run and not self.config.enforce_eager:
-                hidden = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+                hidden = torch.zeros(rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
                 final = (hidden, hidden)
             else:
                 final = self._forward(step)

@@ -33,6 +33,7 @@ from nvcli.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
+    from nvcli.models.model_config import ModelConfig
 
 CMD_STEP, CMD_EXIT = 1, 2
 
@@ -117,11 +118,11 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["NV_DEBUG_STACKS_AFTER_S"]), exit=False)
-    from transformers import AutoConfig
+    from nvcli.models.model_config import load_model_config
 
     _init_dist(config, rank, port)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    runner = ModelRunner(config, hf_config, Path(model_dir), rank=rank)
+    model_config = load_model_config(Path(model_dir))
+    runner = ModelRunner(config, model_config, Path(model_dir), rank=rank)
     shm = SharedMemory(name=shm_name)
     buf = np.ndarray((shm.size // 4,), dtype=np.int32, buffer=shm.buf)
     try:
@@ -143,7 +144,7 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, hf_config, model_dir: Path,
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path,
                  compile_workers: CompileWorkers | None = None) -> None:
         """`compile_workers`: rank 0's, already started (model_runner.start_compile_workers_if_cold)."""
         self.config = config
@@ -153,7 +154,7 @@ class TensorParallelExecutor:
             from nvcli.config import ConfigError
 
             raise ConfigError(f"--tensor-parallel-size={world} needs {world} GPUs; {torch.cuda.device_count()} visible")
-        _check_divisible(hf_config, world)
+        _check_divisible(model_config, world)
         self.shm = SharedMemory(name=f"nv-{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                 size=4 * channel_words(config))
         self.buf = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)
@@ -178,7 +179,7 @@ class TensorParallelExecutor:
         self._watchdog.start()
         try:
             _init_dist(config, 0, port)
-            self.runner = ModelRunner(config, hf_config, model_dir, rank=0, compile_workers=compile_workers)
+            self.runner = ModelRunner(config, model_config, model_dir, rank=0, compile_workers=compile_workers)
         except BaseException:
             self._cleanup(kill=True)
             raise
@@ -274,13 +275,13 @@ class TensorParallelExecutor:
             t.join(timeout=15)
 
 
-def _check_divisible(hf_config, world: int) -> None:
+def _check_divisible(model_config: ModelConfig, world: int) -> None:
     from nvcli.config import ConfigError
 
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    heads = model_config.num_attention_heads
+    kv_heads = model_config.num_key_value_heads
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", hf_config.intermediate_size)):
+                        ("intermediate_size", model_config.intermediate_size)):
         if value % world:
             raise ConfigError(
                 f"--tensor-parallel-size={world}: the model's {name}={value} is not divisible by it; "

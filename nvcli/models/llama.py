@@ -39,6 +39,7 @@ from nvcli.models.layers.linear import (
 )
 from nvcli.models.layers.norm import RMSNorm, row_rstd_vector, row_scale
 from nvcli.models.layers.rotary import RotaryEmbedding
+from nvcli.models.model_config import ModelConfig
 
 # Decode steps on the GPU fold the rotary step into the attention kernel: one launch per layer fewer.
 # Session 3 kept it to 16 rows (at larger batches the fatter kernel then cost more than the launch: fp8
@@ -58,12 +59,12 @@ DEFERRED_NORM_MIN_ROWS = 17
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.total_heads = config.num_attention_heads
-        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.total_heads
+        self.total_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -71,8 +72,8 @@ class DecoderAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             config.max_position_embeddings,
-            getattr(config, "rope_theta", None) or _rope_param(config, "rope_theta", 10000.0),
-            _rope_scaling(config),
+            config.rope_theta,
+            config.rope_scaling,
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.qk_norm = qk_norm
@@ -145,7 +146,7 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
         self.mlp = DecoderMLP(config.hidden_size, config.intermediate_size)
@@ -213,7 +214,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
@@ -261,12 +262,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), self.qk_norm)
+        self.model = DecoderModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_word_embeddings = config.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tp_size = tp_size()
@@ -287,18 +288,3 @@ class LlamaForCausalLM(nn.Module):
         (residual None: of RMSNorm(hidden))."""
         return self.lm_head(hidden, residual, self.model.norm)
 
-
-def _rope_scaling(config) -> dict | None:
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling is None:
-        params = getattr(config, "rope_parameters", None)
-        if isinstance(params, dict) and params.get("rope_type", "default") != "default":
-            scaling = params
-    return scaling
-
-
-def _rope_param(config, key: str, default: float) -> float:
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and key in params:
-        return float(params[key])
-    return default

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from nvcli.models.llama import LlamaForCausalLM
+from nvcli.models.model_config import ModelConfig
 from nvcli.models.qwen2 import Qwen2ForCausalLM
 from nvcli.models.qwen3 import Qwen3ForCausalLM
 
@@ -15,8 +16,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(hf_config) -> type[nn.Module]:
-    archs = getattr(hf_config, "architectures", None) or []
+def model_class(model_config: ModelConfig) -> type[nn.Module]:
+    archs = model_config.architectures
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]

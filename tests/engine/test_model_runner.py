@@ -186,14 +186,13 @@ def test_importing_the_engine_decorates_no_kernel() -> None:
 def test_the_dry_pass_runs_the_first_decoder_layers_then_all_again(tmp_path) -> None:
     """first_decoder_layers (compile-ahead's dry pass): within it the decoder holds only its first n layers, and
     all of them again afterwards, also when the pass fails; a model of n layers or fewer stays whole."""
-    from transformers import AutoConfig
-
     from nvcli.engine.model_runner import first_decoder_layers
+    from nvcli.models.model_config import load_model_config
     from nvcli.models.registry import model_class
     from nvcli.testing.tiny_models import make_tiny_model
 
-    hf_config = AutoConfig.from_pretrained(make_tiny_model(tmp_path / "four", "qwen3", num_hidden_layers=4))
-    model = model_class(hf_config)(hf_config)
+    model_config = load_model_config(make_tiny_model(tmp_path / "four", "qwen3", num_hidden_layers=4))
+    model = model_class(model_config)(model_config)
     layers = list(model.model.layers)
     with first_decoder_layers(model, 2):
         assert list(model.model.layers) == layers[:2]

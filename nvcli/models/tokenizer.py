@@ -1,0 +1,51 @@
+"""A model's tokenizer: transformers' own class, loaded without `AutoTokenizer` where that gives the same one.
+
+`AutoTokenizer`'s module imports transformers' modeling and generation packages on its way in (one of its
+config imports runs `auto_docstring`): 2.5-3 s of every start-up on the H100 host (see model_config.py). For the
+(model type, `tokenizer_class`) pairs in `DIRECT_CLASSES`, the class AutoTokenizer resolves to is imported
+directly; `tests/models/test_tokenizer.py` checks, for each pair, that AutoTokenizer picks the same class and that
+both encode, decode and render chat templates alike. Everything else (other pairs, remote code, a hub id, no
+tokenizer.json) goes through AutoTokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# (config.json model_type, tokenizer_config.json tokenizer_class) -> the class AutoTokenizer resolves it to
+DIRECT_CLASSES: dict[tuple[str, str], str] = {
+    ("qwen3", "Qwen2Tokenizer"): "Qwen2Tokenizer",
+    ("qwen2", "Qwen2Tokenizer"): "Qwen2Tokenizer",
+    ("llama", "TokenizersBackend"): "TokenizersBackend",  # what nv writes for a converted GGUF (models/gguf.py)
+    ("llama", "PreTrainedTokenizerFast"): "TokenizersBackend",  # Llama 3's checkpoints
+}
+
+
+def direct_class_name(path: Path) -> str | None:
+    """The transformers class to load `path`'s tokenizer with directly, or None for AutoTokenizer. The model type
+    is the directory's own config.json's, as AutoTokenizer reads it."""
+    files = [path / "config.json", path / "tokenizer_config.json"]
+    if not ((path / "tokenizer.json").is_file() and all(f.is_file() for f in files)):
+        return None
+    try:
+        config, settings = (json.loads(f.read_text()) for f in files)
+    except (OSError, ValueError):
+        return None  # AutoTokenizer reports it
+    if not (isinstance(config, dict) and isinstance(settings, dict)) or "auto_map" in settings:
+        return None
+    return DIRECT_CLASSES.get((config.get("model_type"), settings.get("tokenizer_class")))
+
+
+def load_tokenizer(name_or_path: str | Path) -> Any:
+    """The tokenizer of a model directory (or of a tokenizer directory or hub id given with --tokenizer)."""
+    path = Path(name_or_path)
+    name = direct_class_name(path)
+    if name is not None:
+        import transformers
+
+        return getattr(transformers, name).from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path)

@@ -1,0 +1,145 @@
+"""models/model_config.py: config.json read without transformers' config classes, the same as through them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nvcli.models.model_config import FAMILIES, ModelConfig, ModelConfigError, load_model_config
+from nvcli.models.presets import PRESETS
+from nvcli.testing.tiny_models import tiny_config
+
+# keys a config.json may leave out, each taking the family's default
+OPTIONAL_KEYS = ("vocab_size", "intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                 "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias", "hidden_act",
+                 "bos_token_id", "eos_token_id", "hidden_size", "num_hidden_layers", "num_attention_heads")
+ROPES = {
+    "legacy theta": {"rope_theta": 250_000.0},
+    "llama3 in rope_scaling, no pre-training length": {
+        "rope_theta": 500_000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    "linear with the old 'type' key": {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    "transformers 5 rope_parameters": {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    "rope_parameters with scaling": {
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 131072},
+}
+
+
+def _through_transformers(d: dict) -> ModelConfig:
+    from transformers import AutoConfig
+
+    d = dict(d)
+    return ModelConfig.from_hf(AutoConfig.for_model(d.pop("model_type"), **d))
+
+
+def _cases() -> list[tuple[str, dict]]:
+    cases = []
+    for arch in FAMILIES:
+        full = tiny_config(arch)
+        cases.append((f"{arch} tiny", full))
+        for key in OPTIONAL_KEYS:
+            cases.append((f"{arch} without {key}", {k: v for k, v in full.items() if k != key}))
+        for key in ("head_dim", "num_key_value_heads"):
+            if (arch, key) != ("qwen3", "head_dim"):  # Qwen3Config refuses a null head_dim
+                cases.append((f"{arch} {key} null", {**full, key: None}))
+        for name, rope in ROPES.items():
+            base = {k: v for k, v in full.items() if k not in ("rope_theta", "rope_scaling")}
+            cases.append((f"{arch} {name}", {**base, **rope}))
+        cases.append((f"{arch} eos list", {**full, "eos_token_id": [7, 8]}))
+        cases.append((f"{arch} bare", {"model_type": arch, "architectures": full["architectures"]}))
+    for name, preset in PRESETS.items():
+        cases.append((f"preset {name}", dict(preset)))
+    return cases
+
+
+@pytest.mark.parametrize("name,d", _cases(), ids=[c[0] for c in _cases()])
+def test_each_family_reads_as_transformers_reads_it(name: str, d: dict) -> None:
+    """Every key the engine uses resolves as transformers 5's class for the family resolves it, also where the file
+    leaves it out (the family's defaults) or gives it in an older or newer form (rotary parameters). Where those
+    defaults make a model the engine cannot run (Qwen's 32 KV heads beside 4 attention heads), both refuse it."""
+    try:
+        expected = _through_transformers(d)
+    except ModelConfigError:
+        with pytest.raises(ModelConfigError):
+            ModelConfig.from_dict(d)
+        return
+    assert ModelConfig.from_dict(d) == expected
+
+
+def test_a_wrong_family_default_is_caught() -> None:
+    """The comparison above sees the defaults: a config without head_dim gets Qwen3's 128, not hidden // heads."""
+    d = {k: v for k, v in tiny_config("qwen3").items() if k != "head_dim"}
+    assert ModelConfig.from_dict(d).head_dim == _through_transformers(d).head_dim == 128
+    d = {k: v for k, v in tiny_config("llama").items() if k != "head_dim"}
+    assert ModelConfig.from_dict(d).head_dim == 64 // 4
+
+
+def test_other_model_types_are_read_through_transformers(tmp_path: Path) -> None:
+    """A model type outside FAMILIES still loads as before (transformers' config class), into the same record."""
+    d = {**tiny_config("llama", rope_scaling=None), "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+         "sliding_window": None}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    config = load_model_config(tmp_path)
+    assert config.model_type == "mistral" and config.architectures == ("MistralForCausalLM",)
+    assert (config.hidden_size, config.num_key_value_heads, config.head_dim, config.rope_theta) == (64, 2, 16, 5e5)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_key_value_heads": 3}, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
+])
+def test_a_config_the_engine_cannot_run_fails_at_load_naming_the_key(tmp_path: Path, change: dict,
+                                                                     message: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config("qwen3"), **change}))
+    with pytest.raises(ModelConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize("content,message", [(None, "no config.json"), ("{not json", "not valid JSON"),
+                                             ("[1, 2]", "expected a JSON object")])
+def test_a_missing_or_broken_config_json_is_named(tmp_path: Path, content: str | None, message: str) -> None:
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ModelConfigError, match=message):
+        load_model_config(tmp_path)
+
+
+def test_the_engine_refuses_such_a_model_before_loading_it(tiny_model_dir, tmp_path: Path) -> None:
+    import shutil
+
+    from nvcli import LLM
+
+    src = tiny_model_dir("qwen3")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_act": "relu"}))
+    with pytest.raises(ModelConfigError, match="hidden_act 'relu'"):
+        LLM(str(bad), device="cpu")
+
+
+def test_an_engine_starts_without_transformers_modeling_imports(tiny_model_dir) -> None:
+    """The engine's config and tokenizer load skip transformers' modeling and generation packages (2.5-3 s of a
+    start-up on the H100 host): a job in a fresh process never imports them."""
+    code = (
+        "import sys\n"
+        "from nvcli import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_model_dir('qwen3'))!r}, device='cpu', max_model_len=64)\n"
+        "out = llm.generate(['hello'], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+        "assert len(out[0].outputs[0].token_ids) == 2\n"
+        "heavy = [m for m in ('transformers.models.auto.modeling_auto', 'transformers.generation.utils')"
+        " if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "HEAVY []" in run.stdout, run.stdout
