@@ -166,7 +166,7 @@ def mixed_graph_sizes(max_num_batched_tokens: int) -> list[int]:
     return [s for s in sizes if s <= max_num_batched_tokens]
 
 
-def pick_dtype(config: EngineConfig, model_config: ModelConfig, device: str) -> torch.dtype:
+def pick_dtype(config: EngineConfig, device: str) -> torch.dtype:
     if config.dtype != "auto":
         dtype = TORCH_DTYPES[config.dtype]
     elif device == "cpu":
@@ -254,7 +254,7 @@ class ModelRunner:
         self.device = torch.device("cpu") if config.resolved_device() == "cpu" else torch.device("cuda", rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = pick_dtype(config, model_config, self.device.type)
+        self.dtype = pick_dtype(config, self.device.type)
         self.block_size = config.kvcache_block_size
         self.graph_batch_sizes = graph_batch_sizes(config.max_num_seqs)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

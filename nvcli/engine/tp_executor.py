@@ -103,8 +103,8 @@ def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
     )
 
 
-def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_name: str, event, ack,
-                parent_pid: int) -> None:
+def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int, port: int, shm_name: str,
+                event, ack, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 coordinates shutdown on Ctrl-C
 
     def watch_parent() -> None:
@@ -118,10 +118,7 @@ def worker_main(config: EngineConfig, model_dir: str, rank: int, port: int, shm_
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["NV_DEBUG_STACKS_AFTER_S"]), exit=False)
-    from nvcli.models.model_config import load_model_config
-
     _init_dist(config, rank, port)
-    model_config = load_model_config(Path(model_dir))
     runner = ModelRunner(config, model_config, Path(model_dir), rank=rank)
     shm = SharedMemory(name=shm_name)
     buf = np.ndarray((shm.size // 4,), dtype=np.int32, buffer=shm.buf)
@@ -166,7 +163,7 @@ class TensorParallelExecutor:
             a.set()
         self.procs = [
             ctx.Process(target=worker_main, name=f"nv-tp-worker-{r}",
-                        args=(config, str(model_dir), r, port, self.shm.name, self.events[r - 1],
+                        args=(config, model_config, str(model_dir), r, port, self.shm.name, self.events[r - 1],
                               self.acks[r - 1], os.getpid()),
                         daemon=True)
             for r in range(1, world)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # models/layers/rotary.py
+from nvcli.models.layers.rotary import SUPPORTED_ROPE_TYPES
+
 DEFAULT_ROPE_THETA = 10_000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
 
@@ -143,8 +144,7 @@ class ModelConfig:
         """From a transformers config object (any model type)."""
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        d = config.to_dict()
-        rope = _rope({"rope_parameters": getattr(config, "rope_parameters", None) or d.get("rope_scaling"),
+        rope = _rope({"rope_parameters": getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None),
                       "rope_theta": getattr(config, "rope_theta", None) or DEFAULT_ROPE_THETA},
                      config.max_position_embeddings)
         return cls(

@@ -58,7 +58,10 @@ def _cases() -> list[tuple[str, dict]]:
     return cases
 
 
-@pytest.mark.parametrize("name,d", _cases(), ids=[c[0] for c in _cases()])
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name,d", CASES, ids=[name for name, _ in CASES])
 def test_each_family_reads_as_transformers_reads_it(name: str, d: dict) -> None:
     """Every key the engine uses resolves as transformers 5's class for the family resolves it, also where the file
     leaves it out (the family's defaults) or gives it in an older or newer form (rotary parameters). Where those

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")  # rope_scaling["rope_type"] values _inv_freq computes
+
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -29,7 +31,7 @@ def _inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled).float()
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
 class RotaryEmbedding(nn.Module):
