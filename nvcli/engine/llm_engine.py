@@ -69,6 +69,17 @@ class LLMEngine:
         max_pos = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ConfigError(f"--max-model-len={config.max_model_len} exceeds the model's {max_pos} positions")
+        window = self.model_config.sliding_window
+        if window is not None and window < max_pos:
+            # the kernels attend to the whole context: the same as the model's sliding layers only within the window
+            if config.max_model_len is not None and config.max_model_len > window:
+                raise ConfigError(
+                    f"--max-model-len={config.max_model_len} exceeds the model's sliding attention window of {window} "
+                    f"tokens (config.json use_sliding_window), which nv does not implement; lower it to at most {window}"
+                )
+            if config.max_model_len is None:
+                log.warning("max_model_len capped to the model's sliding attention window of %d tokens", window)
+            max_pos = window
         explicit_len = config.max_model_len is not None
         async_scheduling = config.async_scheduling
         if async_scheduling is None:  # on where there is something to overlap: a GPU

@@ -80,6 +80,9 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: TokenIds = None
     eos_token_id: TokenIds = None
+    # The attention window of the layers that slide (Qwen2/Qwen3 `use_sliding_window`); None: every layer sees the
+    # whole context. The engine attends to the whole context, which is the same thing only up to this many tokens.
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -92,6 +95,9 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ModelConfigError(f"config.json: sliding_window must be a positive integer, got {self.sliding_window!r}")
         if self.hidden_act != "silu":
             raise ModelConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -137,6 +143,8 @@ class ModelConfig:
             hidden_act=get("hidden_act", fam.hidden_act),
             bos_token_id=_token_ids(d.get("bos_token_id", fam.bos_token_id)),
             eos_token_id=_token_ids(d.get("eos_token_id", fam.eos_token_id)),
+            sliding_window=_qwen_sliding_window(d, get("num_hidden_layers", fam.num_hidden_layers))
+            if model_type in ("qwen2", "qwen3") else None,
         )
 
     @classmethod
@@ -165,6 +173,9 @@ class ModelConfig:
             hidden_act=getattr(config, "hidden_act", "silu"),
             bos_token_id=_token_ids(getattr(config, "bos_token_id", None)),
             eos_token_id=_token_ids(getattr(config, "eos_token_id", None)),
+            # Llama's modeling ignores a window its config may carry
+            sliding_window=None if config.model_type == "llama"
+            else _sliding_window(getattr(config, "sliding_window", None), getattr(config, "layer_types", None)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +218,25 @@ def _rope(d: Mapping[str, Any], max_position_embeddings: int) -> dict[str, Any]:
     params.pop("rope_theta", None)
     scaling = None if params["rope_type"] == "default" else params
     return {"rope_theta": float(theta if theta is not None else DEFAULT_ROPE_THETA), "rope_scaling": scaling}
+
+
+def _qwen_sliding_window(d: Mapping[str, Any], num_layers: int) -> Optional[int]:
+    """Qwen2Config / Qwen3Config: a window only with `use_sliding_window`, for the layers from `max_window_layers` on
+    unless `layer_types` names them."""
+    window = (d["sliding_window"] if "sliding_window" in d else 4096) if d.get("use_sliding_window") else None
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        first = d.get("max_window_layers")
+        first = 28 if first is None else first
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return _sliding_window(window, layer_types)
+
+
+def _sliding_window(window: Optional[int], layer_types: Optional[Any]) -> Optional[int]:
+    """The window if some layer slides; a config without `layer_types` (Mistral's) slides every layer."""
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
 
 
 def _token_ids(x: Any) -> TokenIds:

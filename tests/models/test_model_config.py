@@ -30,6 +30,20 @@ ROPES = {
         "max_position_embeddings": 131072},
 }
 
+# Qwen2/Qwen3's sliding window: on only with use_sliding_window, for the layers from max_window_layers (default 28)
+# on or those layer_types names; Llama has none, whatever its file says
+SLIDING = {
+    "sliding window off": {"use_sliding_window": False, "sliding_window": 32, "max_window_layers": 0},
+    "sliding window, default layers": {"use_sliding_window": True, "sliding_window": 32},
+    "sliding window from layer 1": {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
+    "sliding window, default size": {"use_sliding_window": True, "max_window_layers": 0},
+    "sliding window null": {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+    "sliding window by layer_types": {"use_sliding_window": True, "sliding_window": 32,
+                                      "layer_types": ["sliding_attention", "full_attention"]},
+    "sliding window, layer_types all full": {"use_sliding_window": True, "sliding_window": 32,
+                                             "layer_types": ["full_attention", "full_attention"]},
+}
+
 
 def _through_transformers(d: dict) -> ModelConfig:
     from transformers import AutoConfig
@@ -52,6 +66,8 @@ def _cases() -> list[tuple[str, dict]]:
             base = {k: v for k, v in full.items() if k not in ("rope_theta", "rope_scaling")}
             cases.append((f"{arch} {name}", {**base, **rope}))
         cases.append((f"{arch} eos list", {**full, "eos_token_id": [7, 8]}))
+        for name, window in SLIDING.items():
+            cases.append((f"{arch} {name}", {**full, **window}))
         cases.append((f"{arch} bare", {"model_type": arch, "architectures": full["architectures"]}))
     for name, preset in PRESETS.items():
         cases.append((f"preset {name}", dict(preset)))
@@ -93,12 +109,22 @@ def test_other_model_types_are_read_through_transformers(tmp_path: Path) -> None
     assert (config.hidden_size, config.num_key_value_heads, config.head_dim, config.rope_theta) == (64, 2, 16, 5e5)
 
 
+def test_the_sliding_window_is_read_where_a_layer_slides() -> None:
+    """The equivalence cases above would pass if no case had a window: these must read one."""
+    full = tiny_config("qwen2")
+    assert ModelConfig.from_dict({**full, **SLIDING["sliding window from layer 1"]}).sliding_window == 32
+    assert ModelConfig.from_dict({**full, **SLIDING["sliding window, default size"]}).sliding_window == 4096
+    assert ModelConfig.from_dict({**full, **SLIDING["sliding window, default layers"]}).sliding_window is None
+    assert ModelConfig.from_dict({**tiny_config("llama"), **SLIDING["sliding window from layer 1"]}).sliding_window is None
+
+
 @pytest.mark.parametrize("change,message", [
     ({"num_key_value_heads": 3}, "num_attention_heads (4) is not a multiple of num_key_value_heads (3)"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
     ({"hidden_size": "64"}, "hidden_size must be a positive integer"),
+    ({"use_sliding_window": True, "sliding_window": 0, "max_window_layers": 0}, "sliding_window must be a positive"),
 ])
 def test_a_config_the_engine_cannot_run_fails_at_load_naming_the_key(tmp_path: Path, change: dict,
                                                                      message: str) -> None:
@@ -146,3 +172,24 @@ def test_an_engine_starts_without_transformers_modeling_imports(tiny_model_dir) 
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "HEAVY []" in run.stdout, run.stdout
+
+
+def test_a_sliding_window_model_runs_only_within_its_window(tmp_path: Path) -> None:
+    """nv attends to the whole context. A Qwen model whose layers slide (use_sliding_window) is the same model only
+    up to its window: the engine caps max_model_len there by default, refuses a longer --max-model-len, and within
+    the window answers as transformers' sliding-window model does."""
+    from nvcli import LLM, SamplingParams
+    from nvcli.config import ConfigError
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "swa", "qwen3", use_sliding_window=True, sliding_window=48,
+                                max_window_layers=1)
+    with pytest.raises(ConfigError, match="--max-model-len=64 exceeds the model's sliding attention window of 48"):
+        LLM(str(model_dir), device="cpu", max_model_len=64, num_kvcache_blocks=64)
+    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64)
+    assert llm.engine.max_model_len == 48
+    prompt = list(range(1000, 1020))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True), use_tqdm=False)
+    from tests.engine.test_engine_vs_hf import hf_greedy
+
+    assert out[0].outputs[0].token_ids == hf_greedy(model_dir, prompt, 28)
