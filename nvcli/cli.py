@@ -84,6 +84,7 @@ def generate(
     no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Same as --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3).", rich_help_panel=SAMPLING)] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="Write lines as they finish instead of in input order.", rich_help_panel=JOB)] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already answered in OUTPUT (repairing a torn last line) and append the rest.", rich_help_panel=JOB)] = False,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard, progress or summary on stderr.", rich_help_panel=JOB)] = False,
     max_in_flight: Annotated[Optional[int], typer.Option(min=1, help="Lines read ahead of the output: in the engine plus waiting to be written in order (default: 4 x max-num-seqs).", rich_help_panel=JOB)] = None,
 ) -> None:
@@ -91,7 +92,7 @@ def generate(
 
     Input lines: {"prompt": ...}, {"messages": [...]}, {"prompt_token_ids": [...]}, or OpenAI Batch requests ({"custom_id", "url": "/v1/chat/completions", "body": {...}}), each with an optional "id" and per-line sampling fields. Blank lines are skipped.
 
-    Exit code: 0 every line succeeded, 1 some lines failed (they get error lines), 2 usage error, 130 interrupted (rerun with --resume to finish).
+    Exit code: 0 every line succeeded, 1 some lines failed (they get error lines), 2 usage error, 130 interrupted by Ctrl-C, 143 by SIGTERM (both finish the lines in flight first; rerun with --resume to finish).
     """
     from nvcli.jobs.command import GenerateArgs
     from nvcli.jobs.command import generate as run_generate
@@ -135,6 +136,7 @@ def generate(
         return_token_ids=return_token_ids,
         unordered=unordered,
         resume=resume,
+        retry_errors=retry_errors,
         quiet=quiet,
         max_in_flight=max_in_flight,
     )
@@ -171,6 +173,7 @@ def bench(
     latency_input_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 128,
     latency_output_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 512,
     output_json: Annotated[Optional[str], typer.Option(help="Write the results as JSON (vLLM's keys).", rich_help_panel=JOB)] = None,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard on stderr.", rich_help_panel=JOB)] = False,
 ) -> None:
     """Throughput on Nano-vLLM's benchmark workload (vLLM's summary lines), or one request's latency."""

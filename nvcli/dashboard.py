@@ -235,7 +235,8 @@ def render_summary(r: JobResult) -> Table:
     elif r.aborted:
         t.add_row("stopped", "aborted (Ctrl-C twice)")
     elif r.interrupted:
-        t.add_row("stopped", "interrupted (Ctrl-C): rerun with --resume to finish")
+        how = "terminated (SIGTERM)" if r.terminated else "interrupted (Ctrl-C)"
+        t.add_row("stopped", f"{how}: rerun with --resume to finish")
     return t
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -70,8 +71,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         else:
             self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be true or false")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
 
@@ -85,4 +87,5 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (NaN passes every comparison the checks above make as False, or True)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

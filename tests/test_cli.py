@@ -156,7 +156,7 @@ def test_good_and_bad_lines_one_output_each(model, tmp_path):
     lines = jsonl(out.read_text())
     assert len(lines) == 11  # 12 lines, one blank
     ids = [x["id"] for x in lines]
-    assert ids == ["good-1", 1, "wrong-type", "empty", "no-prompt", "too-long", "bad-token", "good-1", "bad-url",
+    assert ids == ["good-1", None, "wrong-type", "empty", "no-prompt", "too-long", "bad-token", "good-1", "bad-url",
                    "good-2", "good-3"]
     kinds = [x["error"]["type"] if x.get("error") else None for x in lines]
     assert kinds == [None, "invalid_json", "invalid_request", "invalid_request", "invalid_request", "prompt_too_long",
@@ -166,6 +166,23 @@ def test_good_and_bad_lines_one_output_each(model, tmp_path):
     assert bad_url["response"]["status_code"] == 400 and "unknown url" in bad_url["response"]["body"]["error"]["message"]
     assert lines[9]["response"]["status_code"] == 200
     assert "duplicate_id" in r.stderr and "prompt_too_long" in r.stderr  # the summary, by kind
+
+
+def test_a_line_with_extreme_sampling_values_does_not_end_the_job(model):
+    """Values a line may legally give (a top_k past the vocabulary, a top_p that is 0 in float32) are served, and
+    one of the wrong type is that line's error: none of them may stop the job (they used to, in engine.step)."""
+    lines = [{"id": "k", "prompt": "a", "top_k": 1e20, "temperature": 1.0, "seed": 1},
+             {"id": "p", "prompt": "a", "top_p": 1e-300, "temperature": 1.0, "max_tokens": 3, "return_token_ids": True},
+             {"id": "g", "prompt": "a", "max_tokens": 3, "return_token_ids": True},
+             {"id": "s", "prompt": "a", "skip_special_tokens": 0},
+             {"id": "after", "prompt": "b"}]
+    r = nv(model, "-", "--max-tokens", 3, "-q", input="".join(json.dumps(x) + "\n" for x in lines))
+    assert r.exit_code == 1, r.stderr
+    out = {x["id"]: x for x in jsonl(r.stdout)}
+    assert list(out) == ["k", "p", "g", "s", "after"]
+    assert "text" in out["k"] and "text" in out["after"]
+    assert out["p"]["token_ids"] == out["g"]["token_ids"]  # nothing but the most likely token: greedy
+    assert out["s"]["error"]["type"] == "invalid_request" and "skip_special_tokens" in out["s"]["error"]["message"]
 
 
 def test_usage_errors_exit_2(model, tmp_path):

@@ -50,6 +50,13 @@ def test_kv_cache_dtype_choices(kv: str) -> None:
         (dict(logprobs=-1), "logprobs"),
         (dict(seed="x"), "seed"),
         (dict(temperature="hot"), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(skip_special_tokens=0), "skip_special_tokens"),
+        (dict(skip_special_tokens="no"), "skip_special_tokens"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

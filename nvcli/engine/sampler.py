@@ -45,8 +45,10 @@ class SamplingBatch:
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64)
+                top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                                     dtype=torch.int64)
             if any(p.top_p < 1.0 for p in params):
+                # float32 of a top_p below ~1e-45 is 0; _top_k_top_p keeps the most likely token whatever top_p is
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
             if any(p.min_p > 0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
@@ -106,7 +108,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), _MASK)
+        drop = before >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token stays, as vLLM's does, even where top_p rounds to 0
+        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
     return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
 
 

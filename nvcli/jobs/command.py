@@ -48,6 +48,7 @@ class GenerateArgs:
     return_token_ids: bool = False
     unordered: bool = False
     resume: bool = False
+    retry_errors: bool = False  # with resume: error lines are served again
     quiet: bool = False
     max_in_flight: int | None = None
 
@@ -77,8 +78,14 @@ def _generate(args: GenerateArgs) -> int:
     # 1. cheap checks first: nothing slow happens before the arguments are known to be good
     src_path = _check_input(args.input)
     out_path = None if args.output in (None, "-") else Path(args.output)
+    if src_path is None and sys.stdin is None:
+        raise UsageError("the input is - but stdin is closed: give an input file")
+    if out_path is None and sys.stdout is None:
+        raise UsageError("stdout is closed: write the output to a file with -o OUTPUT")
     if args.resume and out_path is None:
         raise UsageError("--resume needs an output file (-o OUTPUT): it reads that file to skip answered lines")
+    if args.retry_errors and not args.resume:
+        raise UsageError("--retry-errors goes with --resume: it serves again the lines whose answers in OUTPUT are errors")
     if out_path is not None:
         if out_path.is_dir():
             raise UsageError(f"output {str(out_path)!r} is a directory")
@@ -98,7 +105,7 @@ def _generate(args: GenerateArgs) -> int:
     done: dict[str, bool] = {}
     if args.resume and out_path is not None:
         try:
-            state = scan_output(out_path)
+            state = scan_output(out_path, retry_errors=args.retry_errors)
         except (ResumeError, OSError) as e:
             raise UsageError(str(e)) from None
         done = state.done
@@ -106,6 +113,10 @@ def _generate(args: GenerateArgs) -> int:
             note = f"--resume: {state.lines} lines already in {str(out_path)!r}"
             if state.repaired_bytes:
                 note += f"; cut a torn last line ({state.repaired_bytes} bytes) left by an interrupted run"
+            if state.retried:
+                note += f"; took out {state.retried} error lines to serve them again"
+            elif state.num_errors:
+                note += f", {state.num_errors} of them errors (--retry-errors serves those lines again)"
             err(note)
     if out_path is not None and not os.access(out_path if out_path.exists() else out_path.parent, os.W_OK):
         raise UsageError(f"cannot write {str(out_path)!r}: permission denied")
@@ -245,7 +256,7 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
     except Exception as e:  # the engine died mid-job (a lost TP worker, out of memory, a bug)
         if reporter is not None:
             reporter.stop()
-        if os.environ.get("NV_DEBUG"):
+        if os.environ.get("NV_DEBUG", "0") not in ("", "0"):
             raise
         where = f"; the finished lines are in {str(out_path)!r}: rerun with --resume to continue" if out_path else ""
         err(f"error: the job stopped: {type(e).__name__}: {e}{where} (NV_DEBUG=1 shows the traceback)")

@@ -37,6 +37,7 @@ from nvcli.jobs.requests import (
     Defaults,
     LineError,
     Request,
+    line_key,
     parse_line,
 )
 
@@ -74,7 +75,7 @@ class InputReader(threading.Thread):
         self.pending = pending
         self.done = done or {}
         self.counts = ReaderCounts()
-        self.seen: set[str] = set()
+        self.seen: dict[str, int] = {}  # id key -> the 0-based line that has it
         self.submit_lock = threading.Lock()
         self._stopped = False
         self._warned: set[str] = set()
@@ -125,17 +126,20 @@ class InputReader(threading.Thread):
         item = parse_line(raw, line_no, self.defaults, self._warn, self._shape)
         if isinstance(item, Request) or item.kind != INVALID_JSON:
             self._shape = item.shape
+        if item.id is not None:
+            first = self.seen.setdefault(item.key, line_no)  # also for a line --resume skips: its id is taken
+            if first != line_no:
+                item = LineError(
+                    line_no, item.id, line_key(line_no), item.shape, DUPLICATE_ID,
+                    f"duplicate id {item.id!r}: line {first + 1} already has it"
+                    + (" (a line without an id takes its 0-based line number)" if isinstance(item.id, int) else "")
+                    + "; ids must be unique",
+                    item.custom_id,
+                )
         if item.key in self.done:
             self.counts.skipped += 1
             self.counts.skipped_errors += self.done[item.key]
             return None
-        if item.key in self.seen:
-            return LineError(
-                line_no, item.id, item.key, item.shape, DUPLICATE_ID,
-                f"duplicate id {item.id!r}: it was already used by an earlier line; ids must be unique",
-                item.custom_id,
-            )
-        self.seen.add(item.key)
         return item
 
     def _tokenize(self, items: list[Request | LineError]) -> None:

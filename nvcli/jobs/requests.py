@@ -6,8 +6,9 @@ Shapes (DESIGN.md §1):
 - OpenAI Batch envelope: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
   "/v1/completions", "body": {...}}`, answered in the OpenAI Batch output shape.
 
-A line's id is its `id`, else its `custom_id`, else its 0-based line number. Per-line sampling
-fields override the command-line defaults. Nothing here touches the engine: chat rendering and
+A line's id is its `id`, else its `custom_id`, else its 0-based line number. A line whose id cannot be read (not
+JSON, not an object, an id of another type) is answered with `"id": null` and its line number: it must not take an id
+that another line may own. Per-line sampling fields override the command-line defaults. Nothing here touches the engine: chat rendering and
 tokenization happen in the reader, so this module is testable without a model.
 """
 
@@ -56,18 +57,19 @@ _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
 _NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids")
 # Body fields of OpenAI requests that we accept and ignore (no effect on generation).
 _OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls")
-# OpenAI sampling knobs we do not implement: accepted only at their neutral value.
-_OPENAI_NEUTRAL = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": None,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-    "tools": None,
-    "tool_choice": None,
-    "response_format": None,
+# OpenAI sampling knobs we do not implement: accepted only at their neutral values (None, the first, is "left out";
+# clients often send the others explicitly).
+_OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": (None, {}),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -103,7 +105,7 @@ class LineError:
     """A line that cannot be served; it is answered with one error line."""
 
     line_no: int
-    id: str | int
+    id: str | int | None  # None: the line's id could not be read (keyed by its line number)
     key: str
     shape: str
     kind: str
@@ -123,6 +125,12 @@ def id_key(value: str | int) -> str:
     return f"s:{value}" if isinstance(value, str) else f"i:{value}"
 
 
+def line_key(line_no: int) -> str:
+    """Key of an output line that answers an input line by its position, not by an id: a line whose id could not be
+    read, and a duplicate id's error line (the id belongs to the earlier line). `line_no` is 0-based."""
+    return f"l:{line_no}"
+
+
 def parse_line(
     raw: bytes | str,
     line_no: int,
@@ -139,10 +147,10 @@ def parse_line(
     except (jsonio.JSONDecodeError, ValueError) as e:
         where = f" at column {e.colno}" if getattr(e, "colno", None) else ""
         why = getattr(e, "msg", None) or str(e)
-        return _error(line_no, line_no, fallback_shape, INVALID_JSON, f"line {line_no + 1} is not valid JSON: {why}{where}")
+        return _error(line_no, None, fallback_shape, INVALID_JSON, f"line {line_no + 1} is not valid JSON: {why}{where}")
     if not isinstance(obj, dict):
         return _error(
-            line_no, line_no, fallback_shape, INVALID_REQUEST,
+            line_no, None, fallback_shape, INVALID_REQUEST,
             f"line {line_no + 1} must be a JSON object, got {_json_type(obj)}",
         )
     shape = NATIVE
@@ -153,7 +161,7 @@ def parse_line(
     if not _valid_id(rid):
         name = "id" if "id" in obj else "custom_id"
         return _error(
-            line_no, line_no, fallback_shape, INVALID_REQUEST,
+            line_no, None, fallback_shape, INVALID_REQUEST,
             f"{name} must be a string or an integer, got {_json_type(rid)}",
         )
     if custom_id is not None and not isinstance(custom_id, str):
@@ -171,8 +179,9 @@ def parse_line(
     return req
 
 
-def _error(line_no: int, rid: str | int, shape: str, kind: str, message: str, custom_id: str | None = None) -> LineError:
-    return LineError(line_no, rid, id_key(rid), shape, kind, message, custom_id)
+def _error(line_no: int, rid: str | int | None, shape: str, kind: str, message: str,
+           custom_id: str | None = None) -> LineError:
+    return LineError(line_no, rid, line_key(line_no) if rid is None else id_key(rid), shape, kind, message, custom_id)
 
 
 def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None) -> Request:
@@ -223,8 +232,8 @@ def _parse_openai_body(
         known |= {"prompt"}
     _warn_unknown(body, known, "body.", warn)
     for name, neutral in _OPENAI_NEUTRAL.items():
-        value = body.get(name, neutral)
-        if value != neutral and not (value in ({}, []) and neutral is None):
+        value = body.get(name)
+        if value is not None and not any(_same_json(value, v) for v in neutral):
             raise _Invalid(f"body.{name}={value!r} is not supported by nv (leave it out)")
     overrides = {k: body[k] for k in common if k in body and body[k] is not None}
     if shape == CHAT:
@@ -333,6 +342,13 @@ def _warn_unknown(obj: dict, known: set[str], prefix: str, warn: Callable[[str],
     for k in obj:
         if k not in known and k not in ("url", "method", "body"):
             warn(f"ignoring unknown field {prefix}{k!r}")
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality where true is not 1 (Python's == says it is)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
 
 
 def _valid_id(v: Any) -> bool:

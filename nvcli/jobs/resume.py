@@ -3,7 +3,12 @@
 Every line nv writes ends with a newline and goes out in one write, so a run killed mid-write
 (SIGKILL, power loss) can leave at most one incomplete line, at the end, without its newline.
 `scan_output` cuts that tail off (and a final line that is not valid JSON), then reads the
-answered ids. Keys are ids (see `requests.id_key`), never prompt text.
+answered ids. Keys are ids (see `requests.id_key`), never prompt text, except for the error lines that answer an input
+line by its position (`requests.line_key`): a line whose id could not be read (`"id": null`), and a duplicate id's
+error line, whose id belongs to an earlier line that may still be unanswered.
+
+`--retry-errors` takes the error lines out of the file (rewritten beside it, then renamed over it) so that their input
+lines are served again, for instance after raising the `--max-model-len` a `prompt_too_long` line asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvcli.jobs import jsonio
-from nvcli.jobs.requests import id_key
+from nvcli.jobs.requests import DUPLICATE_ID, id_key, line_key
 
 
 class ResumeError(Exception):
@@ -25,6 +30,7 @@ class ResumeState:
     done: dict[str, bool] = field(default_factory=dict)  # id key -> True if that line is an error line
     lines: int = 0
     repaired_bytes: int = 0  # bytes of a torn last line that were cut off
+    retried: int = 0  # error lines taken out of the file to be served again (--retry-errors)
 
     @property
     def num_errors(self) -> int:
@@ -38,8 +44,9 @@ def is_error_line(obj: dict) -> bool:
     return isinstance(resp, dict) and resp.get("status_code") not in (None, 200)
 
 
-def scan_output(path: Path | str) -> ResumeState:
-    """Repair `path` in place (drop a torn last line) and return the ids it answers."""
+def scan_output(path: Path | str, retry_errors: bool = False) -> ResumeState:
+    """Repair `path` in place (drop a torn last line) and return the ids it answers; with `retry_errors`, first take
+    its error lines out."""
     path = Path(path)
     state = ResumeState()
     if not path.exists():
@@ -47,23 +54,65 @@ def scan_output(path: Path | str) -> ResumeState:
     if not path.is_file():
         raise ResumeError(f"--resume: output {str(path)!r} is not a regular file")
     _repair_tail(path, state)
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = jsonio.loads(raw)
-                rid = obj["id"]
-                if not (isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool))):
-                    raise TypeError
-            except (jsonio.JSONDecodeError, ValueError, KeyError, TypeError):
-                raise ResumeError(
-                    f"--resume: line {n} of {str(path)!r} is not an nv output line (JSON with an \"id\"); "
-                    "fix or remove it, or write to a new file"
-                ) from None
-            state.done[id_key(rid)] = is_error_line(obj) or state.done.get(id_key(rid), False)
-            state.lines += 1
+    kept = None
+    if retry_errors:
+        kept = path.with_name(f".{path.name}.nv-resume")
+        kept_file = open(kept, "wb")  # noqa: SIM115 - closed below, renamed over `path` once complete
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                key, error = _answered(raw, n, path)
+                if error and kept is not None:
+                    state.retried += 1
+                    continue
+                state.done[key] = error or state.done.get(key, False)
+                state.lines += 1
+                if kept is not None:
+                    kept_file.write(raw)
+        if kept is not None:
+            kept_file.flush()
+            os.fsync(kept_file.fileno())
+            kept_file.close()
+            if state.retried:
+                os.replace(kept, path)
+    finally:
+        if kept is not None:
+            kept_file.close()
+            kept.unlink(missing_ok=True)
     return state
+
+
+def _answered(raw: bytes, n: int, path: Path) -> tuple[str, bool]:
+    """(key, is an error line) of output line n."""
+    try:
+        obj = jsonio.loads(raw)
+        rid = obj["id"]
+        error = is_error_line(obj)
+        if rid is None or (error and _error_field(obj, "type", "code") == DUPLICATE_ID):
+            line = _error_field(obj, "line", "line")
+            if not error or not (isinstance(line, int) and not isinstance(line, bool) and line >= 1):
+                raise TypeError
+            return line_key(line - 1), True
+        if not (isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool))):
+            raise TypeError
+        return id_key(rid), error
+    except (jsonio.JSONDecodeError, ValueError, KeyError, TypeError):
+        raise ResumeError(
+            f"--resume: line {n} of {str(path)!r} is not an nv output line (JSON with an \"id\"); "
+            "fix or remove it, or write to a new file"
+        ) from None
+
+
+def _error_field(obj: dict, native: str, openai: str) -> object:
+    """A field of an error line's error: {"error": {...}} (native) or response.body.error (OpenAI)."""
+    err = obj.get("error")
+    if isinstance(err, dict):
+        return err.get(native)
+    body = (obj.get("response") or {}).get("body")
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get(openai) if isinstance(err, dict) else None
 
 
 def _repair_tail(path: Path, state: ResumeState) -> None:

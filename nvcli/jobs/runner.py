@@ -29,6 +29,7 @@ EXIT_OK = 0
 EXIT_LINE_ERRORS = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM: a batch scheduler's stop, drained like Ctrl-C
 EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE, as `seq 1e9 | head -1` reports under pipefail
 
 
@@ -78,7 +79,8 @@ class JobResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     elapsed_s: float = 0.0
-    interrupted: bool = False  # Ctrl-C: the input was not read to its end
+    interrupted: bool = False  # Ctrl-C or SIGTERM: the input was not read to its end
+    terminated: bool = False  # ... by SIGTERM
     aborted: bool = False  # second Ctrl-C: running requests were dropped
     output_closed: bool = False  # our reader went away (BrokenPipe)
     stats: Any = None
@@ -96,7 +98,7 @@ class JobResult:
         if self.output_closed:
             return EXIT_OUTPUT_CLOSED
         if self.interrupted:
-            return EXIT_INTERRUPTED
+            return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
         if self.failed or self.counts.skipped_errors:
             return EXIT_LINE_ERRORS
         return EXIT_OK
@@ -144,15 +146,19 @@ class _Job:
 
     # -- signals -------------------------------------------------------------------------
     def _on_sigint(self, signum: int, frame: Any) -> None:
+        """Ctrl-C or SIGTERM (what a batch scheduler or `kill` sends first): the first drains, the second aborts the
+        requests in flight, a third raises."""
+        if self.interrupts == 0:
+            self.result.terminated = signum == signal.SIGTERM
         self.interrupts += 1
         if self.interrupts >= 3:
             raise KeyboardInterrupt
 
     # -- main loop -----------------------------------------------------------------------
     def run(self) -> JobResult:
-        old = None
+        old: dict[int, Any] = {}
         if self.opts.handle_sigint and threading.current_thread() is threading.main_thread():
-            old = signal.signal(signal.SIGINT, self._on_sigint)
+            old = {sig: signal.signal(sig, self._on_sigint) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.reader.start()
         try:
             self._loop()
@@ -168,8 +174,8 @@ class _Job:
             raise
         finally:
             self.reader.stop()
-            if old is not None:
-                signal.signal(signal.SIGINT, old)
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
             self.result.written = self.writer.written
             self.result.errors = self.writer.errors
             self.result.elapsed_s = time.monotonic() - self.t0
@@ -186,7 +192,9 @@ class _Job:
                 self.draining = True
                 self.result.interrupted = True
                 self.reader.stop()
-                self._log("interrupted: finishing the requests in flight (Ctrl-C again to abort them)")
+                again = "SIGTERM again" if self.result.terminated else "Ctrl-C again"
+                self._log(f"{'terminated' if self.result.terminated else 'interrupted'}: finishing the requests in "
+                          f"flight ({again} to abort them)")
             if self.interrupts >= 2:
                 self.result.aborted = True
                 self._abort_all()

@@ -38,6 +38,9 @@ def direct_class_name(path: Path) -> str | None:
     return DIRECT_CLASSES.get((config.get("model_type"), settings.get("tokenizer_class")))
 
 
+_NO_LIMIT = int(1e30)  # transformers' own "no limit" (VERY_LARGE_INTEGER)
+
+
 def load_tokenizer(name_or_path: str | Path) -> Any:
     """The tokenizer of a model directory (or of a tokenizer directory or hub id given with --tokenizer)."""
     path = Path(name_or_path)
@@ -45,7 +48,12 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     if name is not None:
         import transformers
 
-        return getattr(transformers, name).from_pretrained(path)
-    from transformers import AutoTokenizer
+        tokenizer = getattr(transformers, name).from_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    # The engine checks every prompt against max_model_len and never truncates; the tokenizer's own limit only
+    # printed transformers' "Token indices sequence length is longer than ..." warning, even under --quiet.
+    tokenizer.model_max_length = _NO_LIMIT
+    return tokenizer

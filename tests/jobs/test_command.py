@@ -195,3 +195,83 @@ def test_model_generation_config_gives_sampling_defaults(tmp_path, monkeypatch):
     a, b = made[0].sampling_seen
     assert (a.temperature, a.top_p, a.top_k) == (0.6, 0.5, 20)  # the model's, but the flag wins for top_p
     assert (b.temperature, b.top_p, b.top_k) == (0, 0.5, 5)  # and the line wins over both
+
+
+def test_an_unreadable_line_takes_no_other_lines_id(tmp_path, engines):
+    """A line that is not JSON has no id to give its error line: it answers with `"id": null` and its line number,
+    and a later line whose id equals that line number is still served (it used to be refused as a duplicate)."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, "{oops", {"id": 1, "prompt": "y"},
+                                              '{"id": 2, "prompt": "z",}', {"id": 3, "prompt": "w"}])
+    out = tmp_path / "out.jsonl"
+    assert nv(src, "-o", out, "--max-tokens", 2, "-q").exit_code == 1
+    lines = read_jsonl(out)
+    assert [x["id"] for x in lines] == ["a", None, 1, None, 3]
+    assert [x["error"]["line"] for x in lines if x["id"] is None] == [2, 4]
+    assert all(x["error"]["type"] == "invalid_json" for x in lines if x["id"] is None)
+    assert all("text" in x for x in lines if x["id"] is not None)
+    # --resume answers each input line once: the null-id error lines are matched by line number
+    assert nv(src, "-o", out, "--max-tokens", 2, "--resume", "-q").exit_code == 1
+    assert read_jsonl(out) == lines
+
+
+def test_a_duplicate_names_the_line_that_has_the_id(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}, {"id": 0, "prompt": "y"}, {"id": "k", "prompt": "z"},
+                                              {"id": "k", "prompt": "again"}])
+    out = tmp_path / "out.jsonl"
+    assert nv(src, "-o", out, "--max-tokens", 2, "-q").exit_code == 1
+    lines = read_jsonl(out)
+    assert [x["id"] for x in lines] == [0, 0, "k", "k"]
+    assert "line 1 already has it (a line without an id takes its 0-based line number)" in lines[1]["error"]["message"]
+    assert "line 3 already has it; ids must be unique" in lines[3]["error"]["message"]
+
+
+def test_resume_serves_an_unanswered_line_whose_duplicate_was_answered(tmp_path, engines):
+    """A job killed while the first line with id "x" was in flight, after its duplicate's error line was written
+    (unordered): the error line answers the duplicate, not "x", so --resume still serves the first line, once."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": "slow"}, {"id": "x", "prompt": "dup"},
+                                              {"id": "y", "prompt": "o"}])
+    out = tmp_path / "out.jsonl"
+    assert nv(src, "-o", out, "--max-tokens", 2, "--unordered", "-q").exit_code == 1
+    lines = read_jsonl(out)
+    dup = next(x for x in lines if x.get("error"))
+    answer_x = next(x for x in lines if x["id"] == "x" and "text" in x)
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines if x is not answer_x))  # "x" never finished
+    r = nv(src, "-o", out, "--max-tokens", 2, "--unordered", "--resume", "-q")
+    assert r.exit_code == 1, r.output
+    after = read_jsonl(out)
+    assert len(after) == 3 and after.count(dup) == 1
+    assert [x for x in after if x["id"] == "x" and "text" in x] == [answer_x]
+
+
+def test_retry_errors_serves_failed_lines_again(tmp_path, engines):
+    """--resume keeps error lines as answers; --retry-errors takes them out and serves those lines again, e.g. once
+    the --max-model-len a prompt_too_long line asked for is raised."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "short", "prompt": "x"}, {"id": "long", "prompt": "y" * 80},
+                                              "{oops"])
+    out = tmp_path / "out.jsonl"
+    assert nv(src, "-o", out, "--max-tokens", 2, "--max-model-len", 50, "-q").exit_code == 1
+    first = read_jsonl(out)
+    assert first[1]["error"]["type"] == "prompt_too_long"
+    r = nv(src, "-o", out, "--max-tokens", 2, "--max-model-len", 200, "--resume")
+    assert r.exit_code == 1 and "--retry-errors" in r.stderr and read_jsonl(out) == first
+    r = nv(src, "-o", out, "--max-tokens", 2, "--max-model-len", 200, "--resume", "--retry-errors")
+    assert r.exit_code == 1 and "took out 2 error lines" in r.stderr, r.stderr
+    after = read_jsonl(out)
+    assert after[0] == first[0] and len(after) == 3
+    assert "text" in next(x for x in after if x["id"] == "long")  # served this time
+    assert next(x for x in after if x["id"] is None)["error"]["type"] == "invalid_json"  # still broken: one line
+    assert not list(tmp_path.glob(".out.jsonl*"))  # no scratch file left behind
+    assert nv(src, "-o", out, "--retry-errors").exit_code == 2
+
+
+@pytest.mark.parametrize("redirect,words", [(">&-", "stdout is closed"), ("<&-", "stdin is closed")])
+def test_a_closed_stdout_or_stdin_is_a_usage_error(tmp_path, redirect, words):
+    """`nv generate in.jsonl >&-` (or `- <&-`): a message before any model loads, not a traceback after."""
+    import subprocess
+    import sys
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    arg = "-" if redirect == "<&-" else str(src)
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m nvcli generate {arg} -q --model missing {redirect}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from nvcli.jobs.requests import (
     CHAT,
     COMPLETION,
@@ -88,7 +90,11 @@ def test_bad_lines_become_errors_with_messages():
         assert isinstance(r, LineError), line
         assert r.kind == kind, (line, r)
         assert words in r.message, (line, r.message)
-    assert parse(b"{bad", 3).id == 3
+    # a line whose id cannot be read claims none (another line may own its line number as an id): keyed by position
+    for unreadable in (b"{bad", b"[1, 2]", b'{"id": [1], "prompt": "x"}'):
+        r = parse(unreadable, 3)
+        assert (r.id, r.key) == (None, "l:3"), r
+    assert parse({"prompt": "x"}, 3).id == 3  # a readable line without an id takes its line number
     assert parse({"custom_id": "z", "url": "/v1/embeddings", "body": {}}).shape in (CHAT, COMPLETION)
     assert DUPLICATE_ID  # produced by the reader, which sees every line
 
@@ -105,3 +111,21 @@ def test_integral_floats_accepted():
 
 def test_byte_order_mark_on_first_line():
     assert isinstance(parse(b'\xef\xbb\xbf{"prompt": "x"}', 0), Request)
+
+
+@pytest.mark.parametrize("field,value,ok", [
+    ("tool_choice", "none", True), ("tool_choice", "auto", False),
+    ("response_format", {"type": "text"}, True), ("response_format", {"type": "json_object"}, False),
+    ("presence_penalty", 0.0, True), ("presence_penalty", 0.1, False),
+    ("echo", False, True), ("echo", 0, False), ("logit_bias", {}, True), ("logit_bias", {"5": 1}, False),
+    ("tools", [], True), ("best_of", 1, True), ("best_of", 2, False),
+])
+def test_openai_knobs_nv_lacks_are_accepted_at_their_neutral_values(field, value, ok):
+    """Clients send the defaults explicitly (tool_choice "none", response_format text): those are served; any value
+    that would change the answer is the line's error, naming the field."""
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    r = parse({"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    if ok:
+        assert isinstance(r, Request), r
+    else:
+        assert isinstance(r, LineError) and f"body.{field}=" in r.message

@@ -3,9 +3,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import threading
 import time
 
+import pytest
 from fake_engine import FakeEngine
 
 from nvcli.jobs.requests import Defaults
@@ -104,7 +106,8 @@ def test_every_bad_line_gets_exactly_one_error_line():
     by_id = {x["id"]: x for x in lines}
     assert len(by_id) == 10  # "ok1" twice: the answer and the duplicate error
     assert "text" in lines[0] and lines[7]["error"]["type"] == "duplicate_id" and "duplicate id" in lines[7]["error"]["message"]
-    assert by_id[1]["error"]["type"] == "invalid_json"  # unparsable: id = 0-based line number
+    # unparsable: no id of its own (null), its 1-based line number in the error
+    assert by_id[None]["error"]["type"] == "invalid_json" and by_id[None]["error"]["line"] == 2
     assert by_id["types"]["error"]["type"] == "invalid_request"
     assert by_id["empty"]["error"]["message"] == "prompt is empty"
     assert "missing prompt" in by_id["missing"]["error"]["message"]
@@ -122,7 +125,8 @@ def test_every_bad_line_gets_exactly_one_error_line():
 def test_broken_json_in_openai_file_keeps_openai_shape(fake_engine):
     data = jsonl({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}, b"{nope")
     _, lines = run(fake_engine, data)
-    assert lines[1]["response"]["status_code"] == 400 and lines[1]["id"] == 1
+    assert lines[1]["response"]["status_code"] == 400 and lines[1]["id"] is None
+    assert lines[1]["response"]["body"]["error"]["line"] == 2
 
 
 def test_read_ahead_is_bounded():
@@ -240,22 +244,24 @@ def test_engine_failure_propagates_after_writing_finished_lines():
     assert len(dst.getvalue().splitlines()) >= 1
 
 
-def test_sigint_drains_in_flight_then_stops():
-    """First Ctrl-C: stop reading, finish what is in the engine, exit 130; nothing is torn or lost."""
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_sigint_or_sigterm_drains_in_flight_then_stops(sig: int, code: int):
+    """First Ctrl-C, or the SIGTERM a batch scheduler sends before its SIGKILL: stop reading, finish what is in the
+    engine, exit 130 / 143; nothing is torn or lost. SIGTERM used to end the process at once."""
     if threading.current_thread() is not threading.main_thread():
         return
-    import signal
-
     engine = FakeEngine(max_num_seqs=4, step_delay=0.002)
     n = 400
     data = jsonl(*[{"id": i, "prompt": f"p{i}", "max_tokens": 5} for i in range(n)])
     dst = io.BytesIO()
-    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    before = signal.getsignal(sig)
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), sig))
     timer.start()
     result = run_job(engine, io.BytesIO(data), dst, JobOptions(max_in_flight=16))
     timer.cancel()
     lines = [json.loads(x) for x in dst.getvalue().splitlines()]
-    assert result.interrupted and result.exit_code == 130
+    assert result.interrupted and result.terminated == (sig == signal.SIGTERM) and result.exit_code == code
+    assert signal.getsignal(sig) is before  # the job's handler is gone afterwards
     assert 0 < len(lines) < n
     assert [x["id"] for x in lines] == list(range(len(lines)))  # an in-order prefix: --resume continues it
     assert all("text" in x for x in lines)
