@@ -67,7 +67,13 @@ class LLM:
         at = [i for i, p in enumerate(resolved) if isinstance(p, str) and p]
         for i, token_ids in zip(at, self.engine.encode_batch([resolved[i] for i in at])):
             texts[i], resolved[i] = resolved[i], token_ids
-        ids = [self.engine.add_request(p, sp, prompt_text=t) for p, sp, t in zip(resolved, params, texts)]
+        ids: list[str] = []
+        try:
+            for p, sp, t in zip(resolved, params, texts):
+                ids.append(self.engine.add_request(p, sp, prompt_text=t))
+        except BaseException:  # a bad prompt: the ones queued before it must not run in the next call
+            self._abort(ids)
+            raise
         return self._run(ids)
 
     def chat(
@@ -89,13 +95,15 @@ class LLM:
                 for out in self.engine.step():
                     done[out.request_id] = out
         except BaseException:
-            for rid in ids:
-                if rid not in done:
-                    self.engine.abort(rid)
-            while self.engine.has_unfinished():
-                self.engine.step()
+            self._abort([rid for rid in ids if rid not in done])
             raise
         return [done[rid] for rid in ids]
+
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.engine.abort(rid)
+        while self.engine.has_unfinished():
+            self.engine.step()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

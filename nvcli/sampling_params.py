@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 
 
 @dataclass
@@ -29,7 +31,6 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -53,13 +54,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if isinstance(self.stop, str):
-            self.stop_list = [self.stop]
-        elif self.stop is None:
-            self.stop_list = []
-        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
-            self.stop_list = list(self.stop)
-        else:
+        if not (self.stop is None or isinstance(self.stop, str)
+                or (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop))):
             raise bad("stop", "must be a string or a list of strings")
         if any(s == "" for s in self.stop_list):
             raise bad("stop", "stop strings must not be empty")
@@ -78,8 +74,16 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer in [0, 20] or None")
 
     @property
+    def stop_list(self) -> list[str]:
+        """`stop` as a list, read from the field each time: setting `stop` after construction works, as in vLLM."""
+        if isinstance(self.stop, str):
+            return [self.stop]
+        return list(self.stop) if self.stop else []
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 sample greedily, as in vLLM (dividing by them overflows)."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(x: object) -> bool:

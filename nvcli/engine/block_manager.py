@@ -96,9 +96,11 @@ class BlockManager:
         return fresh + revived <= len(self.free)
 
     def take_cached_prefix(self, seq: Sequence, cached: list[int]) -> None:
-        """Give `seq` (with no blocks yet) the cached blocks; they count as computed."""
+        """Give `seq` (with no blocks yet) the cached blocks; they count as computed. Only a first admission counts in
+        the hit rate and in `num_cached_tokens` (as vLLM counts them): a preempted request re-admitted finds its own
+        blocks, prompt and output, and would inflate both."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        self.prefix_query_tokens += seq.num_tokens
+        first = seq.num_preemptions == 0
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -108,8 +110,10 @@ class BlockManager:
             seq.block_hashes.append(block.hash)
         n = len(cached) * self.block_size
         seq.num_computed_tokens = n
-        seq.num_cached_tokens = n
-        self.prefix_hit_tokens += n
+        if first:
+            seq.num_cached_tokens = n
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += n
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody reads (benchmarks: each timed run starts cold).

@@ -180,6 +180,9 @@ class LLMEngine:
                 "(shorten the prompt or raise --max-model-len)"
             )
         seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
+        if sampling_params.min_tokens:
+            ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
+            seq.min_tokens_banned = tuple(sorted(ends))
         with self._lock:
             if request_id is None:
                 request_id = f"req-{self._request_counter}"
@@ -280,8 +283,8 @@ class LLMEngine:
         text = getattr(seq, "stop_text", None)
         if text is None:
             ids_for_text = ids
-            if seq.finish_reason == "stop" and ids and isinstance(seq.stop_reason, int) and not sp.skip_special_tokens:
-                ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text
+            if seq.finish_reason == "stop" and ids and seq.stop_token_ended and not sp.include_stop_str_in_output:
+                ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text (vLLM's detokenizer)
             text = self.tokenizer.decode(ids_for_text, skip_special_tokens=sp.skip_special_tokens)
         cum = sum(d[t] for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None
         completion = CompletionOutput(

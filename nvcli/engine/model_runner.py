@@ -586,8 +586,10 @@ class ModelRunner:
         logits = self.model.compute_logits(*self._forward(step))  # [num_seqs, vocab] in the model dtype; the sampler upcasts
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
+        banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
+                  if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
-                                 self.noise_rng if self.device.type == "cuda" else None)
+                                 self.noise_rng if self.device.type == "cuda" else None, banned)
         tokens = sample(logits, sb, self.generator)
         self.prev_tokens = tokens
         if self.broadcast_tokens:

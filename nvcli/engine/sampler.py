@@ -1,10 +1,14 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-On the GPU, batches without top-k / top-p / min-p go to the fused inverse-CDF kernels
-(kernels/sampling.py), whose noise is keyed per row. Elsewhere sampling uses the
-exponential-race form of Gumbel-max: argmax(p / q) with q ~ Exp(1) picks token i with
-probability p_i. Either way a seeded row draws from its own seed mixed with the output
-position, so a seeded request gets the same tokens whatever shares its batch.
+On the GPU every batch goes to the fused inverse-CDF kernels (kernels/sampling.py), whose noise is keyed per row;
+where a row uses top-k / top-p / min-p, the tokens those drop are first set to -inf in a copy of the logits (the other
+rows' logits unchanged, so their draws are too). On the CPU sampling uses the exponential-race form of Gumbel-max:
+argmax(p / q) with q ~ Exp(1) picks token i with probability p_i. Either way a seeded row draws from its own seed mixed
+with the output position, so a seeded request gets the same tokens whatever shares its batch.
+
+`min_tokens`: until a row has that many output tokens, its EOS and stop token ids are set to -inf before sampling
+(vLLM's min-tokens logits processor), so they are never drawn. Logprobs stay those of the model's own logits.
+Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
+from nvcli.sampling_params import GREEDY_BELOW
 
 _MASK = float("-inf")
 
@@ -31,16 +36,18 @@ class SamplingBatch:
     num_logprobs: list[int | None]  # per row; None = not requested
     philox_seeds: torch.Tensor | None = None  # [num_seqs] int64 for the fused GPU sampler
     needs_filter: bool = False  # some row uses top-k / top-p / min-p
+    banned: list[tuple[int, tuple[int, ...]]] | None = None  # (row, token ids it must not draw): min_tokens
 
     @staticmethod
     def build(params: list, positions: list[int], vocab_size: int, device: torch.device,
-              rng: random.Random | None = None) -> SamplingBatch:
+              rng: random.Random | None = None,
+              banned: list[tuple[int, tuple[int, ...]]] | None = None) -> SamplingBatch:
         """`params`: SamplingParams per row; `positions`: index of the token being sampled.
 
         `rng` draws the noise seeds of unseeded rows (the fused GPU sampler); seeded rows mix
-        their seed with the output position instead.
+        their seed with the output position instead. `banned`: (row, token ids) the row must not draw.
         """
-        temps = [p.temperature for p in params]
+        temps = [0.0 if p.temperature < GREEDY_BELOW else p.temperature for p in params]
         all_greedy = all(t == 0 for t in temps)
         top_k = top_p = min_p = None
         if not all_greedy:
@@ -54,8 +61,8 @@ class SamplingBatch:
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         seeds = [
             (i, (p.seed * 1_000_003 + pos) & 0x7FFF_FFFF_FFFF_FFFF)
-            for i, (p, pos) in enumerate(zip(params, positions))
-            if p.seed is not None and p.temperature > 0
+            for i, (p, pos, t) in enumerate(zip(params, positions, temps))
+            if p.seed is not None and t > 0
         ]
 
         def to(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -70,48 +77,61 @@ class SamplingBatch:
             temperatures=None if all_greedy else to(torch.tensor(temps, dtype=torch.float32)),
             top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
             num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
-            needs_filter=top_k is not None or top_p is not None or min_p is not None,
+            needs_filter=top_k is not None or top_p is not None or min_p is not None, banned=banned or None,
         )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [num_seqs, vocab] (any float dtype; the fused kernel reads it as is) -> token ids [num_seqs] int64."""
-    if use_triton(logits) and batch.philox_seeds is not None and not batch.needs_filter:
+    if batch.banned:
+        logits = logits.clone()  # the caller's logits give the logprobs
+        for row, ids in batch.banned:
+            logits[row, list(ids)] = _MASK
+    if use_triton(logits) and batch.philox_seeds is not None:
         from nvcli.kernels.sampling import sample_triton
 
+        if batch.needs_filter:
+            logits = logits.masked_fill(~_kept(logits, batch), _MASK)
         return sample_triton(logits, batch.temperatures, batch.philox_seeds)
     greedy = logits.argmax(dim=-1)  # exact in any dtype
     if batch.all_greedy:
         return greedy
     logits = logits.float()
-    temps = batch.temperatures
-    scaled = logits / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
-    if batch.top_k is not None or batch.top_p is not None:
-        scaled = _top_k_top_p(scaled, batch.top_k, batch.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    if batch.min_p is not None:
-        keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    probs = torch.softmax(_scaled(logits, batch.temperatures), dim=-1)
+    if batch.needs_filter:
+        probs = torch.where(_kept(logits, batch), probs, torch.zeros_like(probs))
     q = torch.empty_like(probs).exponential_(generator=generator)
     for row, seed in batch.seeds:
         g = torch.Generator(device=probs.device).manual_seed(seed)
         q[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
     sampled = (probs / q).argmax(dim=-1)
-    return torch.where(temps > 0, sampled, greedy)
+    return torch.where(batch.temperatures > 0, sampled, greedy)
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
+def _scaled(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """logits / T per row (float32); greedy rows (T = 0) unscaled."""
+    return logits.float() / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
+
+
+def _kept(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[num_seqs, vocab] bool: the tokens top-k, then top-p (of the tempered distribution), then min-p leave each
+    row. The most likely token always stays, as in vLLM, even where top_p rounds to 0 in float32."""
+    scaled = _scaled(logits, batch.temperatures)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if batch.top_k is not None:
         ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), _MASK)
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
+        drop |= ranks >= batch.top_k.unsqueeze(1)
+    if batch.top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, _MASK), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop = before >= top_p.unsqueeze(1)
-        drop[:, 0] = False  # the most likely token stays, as vLLM's does, even where top_p rounds to 0
-        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
-    return torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
+        drop |= before >= batch.top_p.unsqueeze(1)
+    drop[:, 0] = False
+    kept = torch.zeros_like(drop).scatter(1, order, ~drop)
+    if batch.min_p is not None:
+        probs = torch.softmax(scaled.masked_fill(~kept, _MASK), dim=-1)
+        kept &= probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return kept | (batch.temperatures == 0).unsqueeze(1)  # greedy rows: argmax, whatever ties the sort broke
 
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:

@@ -124,10 +124,8 @@ class Scheduler:
             if not bm.can_allocate(seq, n, cached):
                 break
             self.waiting.popleft()
-            if cached:
-                bm.take_cached_prefix(seq, cached)
-            elif bm.enable_prefix_caching and seq.num_computed_tokens == 0:
-                bm.prefix_query_tokens += seq.num_tokens
+            if cached or (bm.enable_prefix_caching and seq.num_computed_tokens == 0):
+                bm.take_cached_prefix(seq, cached)  # also counts the query in the hit rate (no hit)
             bm.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -201,10 +199,12 @@ class Scheduler:
         sp = seq.sampling_params
         token = seq.token_ids[index]
         n_out = index + 1 - seq.num_prompt_tokens
-        if n_out >= sp.min_tokens:
+        if n_out >= sp.min_tokens:  # the sampler bans these tokens before (min_tokens_banned); checked here anyway
             if not sp.ignore_eos and token in eos_token_ids:
-                return self.finish(seq, "stop", token, index)
+                seq.stop_token_ended = True
+                return self.finish(seq, "stop", None, index)  # vLLM: stop_reason None for EOS
             if token in sp.stop_token_ids:
+                seq.stop_token_ended = True
                 return self.finish(seq, "stop", token, index)
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
             return self.finish(seq, "length", None, index)

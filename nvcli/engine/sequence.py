@@ -48,7 +48,10 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.stop_token_ended = False  # finished by an EOS or stop token id (left out of the text)
         self.logprobs: list[dict[int, float]] = []
+        # token ids the sampler must not draw while the output is shorter than min_tokens (EOS and stop ids)
+        self.min_tokens_banned: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -135,10 +135,20 @@ def test_stop_strings_stop_ids_min_tokens_and_logprobs(tiny_model_dir, async_sch
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[4]]))[0].outputs[0]
     cut = ref.index(ref[4]) + 1
     assert out.token_ids == ref[:cut] and out.finish_reason == "stop" and out.stop_reason == ref[4]
-    # min_tokens keeps going past an early stop id
+    # the stop token's own text is not in the output text (vLLM), unless include_stop_str_in_output
+    assert out.text == tok.decode(ref[: cut - 1])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ref[4]],
+                                                include_stop_str_in_output=True))[0].outputs[0]
+    assert out.text == tok.decode(ref[:cut])
+    # min_tokens: the stop id is never drawn before then (vLLM masks it), so greedy takes the next best token
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=24,
-                                                stop_token_ids=[ref[0]]))[0].outputs[0]
-    assert out.token_ids == ref
+                                                stop_token_ids=[ref[0]], logprobs=1))[0].outputs[0]
+    assert len(out.token_ids) == 24 and ref[0] not in out.token_ids and out.token_ids[0] != ref[0]
+    assert ref[0] in out.logprobs[0] and out.logprobs[0][ref[0]] > out.logprobs[0][out.token_ids[0]]  # raw logprobs
+    # once min_tokens is reached the stop id ends the request again
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=2,
+                                                 stop_token_ids=[ref[0]]))[0].outputs[0]
+    assert ref[0] not in free.token_ids[:2] and (ref[0] not in free.token_ids or free.token_ids[-1] == ref[0])
     # a stop string is cut from the text
     stop = tok.decode(ref[6:8])
     if stop.strip() and full_text.find(stop) > 0:
@@ -257,3 +267,30 @@ def test_norm_weights_are_folded_into_the_projections(tiny_model_dir) -> None:
         torch.testing.assert_close(model.norm.weight, ckpt["model.norm.weight"])
     finally:
         llm.shutdown()
+
+
+def test_preemption_does_not_count_as_prefix_cache_hits(tiny_model_dir) -> None:
+    """A preempted request re-admitted finds its own blocks in the prefix cache. Those are not prefix-cache hits of
+    its prompt: num_cached_tokens and the hit rate count first admissions only (vLLM's meaning); they used to report
+    more cached tokens than the prompt had."""
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=6, max_model_len=64, kvcache_block_size=16)
+    prompts = [list(range(100 * i, 100 * i + 17)) for i in (1, 2, 3)]  # distinct: nothing to hit
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    assert stats.prefix_cache_hit_tokens == 0 and stats.prefix_cache_query_tokens == 3 * 17
+
+
+def test_a_bad_prompt_in_generate_leaves_nothing_queued(tiny_model_dir) -> None:
+    """generate() refuses a batch with an empty prompt; the prompts queued before it are aborted, not run (to
+    max_model_len, unseen) inside the next call."""
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=128)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate(["Hello", ""], SamplingParams(max_tokens=None, ignore_eos=True))
+    assert not llm.engine.has_unfinished()
+    before = llm.stats().generation_tokens
+    out = llm.generate(["World"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 2
+    assert llm.stats().generation_tokens - before == 2
+    assert_all_blocks_free(llm)

@@ -13,9 +13,9 @@ PROBS[3], PROBS[7], PROBS[1] = 0.5, 0.3, 0.15
 LOGITS = PROBS.log()
 
 
-def draws(n: int = 400, **params) -> set[int]:
+def draws(n: int = 400, temperature: float = 1.0, **params) -> set[int]:
     """The tokens drawn for n rows of LOGITS, each with its own seed."""
-    sp = [SamplingParams(temperature=1.0, seed=i, **params) for i in range(n)]
+    sp = [SamplingParams(temperature=temperature, seed=i, **params) for i in range(n)]
     batch = SamplingBatch.build(sp, [0] * n, LOGITS.numel(), torch.device("cpu"))
     return set(sample(LOGITS.repeat(n, 1), batch).tolist())
 
@@ -47,3 +47,16 @@ def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token() -> None:
 def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
     assert draws(min_p=0.5) == {3, 7}  # 0.3 >= 0.25, 0.15 < 0.25
     assert draws(min_p=1.0) == {3}
+
+
+def test_a_temperature_below_1e_5_is_greedy() -> None:
+    """vLLM treats it as greedy; dividing the logits by 1e-40 overflowed to NaN and drew token 0."""
+    assert draws(n=50, temperature=1e-40) == {3}
+
+
+def test_stop_set_after_construction_is_read() -> None:
+    sp = SamplingParams(max_tokens=4)
+    sp.stop = ["x"]
+    assert sp.stop_list == ["x"]
+    sp.stop = "y"
+    assert sp.stop_list == ["y"]

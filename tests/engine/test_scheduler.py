@@ -153,6 +153,18 @@ def test_eos_and_stop_ids_respect_min_tokens() -> None:
         for p, index in produced:
             sched.check_stop(p, eos_token_ids={42}, index=index)
     assert s.finish_reason == "stop" and s.stop_reason == 9 and s.completion_token_ids == [9, 5, 9]
+    assert s.stop_token_ended
+
+
+def test_eos_ends_with_stop_reason_none_as_in_vllm() -> None:
+    """vLLM's stop_reason: the stop token id or string, None when EOS ended the request."""
+    sched, _ = make()
+    s = Sequence([1, 2, 3], SamplingParams(max_tokens=10), BS)
+    sched.add(s)
+    for token in (5, 42):
+        for p, index in sched.postprocess(sched.schedule(), [token]):
+            sched.check_stop(p, eos_token_ids={42}, index=index)
+    assert (s.finish_reason, s.stop_reason, s.completion_token_ids, s.stop_token_ended) == ("stop", None, [5, 42], True)
 
 
 def test_abort_waiting_and_running() -> None:

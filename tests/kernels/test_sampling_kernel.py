@@ -116,3 +116,55 @@ def test_greedy_rows_among_sampled_rows_are_argmax() -> None:
     out = sample(logits, temps, list(range(16)), chunk=16)
     assert out[::2].tolist() == logits[::2].argmax(dim=1).tolist()
     assert (out[1::2] == 5).all()
+
+
+def _engine_sample(monkeypatch, logits: torch.Tensor, params: list, positions: list[int] | None = None,
+                   banned=None) -> list[int]:
+    """The engine's sampler as it runs on the GPU: the fused kernel, filters applied as -inf before it."""
+    import random
+
+    from nvcli.engine import sampler
+
+    monkeypatch.setattr(sampler, "use_triton", lambda t: True)
+    batch = sampler.SamplingBatch.build(params, positions or [5] * len(params), logits.shape[1], torch.device(DEVICE),
+                                        random.Random(0), banned)
+    return sampler.sample(logits.to(DEVICE), batch).cpu().tolist()
+
+
+def test_a_seeded_row_draws_the_same_whatever_filters_its_neighbours_use(monkeypatch) -> None:
+    """DESIGN: a seed gives the same tokens whatever else is in the batch. On the GPU a neighbour with top-p or
+    top-k used to switch the whole batch to torch noise, and the seeded row drew another token."""
+    from nvcli.sampling_params import SamplingParams as SP
+
+    torch.manual_seed(1)
+    row, other = torch.randn(1, 64) * 2, torch.randn(1, 64) * 2
+    seeded = [SP(temperature=1.0, seed=s) for s in range(12)]
+    alone = [_engine_sample(monkeypatch, row, [sp])[0] for sp in seeded]
+    assert len(set(alone)) > 1  # the seeds matter
+    for neighbour in (SP(temperature=1.0), SP(temperature=1.0, top_p=0.5), SP(temperature=1.0, top_k=3),
+                      SP(temperature=0.7, min_p=0.3), SP(temperature=0.0, top_k=2)):
+        beside = [_engine_sample(monkeypatch, torch.cat([other, row]), [neighbour, sp])[1] for sp in seeded]
+        assert beside == alone, neighbour
+
+
+def test_filters_before_the_fused_kernel_keep_their_tokens(monkeypatch) -> None:
+    from nvcli.sampling_params import SamplingParams as SP
+
+    logits = torch.full((1, 64), -4.0)
+    logits[0, [3, 7, 1]] = torch.tensor([2.0, 1.5, 1.0])
+    def drawn(**kw) -> set[int]:
+        return {_engine_sample(monkeypatch, logits, [SP(temperature=1.0, seed=s, **kw)])[0] for s in range(40)}
+    assert drawn(top_k=2) == {3, 7}
+    assert drawn(top_k=1) == drawn(top_p=1e-300) == {3}
+    assert drawn(min_p=0.5) == {3, 7}  # e^-0.5 = 0.61 >= 0.5 > e^-1 = 0.37
+
+
+def test_banned_tokens_are_never_drawn_even_greedy(monkeypatch) -> None:
+    """min_tokens: a row's EOS / stop ids are -inf until it has enough tokens (the engine passes them as banned)."""
+    from nvcli.sampling_params import SamplingParams as SP
+
+    logits = torch.zeros(2, 64)
+    logits[:, 5] = 9.0  # the "EOS": by far the likeliest
+    out = _engine_sample(monkeypatch, logits, [SP(temperature=0.0), SP(temperature=1.0, seed=3)],
+                         banned=[(0, (5,)), (1, (5, 6))])
+    assert 5 not in out and out[1] != 6
