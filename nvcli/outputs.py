@@ -6,14 +6,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log probability under the model's own logits, its rank among the vocabulary
+    (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
-    # One dict per generated token: {token_id: logprob}, the sampled token first.
-    logprobs: list[dict[int, float]] | None = None
+    # One dict per generated token: {token_id: Logprob}, the sampled token first, then the top alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 from nvcli.config import EngineConfig
 from nvcli.engine.model_runner import ModelRunner, StepHandle, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.outputs import Logprob
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -20,7 +21,7 @@ class Executor(Protocol):
 
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle: ...
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]: ...
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]: ...
 
     def shutdown(self) -> None: ...
 
@@ -38,7 +39,7 @@ class LocalExecutor:
         step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
         return self.runner.launch(batch, step)
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         return self.runner.collect(handle)
 
     def shutdown(self) -> None:

@@ -286,7 +286,10 @@ class LLMEngine:
             if seq.finish_reason == "stop" and ids and seq.stop_token_ended and not sp.include_stop_str_in_output:
                 ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text (vLLM's detokenizer)
             text = self.tokenizer.decode(ids_for_text, skip_special_tokens=sp.skip_special_tokens)
-        cum = sum(d[t] for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None
+        cum = sum(d[t].logprob for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None
+        for entry in seq.logprobs if sp.logprobs is not None else ():
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
         completion = CompletionOutput(
             index=0, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=seq.logprobs if sp.logprobs is not None else None, cumulative_logprob=cum,

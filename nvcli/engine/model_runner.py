@@ -29,6 +29,7 @@ from nvcli.kernels.kv_layout import allocate_kv_cache
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
+from nvcli.outputs import Logprob
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -606,7 +607,7 @@ class ModelRunner:
         return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)},
                           logits if want_logprobs else None, sb if want_logprobs else None)
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """Wait for a launched step; its tokens (and logprobs where asked)."""
         if handle.done is not None:
             handle.done.synchronize()

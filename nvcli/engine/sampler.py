@@ -20,6 +20,7 @@ import torch
 
 from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
+from nvcli.outputs import Logprob
 from nvcli.sampling_params import GREEDY_BELOW
 
 _MASK = float("-inf")
@@ -134,23 +135,25 @@ def _kept(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return kept | (batch.temperatures == 0).unsqueeze(1)  # greedy rows: argmax, whatever ties the sort broke
 
 
-def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
-    """Logprob of each sampled token (and the top-N alternatives) from the raw model logits."""
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, Logprob] | None]:
+    """Logprob and rank of each sampled token (and of the top-N alternatives) from the raw model logits."""
     rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
-    out: list[dict[int, float] | None] = [None] * len(batch.num_logprobs)
+    out: list[dict[int, Logprob] | None] = [None] * len(batch.num_logprobs)
     if not rows:
         return out
     token_ids = tokens.tolist()  # one device read, not one per row
     idx = torch.tensor(rows, device=logits.device)
     logp = torch.log_softmax(logits[idx].float(), dim=-1)
-    chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logp.gather(1, tokens[idx].unsqueeze(1))  # [rows, 1]
+    chosen = chosen_t.squeeze(1).tolist()
+    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()  # vLLM's rank: 1 + tokens strictly more likely
     max_n = max(batch.num_logprobs[i] or 0 for i in rows)
     top_vals, top_ids = (logp.topk(max_n, dim=-1) if max_n else (None, None))
     for j, i in enumerate(rows):
-        entry = {token_ids[i]: chosen[j]}
+        entry = {token_ids[i]: Logprob(chosen[j], ranks[j])}
         n = batch.num_logprobs[i] or 0
         if n:
-            for t, v in zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()):
-                entry.setdefault(t, v)
+            for r, (t, v) in enumerate(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()), start=1):
+                entry.setdefault(t, Logprob(v, r))
         out[i] = entry
     return out

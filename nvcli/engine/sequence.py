@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from enum import Enum, auto
 
+from nvcli.outputs import Logprob
 from nvcli.sampling_params import SamplingParams
 
 
@@ -49,7 +50,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_token_ended = False  # finished by an EOS or stop token id (left out of the text)
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[dict[int, Logprob]] = []
         # token ids the sampler must not draw while the output is shorter than min_tokens (EOS and stop ids)
         self.min_tokens_banned: tuple[int, ...] = ()
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nvcli.config import EngineConfig
 from nvcli.engine.model_runner import ModelRunner, StepHandle, StepInput, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.outputs import Logprob
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -218,7 +219,7 @@ class TensorParallelExecutor:
             self._worker_died(e)
             raise
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, float] | None]]:
+    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         try:
             return self.runner.collect(handle)
         except Exception as e:

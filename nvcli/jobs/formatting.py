@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
-from nvcli.outputs import RequestOutput
+from nvcli.outputs import Logprob, RequestOutput
 
 
 @dataclass
@@ -95,44 +95,46 @@ def _envelope(rid: str | int, custom_id: str | None, status: int, body: dict) ->
     }
 
 
-def _token_str(tid: int, ctx: FormatContext) -> str:
+def _token_str(tid: int, ctx: FormatContext, lp: Logprob | None = None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token  # the engine decoded it already
     if ctx.tokenizer is None:
         return f"token_id:{tid}"
     return ctx.tokenizer.decode([tid])
 
 
-def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k] if k > 0 else []
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:k] if k > 0 else []
 
 
-def _lp(entry: dict[int, float], tid: int) -> float | None:
+def _lp(entry: dict[int, Logprob], tid: int) -> float | None:
     v = entry.get(tid)
-    return None if v is None else float(v)
+    return None if v is None else float(v.logprob)
 
 
-def _native_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ctx: FormatContext) -> list[dict]:
+def _native_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> list[dict]:
     out = []
     for tid, entry in zip(token_ids, lps, strict=False):
-        item: dict[str, Any] = {"token_id": tid, "token": _token_str(tid, ctx), "logprob": _lp(entry, tid)}
+        item: dict[str, Any] = {"token_id": tid, "token": _token_str(tid, ctx, entry.get(tid)), "logprob": _lp(entry, tid)}
         if k > 0:
             item["top_logprobs"] = [
-                {"token_id": t, "token": _token_str(t, ctx), "logprob": float(v)} for t, v in _top(entry, k)
+                {"token_id": t, "token": _token_str(t, ctx, v), "logprob": v.logprob} for t, v in _top(entry, k)
             ]
         out.append(item)
     return out
 
 
-def _chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ctx: FormatContext) -> dict:
+def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> dict:
     content = []
     for tid, entry in zip(token_ids, lps, strict=False):
-        tok = _token_str(tid, ctx)
+        tok = _token_str(tid, ctx, entry.get(tid))
         content.append(
             {
                 "token": tok,
                 "logprob": _lp(entry, tid),
                 "bytes": list(tok.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": (s := _token_str(t, ctx)), "logprob": float(v), "bytes": list(s.encode("utf-8"))}
+                    {"token": (s := _token_str(t, ctx, v)), "logprob": v.logprob, "bytes": list(s.encode("utf-8"))}
                     for t, v in _top(entry, k)
                 ],
             }
@@ -140,14 +142,14 @@ def _chat_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ct
     return {"content": content}
 
 
-def _completion_logprobs(token_ids: list[int], lps: list[dict[int, float]], k: int, ctx: FormatContext) -> dict:
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> dict:
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = 0
     for tid, entry in zip(token_ids, lps, strict=False):
-        tok = _token_str(tid, ctx)
+        tok = _token_str(tid, ctx, entry.get(tid))
         tokens.append(tok)
         token_lps.append(_lp(entry, tid))
-        tops.append({_token_str(t, ctx): float(v) for t, v in _top(entry, k)} if k > 0 else None)
+        tops.append({_token_str(t, ctx, v): v.logprob for t, v in _top(entry, k)} if k > 0 else None)
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -144,7 +144,9 @@ def test_stop_strings_stop_ids_min_tokens_and_logprobs(tiny_model_dir, async_sch
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=24,
                                                 stop_token_ids=[ref[0]], logprobs=1))[0].outputs[0]
     assert len(out.token_ids) == 24 and ref[0] not in out.token_ids and out.token_ids[0] != ref[0]
-    assert ref[0] in out.logprobs[0] and out.logprobs[0][ref[0]] > out.logprobs[0][out.token_ids[0]]  # raw logprobs
+    first = out.logprobs[0]  # the model's own logits: ref[0] is still the likeliest, rank 1
+    assert first[ref[0]].rank == 1 and first[ref[0]].logprob > first[out.token_ids[0]].logprob
+    assert first[out.token_ids[0]].rank == 2
     # once min_tokens is reached the stop id ends the request again
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=2,
                                                  stop_token_ids=[ref[0]]))[0].outputs[0]
@@ -168,7 +170,10 @@ def test_stop_strings_stop_ids_min_tokens_and_logprobs(tiny_model_dir, async_sch
     for i, entry in enumerate(lps):
         tid = ref[i]
         assert list(entry)[0] == tid and len(entry) >= 2
-        assert entry[tid] == pytest.approx(ref_lp[i, tid].item(), abs=1e-4)
+        assert entry[tid].logprob == pytest.approx(ref_lp[i, tid].item(), abs=1e-4)  # vLLM's Logprob objects
+        assert entry[tid].rank == 1 + int((ref_lp[i] > ref_lp[i, tid]).sum())
+        assert entry[tid].decoded_token == tok.decode([tid])
+        assert sorted(lp.rank for lp in entry.values()) == list(range(1, len(entry) + 1))  # greedy: the top-n
     assert_all_blocks_free(llm)
 
 

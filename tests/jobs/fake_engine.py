@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from nvcli.outputs import CompletionOutput, RequestOutput
+from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class FakeTokenizer:
@@ -123,7 +123,8 @@ class FakeEngine:
             for r, reason in finished:
                 self.running.remove(r)
                 toks = r.out[:-1] if reason == "stop" else r.out
-                lps = [{t: -0.5, 98: -1.5} if t != 98 else {t: -0.5, 99: -1.5} for t in r.out] if r.sp.logprobs is not None else None
+                lps = ([{t: Logprob(-0.5, 1), 98: Logprob(-1.5, 2)} if t != 98 else {t: Logprob(-0.5, 1), 99: Logprob(-1.5, 2)}
+                        for t in r.out] if r.sp.logprobs is not None else None)
                 outs.append(RequestOutput(
                     request_id=r.rid, prompt=r.prompt, prompt_token_ids=r.ids,
                     outputs=[CompletionOutput(0, self.tokenizer.decode(toks), r.out, reason, None, lps)],
