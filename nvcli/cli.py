@@ -173,7 +173,6 @@ def bench(
     latency_input_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 128,
     latency_output_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 512,
     output_json: Annotated[Optional[str], typer.Option(help="Write the results as JSON (vLLM's keys).", rich_help_panel=JOB)] = None,
-    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard on stderr.", rich_help_panel=JOB)] = False,
 ) -> None:
     """Throughput on Nano-vLLM's benchmark workload (vLLM's summary lines), or one request's latency."""

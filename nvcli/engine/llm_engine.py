@@ -258,7 +258,7 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, index: int) -> None:
         sp = seq.sampling_params
-        if sp.stop_list:
+        if sp.stop:  # stop_list builds a list: only for the requests that have stop strings
             detok = self._detok.get(seq.seq_id)
             if detok is None:
                 detok = self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
@@ -283,7 +283,7 @@ class LLMEngine:
         text = getattr(seq, "stop_text", None)
         if text is None:
             ids_for_text = ids
-            if seq.finish_reason == "stop" and ids and seq.stop_token_ended and not sp.include_stop_str_in_output:
+            if ids and seq.stop_token_ended and not sp.include_stop_str_in_output:
                 ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text (vLLM's detokenizer)
             text = self.tokenizer.decode(ids_for_text, skip_special_tokens=sp.skip_special_tokens)
         cum = sum(d[t].logprob for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None

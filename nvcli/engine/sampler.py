@@ -21,7 +21,6 @@ import torch
 from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
 from nvcli.outputs import Logprob
-from nvcli.sampling_params import GREEDY_BELOW
 
 _MASK = float("-inf")
 
@@ -48,7 +47,7 @@ class SamplingBatch:
         `rng` draws the noise seeds of unseeded rows (the fused GPU sampler); seeded rows mix
         their seed with the output position instead. `banned`: (row, token ids) the row must not draw.
         """
-        temps = [0.0 if p.temperature < GREEDY_BELOW else p.temperature for p in params]
+        temps = [0.0 if p.greedy else p.temperature for p in params]
         all_greedy = all(t == 0 for t in temps)
         top_k = top_p = min_p = None
         if not all_greedy:
@@ -56,7 +55,7 @@ class SamplingBatch:
                 top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
                                      dtype=torch.int64)
             if any(p.top_p < 1.0 for p in params):
-                # float32 of a top_p below ~1e-45 is 0; _top_k_top_p keeps the most likely token whatever top_p is
+                # float32 of a top_p below ~1e-45 is 0; _kept keeps the most likely token whatever top_p is
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
             if any(p.min_p > 0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)

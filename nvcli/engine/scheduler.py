@@ -201,10 +201,8 @@ class Scheduler:
         n_out = index + 1 - seq.num_prompt_tokens
         if n_out >= sp.min_tokens:  # the sampler bans these tokens before (min_tokens_banned); checked here anyway
             if not sp.ignore_eos and token in eos_token_ids:
-                seq.stop_token_ended = True
                 return self.finish(seq, "stop", None, index)  # vLLM: stop_reason None for EOS
             if token in sp.stop_token_ids:
-                seq.stop_token_ended = True
                 return self.finish(seq, "stop", token, index)
         if sp.max_tokens is not None and n_out >= sp.max_tokens:
             return self.finish(seq, "length", None, index)

@@ -49,7 +49,6 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.stop_token_ended = False  # finished by an EOS or stop token id (left out of the text)
         self.logprobs: list[dict[int, Logprob]] = []
         # token ids the sampler must not draw while the output is shorter than min_tokens (EOS and stop ids)
         self.min_tokens_banned: tuple[int, ...] = ()
@@ -76,6 +75,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def stop_token_ended(self) -> bool:
+        """Finished by an EOS or stop token id (left out of the text); a stop string's stop_reason is the string."""
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
 
     @property
     def is_finished(self) -> bool:

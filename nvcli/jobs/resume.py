@@ -54,34 +54,34 @@ def scan_output(path: Path | str, retry_errors: bool = False) -> ResumeState:
     if not path.is_file():
         raise ResumeError(f"--resume: output {str(path)!r} is not a regular file")
     _repair_tail(path, state)
-    kept = None
-    if retry_errors:
-        kept = path.with_name(f".{path.name}.nv-resume")
-        kept_file = open(kept, "wb")  # noqa: SIM115 - closed below, renamed over `path` once complete
-    try:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                key, error = _answered(raw, n, path)
-                if error and kept is not None:
-                    state.retried += 1
-                    continue
-                state.done[key] = error or state.done.get(key, False)
-                state.lines += 1
-                if kept is not None:
-                    kept_file.write(raw)
-        if kept is not None:
-            kept_file.flush()
-            os.fsync(kept_file.fileno())
-            kept_file.close()
-            if state.retried:
-                os.replace(kept, path)
-    finally:
-        if kept is not None:
-            kept_file.close()
-            kept.unlink(missing_ok=True)
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            key, error = _answered(raw, n, path)
+            if error and retry_errors:
+                state.retried += 1
+                continue
+            state.done[key] = error or state.done.get(key, False)
+            state.lines += 1
+    if state.retried:
+        _drop_error_lines(path)
     return state
+
+
+def _drop_error_lines(path: Path) -> None:
+    """Rewrite `path` without its error lines (and blank lines): beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.nv-resume")
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            for raw in src:
+                if raw.strip() and not is_error_line(jsonio.loads(raw)):
+                    dst.write(raw)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _answered(raw: bytes, n: int, path: Path) -> tuple[str, bool]:

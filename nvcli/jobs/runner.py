@@ -145,7 +145,7 @@ class _Job:
         self.last_report = 0.0
 
     # -- signals -------------------------------------------------------------------------
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
         """Ctrl-C or SIGTERM (what a batch scheduler or `kill` sends first): the first drains, the second aborts the
         requests in flight, a third raises."""
         if self.interrupts == 0:
@@ -158,7 +158,7 @@ class _Job:
     def run(self) -> JobResult:
         old: dict[int, Any] = {}
         if self.opts.handle_sigint and threading.current_thread() is threading.main_thread():
-            old = {sig: signal.signal(sig, self._on_sigint) for sig in (signal.SIGINT, signal.SIGTERM)}
+            old = {sig: signal.signal(sig, self._on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         self.reader.start()
         try:
             self._loop()

@@ -53,6 +53,8 @@ FAMILIES: dict[str, FamilyDefaults] = {
 }
 
 TokenIds = Union[int, tuple[int, ...], None]
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 class ModelConfigError(ValueError):
@@ -85,8 +87,8 @@ class ModelConfig:
     sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        optional = ("sliding_window",) if self.sliding_window is not None else ()
+        for name in _POSITIVE_INTS + optional:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ModelConfigError(f"config.json: {name} must be a positive integer, got {value!r}")
@@ -95,9 +97,6 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
-            raise ModelConfigError(f"config.json: sliding_window must be a positive integer, got {self.sliding_window!r}")
         if self.hidden_act != "silu":
             raise ModelConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
