@@ -76,6 +76,10 @@ def generate(
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling mass (default: model's, else 1.0).", rich_help_panel=SAMPLING)] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the k most likely tokens; -1 = off (default: model's, else off).", rich_help_panel=SAMPLING)] = None,
     min_p: Annotated[Optional[float], typer.Option(help="Drop tokens below min_p x the top probability (default: model's, else 0).", rich_help_panel=SAMPLING)] = None,
+    presence_penalty: Annotated[Optional[float], typer.Option(help="Subtracted from the logit of every token already generated (-2 to 2).", rich_help_panel=SAMPLING)] = None,
+    frequency_penalty: Annotated[Optional[float], typer.Option(help="Subtracted once per earlier occurrence of a token in the output (-2 to 2).", rich_help_panel=SAMPLING)] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="> 1 discourages tokens of the prompt and output (HF's; default: model's, else 1).", rich_help_panel=SAMPLING)] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="Completions per prompt (the prompt is computed once).", rich_help_panel=SAMPLING)] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeat the flag for several); cut from the text.", rich_help_panel=SAMPLING)] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS, up to max-tokens.", rich_help_panel=SAMPLING)] = False,
     logprobs: Annotated[Optional[int], typer.Option(help="Return the sampled token's logprob plus this many alternatives (0-20).", rich_help_panel=SAMPLING)] = None,
@@ -121,7 +125,8 @@ def generate(
         kv_cache_scale=kv_cache_scale,
     )
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                    stop=stop or None, logprobs=logprobs)
+                    stop=stop or None, logprobs=logprobs, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, n=n)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if ignore_eos:
         sampling["ignore_eos"] = True

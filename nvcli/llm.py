@@ -67,6 +67,10 @@ class LLM:
         at = [i for i, p in enumerate(resolved) if isinstance(p, str) and p]
         for i, token_ids in zip(at, self.engine.encode_batch([resolved[i] for i in at])):
             texts[i], resolved[i] = resolved[i], token_ids
+        return self._generate(resolved, params, texts)
+
+    def _generate(self, resolved: list[str | list[int]], params: list[SamplingParams], texts: list[str | None]
+                  ) -> list[RequestOutput]:
         ids: list[str] = []
         try:
             for p, sp, t in zip(resolved, params, texts):
@@ -82,11 +86,25 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         chat_template_kwargs: dict | None = None,
         use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation rendered with the model's chat template (RequestOutput.prompt is the
+        rendered text), then generated as generate() would."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.engine.render_chat_text(conv, chat_template_kwargs) for conv in conversations]  # type: ignore[arg-type]
-        token_lists = self.engine.encode_batch(texts, add_special_tokens=False)  # as generate(): one call
-        return self.generate(token_lists, sampling_params)  # type: ignore[arg-type]
+        texts = [
+            self.engine.render_chat_text(conv, chat_template_kwargs, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                         continue_final_message=continue_final_message)
+            for conv in conversations
+        ]
+        token_lists: list[str | list[int]] = list(self.engine.encode_batch(texts, add_special_tokens=False))  # one call
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(texts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(texts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(texts)} conversations")
+        return self._generate(token_lists, params, list(texts))
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -15,6 +15,13 @@ class SamplingParams:
     temperature 0 is greedy. `seed` makes a request's samples independent of whatever
     else shares its batch. `stop` strings end generation and are cut from the text.
     `logprobs=N` returns the sampled token's logprob plus the N most likely alternatives.
+    `n` completions are sampled per prompt (the prompt is computed once and shared through the prefix cache);
+    with a seed, completion i draws from `seed + i`, as in vLLM.
+
+    Penalties, applied to the logits before temperature and the filters (vLLM's and OpenAI's definitions):
+    `presence_penalty` is subtracted once from every token already generated, `frequency_penalty` once per
+    occurrence; `repetition_penalty` (HF / CTRL) divides a positive logit, or multiplies a negative one, of every
+    token in the prompt or the output. Logprobs stay those of the model's own logits.
     """
 
     n: int = 1
@@ -31,13 +38,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
 
-        if not _is_int(self.n) or self.n != 1:
-            raise bad("n", "only n=1 is supported")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be a positive integer")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a number >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -72,6 +82,11 @@ class SamplingParams:
                 raise bad(name, "must be true or false")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be a number > 0 (1 means none)")
 
     @property
     def stop_list(self) -> list[str]:
@@ -79,6 +94,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             return [self.stop]
         return list(self.stop) if self.stop else []
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

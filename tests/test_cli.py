@@ -122,6 +122,44 @@ def test_per_line_overrides_and_chat_flags(model):
     assert r.stderr == ""
 
 
+def test_n_completions_per_line(model):
+    """n > 1: a native line lists its completions under "outputs", an OpenAI line under "choices"; usage counts
+    every completion's tokens and the prompt once; still one output line per input line."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 4, "temperature": 1.0,
+            "seed": 5, "logprobs": True}
+    data = "".join(json.dumps(x) + "\n" for x in [
+        {"id": "a", "prompt": "Hello there", "n": 2, "max_tokens": 5, "return_token_ids": True, "logprobs": 1},
+        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"id": "c", "prompt": "Hello there", "max_tokens": 5},
+    ])
+    r = nv(model, "-", "--ignore-eos", "-q", input=data)
+    assert r.exit_code == 0, r.stderr
+    a, b, c = jsonl(r.stdout)
+    assert "text" not in a and [o["index"] for o in a["outputs"]] == [0, 1]
+    for o in a["outputs"]:
+        assert len(o["token_ids"]) == 5 and len(o["logprobs"]) == 5 and o["finish_reason"] == "length"
+    assert a["outputs"][0]["text"] == a["outputs"][1]["text"] == c["text"]  # greedy (--temperature 0)
+    assert a["usage"] == {"prompt_tokens": c["usage"]["prompt_tokens"], "completion_tokens": 10}
+    body = b["response"]["body"]
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
+    assert all(len(ch["logprobs"]["content"]) == 4 for ch in body["choices"])
+    assert body["usage"]["completion_tokens"] == 12
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 12
+
+
+def test_penalties_are_served(model):
+    data = "".join(json.dumps(x) + "\n" for x in [
+        {"id": "a", "prompt": "Hello", "max_tokens": 6, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Hello", "max_tokens": 6, "repetition_penalty": 1.2}},
+    ])
+    r = nv(model, "-", "--ignore-eos", "-q", input=data)
+    assert r.exit_code == 0, r.stderr
+    a, b = jsonl(r.stdout)
+    assert a["usage"]["completion_tokens"] == 6 and "error" not in a
+    assert b["response"]["status_code"] == 200
+
+
 def test_ordered_and_unordered_agree_by_id(model, tmp_path):
     src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
                                         for i in range(16)])

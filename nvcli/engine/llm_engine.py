@@ -19,7 +19,7 @@ from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
-from nvcli.engine.sequence import Sequence
+from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.outputs import CompletionOutput, RequestOutput
 from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
+
+
+@dataclass
+class _Request:
+    """One add_request call: its `n` completions (one Sequence each) and what has come back of them.
+
+    With prefix caching, completions 1..n-1 are `held` until completion 0 has computed the prompt, so that they
+    find its blocks in the cache instead of computing the same prompt n times in one step."""
+
+    seqs: list[Sequence]
+    prompt: str | None
+    held: list[Sequence]
+    outputs: list[CompletionOutput | None]
 
 
 @dataclass
@@ -119,9 +132,8 @@ class LLMEngine:
         self._inbox: deque[Sequence] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
-        self._seqs: dict[str, Sequence] = {}
+        self._requests: dict[str, _Request] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._prompts: dict[int, str | None] = {}
         self.num_steps = 0
         self.num_finished = 0
         self.prompt_tokens = 0
@@ -142,12 +154,17 @@ class LLMEngine:
         cores outside the GIL, where one call per text holds it (prompt-heavy jobs, RESULTS session 18)."""
         return self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids if texts else []
 
-    def render_chat_text(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> str:
-        """The chat template applied to `messages`, with the assistant's turn opened; not tokenized."""
+    def render_chat_text(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                         add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        """The chat template applied to `messages`, with the assistant's turn opened (or, with
+        `continue_final_message`, the last message left open to be continued); not tokenized."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; send {'prompt': ...} instead of messages")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {})
         )
 
     def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
@@ -179,20 +196,26 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
                 "(shorten the prompt or raise --max-model-len)"
             )
-        seq = Sequence(token_ids, sampling_params, self.config.kvcache_block_size)
-        if sampling_params.min_tokens:
-            ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
-            seq.min_tokens_banned = tuple(sorted(ends))
+        seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size) for sp in _completion_params(sampling_params)]
+        for index, seq in enumerate(seqs):
+            seq.completion_index = index
+            if sampling_params.min_tokens:
+                sp = seq.sampling_params
+                ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
+                seq.min_tokens_banned = tuple(sorted(ends))
+        # siblings wait for the first completion's prompt blocks only where the cache can share a full block
+        hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
+        request = _Request(seqs, text, seqs[1:] if hold else [], [None] * len(seqs))
         with self._lock:
             if request_id is None:
                 request_id = f"req-{self._request_counter}"
                 self._request_counter += 1
-            if request_id in self._seqs:
+            if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            seq.request_id = request_id
-            self._seqs[request_id] = seq
-            self._prompts[seq.seq_id] = text
-            self._inbox.append(seq)
+            for seq in seqs:
+                seq.request_id = request_id
+            self._requests[request_id] = request
+            self._inbox.extend(seqs[:1] if hold else seqs)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -213,10 +236,17 @@ class LLMEngine:
                 self.scheduler.add(self._inbox.popleft())
             aborts, self._aborts = self._aborts, set()
         for rid in aborts:
-            seq = self._seqs.get(rid)
-            if seq is not None and not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-                finished.append(seq)
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if seq in request.held:  # never reached the scheduler
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    finished.append(seq)
+                elif not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                    finished.append(seq)
+            request.held = []
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.schedule_s += t1 - t0
@@ -236,7 +266,7 @@ class LLMEngine:
         self._in_flight = handle
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
-        return [self._finish_output(s) for s in finished]
+        return [out for out in map(self._finish_output, finished) if out is not None]
 
     def _collect(self, handle) -> list[Sequence]:
         t1 = time.perf_counter()
@@ -250,11 +280,21 @@ class LLMEngine:
             lp = logprobs[rows[seq.seq_id]]
             if lp is not None:
                 seq.logprobs.append(lp)
+            if index == seq.num_prompt_tokens and seq.completion_index == 0:
+                self._release_siblings(seq)
             self._check_stop(seq, index)
             if seq.is_finished:
                 finished.append(seq)
         self.postprocess_s += time.perf_counter() - t2
         return finished
+
+    def _release_siblings(self, first: Sequence) -> None:
+        """The first completion has computed the prompt (its blocks are in the prefix cache now): schedule the rest."""
+        request = self._requests.get(first.request_id)
+        if request is not None and request.held:
+            for seq in request.held:
+                self.scheduler.add(seq)
+            request.held = []
 
     def _check_stop(self, seq: Sequence, index: int) -> None:
         sp = seq.sampling_params
@@ -272,12 +312,9 @@ class LLMEngine:
                     return
         self.scheduler.check_stop(seq, self.eos_token_ids, index)
 
-    def _finish_output(self, seq: Sequence) -> RequestOutput:
+    def _finish_output(self, seq: Sequence) -> RequestOutput | None:
+        """The request's output once its last completion has finished; None while others still run."""
         sp = seq.sampling_params
-        self.num_finished += 1
-        with self._lock:
-            self._seqs.pop(seq.request_id, None)
-            prompt = self._prompts.pop(seq.seq_id, None)
         self._detok.pop(seq.seq_id, None)
         ids = seq.completion_token_ids
         text = getattr(seq, "stop_text", None)
@@ -291,12 +328,21 @@ class LLMEngine:
             for tid, lp in entry.items():
                 lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs if sp.logprobs is not None else None, cumulative_logprob=cum,
+            index=seq.completion_index, text=text, token_ids=ids, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, logprobs=seq.logprobs if sp.logprobs is not None else None,
+            cumulative_logprob=cum,
         )
+        with self._lock:
+            request = self._requests[seq.request_id]
+            request.outputs[seq.completion_index] = completion
+            if any(out is None for out in request.outputs):
+                return None
+            del self._requests[seq.request_id]
+        self.num_finished += 1
+        first = request.seqs[0]
         return RequestOutput(
-            request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[completion], finished=True, num_cached_tokens=seq.num_cached_tokens,
+            request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+            outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
         )
 
     # ------------------------------------------------------------------ introspection
@@ -329,6 +375,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _completion_params(sp: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per completion: n=1 each; with a seed, completion i draws from seed + i (vLLM)."""
+    if sp.n == 1:
+        return [sp]
+    return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
 
 
 def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:

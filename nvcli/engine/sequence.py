@@ -36,6 +36,7 @@ class Sequence:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.completion_index = 0  # which of its request's n completions this is
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params

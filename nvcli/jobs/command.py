@@ -54,7 +54,7 @@ class GenerateArgs:
 
 
 # The model's generation_config.json may recommend these (vLLM's `--generation-config auto`).
-GEN_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+GEN_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def err(msg: str) -> None:

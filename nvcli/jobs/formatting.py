@@ -1,7 +1,8 @@
 """Build output lines: native results, OpenAI Batch results, and error lines of both shapes.
 
 Native:  {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}
-         (+ "token_ids", + "logprobs" when asked for)
+         (+ "token_ids", + "logprobs" when asked for); with n > 1 the per-completion fields move into
+         "outputs": [{"index", "text", "finish_reason", ...}, ...] and usage counts every completion's tokens
 OpenAI:  {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}
          with body a chat.completion / text_completion object, or {"error": {...}} and
          status_code 400 for a line that cannot be served.
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
-from nvcli.outputs import Logprob, RequestOutput
+from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
@@ -36,54 +37,60 @@ def error_line(err: LineError) -> dict[str, Any]:
 
 
 def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[str, Any]:
-    comp = out.outputs[0]
     n_prompt = len(out.prompt_token_ids)
-    n_gen = len(comp.token_ids)
-    want_lp = req.sampling_params.logprobs is not None and comp.logprobs is not None
+    n_gen = sum(len(c.token_ids) for c in out.outputs)
+    k = req.sampling_params.logprobs
     if req.shape == NATIVE:
-        line: dict[str, Any] = {
-            "id": req.id,
-            "text": comp.text,
-            "finish_reason": comp.finish_reason,
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_gen},
-        }
-        if req.return_token_ids:
-            line["token_ids"] = list(comp.token_ids)
-        if want_lp:
-            line["logprobs"] = _native_logprobs(comp.token_ids, comp.logprobs, req.sampling_params.logprobs, ctx)
+        line: dict[str, Any] = {"id": req.id}
+        completions = [_native_completion(req, comp, ctx) for comp in out.outputs]
+        if len(completions) == 1:
+            line.update(completions[0])
+        else:  # n > 1: one entry per completion, in index order
+            line["outputs"] = [{"index": comp.index, **c} for comp, c in zip(out.outputs, completions)]
+        line["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen}
         return line
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-    if req.shape == CHAT:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": comp.text},
-            "logprobs": _chat_logprobs(comp.token_ids, comp.logprobs, req.sampling_params.logprobs, ctx)
-            if want_lp
-            else None,
-            "finish_reason": comp.finish_reason,
-        }
-        obj, prefix = "chat.completion", "chatcmpl"
-    else:
-        choice = {
-            "index": 0,
-            "text": comp.text,
-            "logprobs": _completion_logprobs(comp.token_ids, comp.logprobs, req.sampling_params.logprobs, ctx)
-            if want_lp
-            else None,
-            "finish_reason": comp.finish_reason,
-        }
-        obj, prefix = "text_completion", "cmpl"
-    if req.return_token_ids:
-        choice["token_ids"] = list(comp.token_ids)
+    choices = []
+    for comp in out.outputs:
+        want_lp = k is not None and comp.logprobs is not None
+        if req.shape == CHAT:
+            choice: dict[str, Any] = {
+                "index": comp.index,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": _chat_logprobs(comp.token_ids, comp.logprobs, k, ctx) if want_lp else None,  # type: ignore[arg-type]
+                "finish_reason": comp.finish_reason,
+            }
+        else:
+            choice = {
+                "index": comp.index,
+                "text": comp.text,
+                "logprobs": _completion_logprobs(comp.token_ids, comp.logprobs, k, ctx) if want_lp else None,  # type: ignore[arg-type]
+                "finish_reason": comp.finish_reason,
+            }
+        if req.return_token_ids:
+            choice["token_ids"] = list(comp.token_ids)
+        choices.append(choice)
+    obj, prefix = ("chat.completion", "chatcmpl") if req.shape == CHAT else ("text_completion", "cmpl")
     body = {
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": obj,
         "created": ctx.created,
         "model": ctx.model_name,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage,
     }
     return _envelope(req.id, req.custom_id, 200, body)
+
+
+def _native_completion(req: Request, comp: CompletionOutput, ctx: FormatContext) -> dict[str, Any]:
+    """A native line's fields for one completion: text, finish_reason, and token_ids / logprobs if asked for."""
+    out: dict[str, Any] = {"text": comp.text, "finish_reason": comp.finish_reason}
+    if req.return_token_ids:
+        out["token_ids"] = list(comp.token_ids)
+    k = req.sampling_params.logprobs
+    if k is not None and comp.logprobs is not None:
+        out["logprobs"] = _native_logprobs(comp.token_ids, comp.logprobs, k, ctx)
+    return out
 
 
 def _envelope(rid: str | int, custom_id: str | None, status: int, body: dict) -> dict[str, Any]:

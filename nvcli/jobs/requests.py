@@ -52,6 +52,9 @@ SAMPLING_FIELDS = (
     "logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
 _NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids")
@@ -60,9 +63,6 @@ _OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_optio
 # OpenAI sampling knobs we do not implement: accepted only at their neutral values (None, the first, is "left out";
 # clients often send the others explicitly).
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "logit_bias": (None, {}),
     "best_of": (1,),
     "echo": (False,),
@@ -223,7 +223,8 @@ def _parse_openai_body(
 ) -> Request:
     common = (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-        "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n",
+        "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
+        "frequency_penalty", "repetition_penalty",
     )
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs"}
     if shape == CHAT:

@@ -246,7 +246,7 @@ class _Job:
             line, kind = error_line(err), ENGINE_ERROR
         if kind is None:
             self.result.prompt_tokens += len(out.prompt_token_ids)
-            self.result.completion_tokens += len(out.outputs[0].token_ids)
+            self.result.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.writer.put(req.ordinal, line, kind)
 
     def _abort_all(self) -> None:

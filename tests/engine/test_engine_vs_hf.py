@@ -223,7 +223,18 @@ def test_text_prompts_and_chat(tiny_model_dir) -> None:
     chat = llm.chat(msgs, GREEDY, chat_template_kwargs={"enable_thinking": False})[0]
     expected = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert chat.prompt_token_ids == tok(expected, add_special_tokens=False).input_ids
+    assert chat.prompt == expected  # vLLM returns the rendered conversation as the prompt
     assert chat.outputs[0].token_ids == hf_greedy(model_dir, chat.prompt_token_ids)
+    # vLLM's chat options: no assistant turn opened, or the last (assistant) message continued
+    turns = msgs + [{"role": "assistant", "content": "The answer is"}]
+    kw = {"enable_thinking": False}
+    plain = llm.chat(msgs, GREEDY, chat_template_kwargs=kw, add_generation_prompt=False)[0]
+    assert plain.prompt == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **kw)
+    cont = llm.chat(turns, GREEDY, chat_template_kwargs=kw, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("The answer is") and cont.prompt == tok.apply_chat_template(
+        turns, tokenize=False, continue_final_message=True, **kw)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        llm.chat(turns, GREEDY, continue_final_message=True)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])

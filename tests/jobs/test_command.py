@@ -178,7 +178,8 @@ def test_engine_failure_mid_job_is_reported_without_traceback(tmp_path, monkeypa
 def test_model_generation_config_gives_sampling_defaults(tmp_path, monkeypatch):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                                          "repetition_penalty": 1.05}))
     made = []
 
     def make(config):
@@ -195,6 +196,7 @@ def test_model_generation_config_gives_sampling_defaults(tmp_path, monkeypatch):
     a, b = made[0].sampling_seen
     assert (a.temperature, a.top_p, a.top_k) == (0.6, 0.5, 20)  # the model's, but the flag wins for top_p
     assert (b.temperature, b.top_p, b.top_k) == (0, 0.5, 5)  # and the line wins over both
+    assert a.repetition_penalty == b.repetition_penalty == 1.05  # as vLLM's --generation-config auto
 
 
 def test_an_unreadable_line_takes_no_other_lines_id(tmp_path, engines):
