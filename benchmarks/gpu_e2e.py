@@ -1,6 +1,6 @@
 """End-to-end checks and timings on one GPU, in one run (see benchmarks/RESULTS.md).
 
-    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming]
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming,sampling]
 
 1. correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU
    float32 path, GPU bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
@@ -9,6 +9,8 @@
 4. fp8: the same throughput workload with --kv-cache-dtype fp8.
 5. hf: HF transformers' continuous batching (generate_batch) on a slice of the workload, if it runs.
 6. streaming: 1,024 requests through 128 slots (prompts admitted beside running decodes), two runs.
+7. sampling: what vLLM's sampling features cost on the DESIGN workload, in one process: as is; every request with
+   presence, frequency and repetition penalties; 64 prompts x n=4 against the same 64 prompts sent 4 times each.
 Prints a table last.
 """
 
@@ -125,6 +127,34 @@ def bench_streaming(model_dir: str) -> None:
     free(llm)
 
 
+def bench_sampling_features(model_dir: str, repeats: int) -> None:
+    import dataclasses
+    import statistics
+
+    from nvcli.bench import Workload
+
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=BATCHED_TOKENS)
+    base = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    penalized = Workload(base.prompts, [dataclasses.replace(sp, presence_penalty=0.2, frequency_penalty=0.2,
+                                                            repetition_penalty=1.1) for sp in base.params])
+    fan_out = Workload(base.prompts[:64], [dataclasses.replace(sp, n=4) for sp in base.params[:64]])
+    copies = Workload([p for p in base.prompts[:64] for _ in range(4)], [sp for sp in base.params[:64] for _ in range(4)])
+    run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
+    for label, work in [("as is", base), ("penalties on every request", penalized),
+                        ("64 prompts x n=4", fan_out), ("64 prompts x 4 separate requests", copies)]:
+        out_tokens = sum(sp.max_tokens * sp.n for sp in work.params)
+        s0 = llm.stats()
+        times = []
+        for _ in range(repeats):
+            llm.engine.reset_prefix_cache()
+            times.append(run_workload(llm.engine, work))
+        s1 = llm.stats()
+        dt = statistics.median(times)
+        row(f"sampling: {label}", f"{out_tokens / dt:,.0f} output tok/s, runs {[round(t, 2) for t in times]}, "
+            f"prompt tokens computed per run {(s1.prompt_tokens - s0.prompt_tokens) // repeats:,}")
+    free(llm)
+
+
 def bench_latency(model_dir: str) -> None:
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512)
     res = latency(llm.engine, 128, 512, repeats=3)
@@ -214,6 +244,7 @@ def main() -> None:
         ("fp8", lambda: bench_throughput(model_dir, args.repeats, "fp8", "fp8")),
         ("hf", lambda: bench_hf(model_dir)),
         ("streaming", lambda: bench_streaming(model_dir)),
+        ("sampling", lambda: bench_sampling_features(model_dir, args.repeats)),
         ("profile1", lambda: profile_steps(model_dir, 1)),
         ("profile256", lambda: profile_steps(model_dir, 256)),
     ]:

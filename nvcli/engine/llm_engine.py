@@ -133,6 +133,7 @@ class LLMEngine:
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
+        self._num_held = 0  # completions waiting for their first sibling's prompt (counted as waiting)
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.num_finished = 0
@@ -215,6 +216,7 @@ class LLMEngine:
             for seq in seqs:
                 seq.request_id = request_id
             self._requests[request_id] = request
+            self._num_held += len(request.held)
             self._inbox.extend(seqs[:1] if hold else seqs)
         return request_id
 
@@ -246,7 +248,7 @@ class LLMEngine:
                 elif not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
                     finished.append(seq)
-            request.held = []
+            self._release_held(request)
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.schedule_s += t1 - t0
@@ -294,6 +296,11 @@ class LLMEngine:
         if request is not None and request.held:
             for seq in request.held:
                 self.scheduler.add(seq)
+            self._release_held(request)
+
+    def _release_held(self, request: _Request) -> None:
+        with self._lock:
+            self._num_held -= len(request.held)
             request.held = []
 
     def _check_stop(self, seq: Sequence, index: int) -> None:
@@ -355,7 +362,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_waiting=len(self.scheduler.waiting) + len(self._inbox) + self._num_held,
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks_total=bm.num_blocks,
             kv_blocks_used=bm.num_used_blocks,

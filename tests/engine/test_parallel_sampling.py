@@ -64,13 +64,14 @@ def test_abort_ends_every_completion_once(llm):
     """Aborting a request with completions still held (waiting for the prompt) returns one output, all aborted."""
     engine = llm.engine
     rid = engine.add_request(list(range(3000, 3070)), SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+    assert llm.stats().num_waiting == 3  # the held completions count as waiting (the dashboard shows them)
     engine.abort(rid)
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
     assert [o.request_id for o in outs] == [rid]
     assert [c.finish_reason for c in outs[0].outputs] == ["abort"] * 3
-    assert llm.stats().kv_blocks_used == 0
+    assert llm.stats().kv_blocks_used == 0 and llm.stats().num_waiting == 0
 
 
 def test_abort_mid_generation(llm):
