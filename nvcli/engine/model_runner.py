@@ -22,6 +22,7 @@ import torch
 
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.attention_metadata import AttentionMetadata, DecodeSplit
+from nvcli.engine.penalties import PenaltyBatch, PenaltySlots, apply_penalties
 from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
@@ -261,6 +262,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.noise_rng = random.Random(config.seed)  # per-step noise seeds of unseeded rows (GPU sampler)
         self.prev_tokens = torch.zeros(0, dtype=torch.int64)  # the last step's sampled tokens (device)
+        # token history of the sequences that sample with penalties (rank 0 samples; allocated at the first one)
+        self.penalty_slots = PenaltySlots(self.device)
         # Pipelined tensor parallelism: workers need rank 0's tokens to fill pending inputs.
         self.broadcast_tokens = bool(config.async_scheduling) and config.tensor_parallel_size > 1
 
@@ -508,6 +511,18 @@ class ModelRunner:
                     params = [SamplingParams(temperature=temperature)] * rows
                     sample(logits, SamplingBatch.build(params, [0] * rows, logits.shape[1], self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))  # leaves the job's RNG alone
+                if rows == 1 and logits.dtype != torch.float32:
+                    # a step with penalized rows samples from a float32 copy (sampler.py): the fused kernels'
+                    # float32-pointer variant, which would otherwise compile at a job's first such step
+                    sample(logits.float(), SamplingBatch.build([SamplingParams(temperature=0.7)], [0], logits.shape[1],
+                                                               self.device, random.Random(0)),
+                           torch.Generator(device=self.device).manual_seed(0))
+                if rows == 1:  # the penalty kernel (kernels/penalties.py): one variant per logits dtype
+                    one = torch.zeros(1, dtype=torch.int64, device=self.device)
+                    history = torch.zeros((1, logits.shape[1]), dtype=torch.int32, device=self.device)
+                    neutral = torch.ones(1, dtype=torch.float32, device=self.device)
+                    apply_penalties(logits, PenaltyBatch(rows=one, slots=one, presence=neutral, frequency=neutral,
+                                                         repetition=neutral, counts=history, seen=history.bool()))
             else:
                 self.model.compute_logits(*final)
         torch.cuda.synchronize(self.device)
@@ -589,9 +604,13 @@ class ModelRunner:
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
                   if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
+        penalties = (self.penalty_slots.prepare(batch.seqs, batch.sample_index, logits.shape[1])
+                     if any(p.has_penalties for p in params) else None)
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
-                                 self.noise_rng if self.device.type == "cuda" else None, banned)
+                                 self.noise_rng if self.device.type == "cuda" else None, banned, penalties)
         tokens = sample(logits, sb, self.generator)
+        if penalties is not None:
+            self.penalty_slots.record(penalties, tokens)
         self.prev_tokens = tokens
         if self.broadcast_tokens:
             torch.distributed.broadcast(tokens, src=0)

@@ -6,9 +6,12 @@ rows' logits unchanged, so their draws are too). On the CPU sampling uses the ex
 argmax(p / q) with q ~ Exp(1) picks token i with probability p_i. Either way a seeded row draws from its own seed mixed
 with the output position, so a seeded request gets the same tokens whatever shares its batch.
 
-`min_tokens`: until a row has that many output tokens, its EOS and stop token ids are set to -inf before sampling
-(vLLM's min-tokens logits processor), so they are never drawn. Logprobs stay those of the model's own logits.
-Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows).
+Penalties (presence, frequency, repetition; engine/penalties.py) come first: a batch with a penalized row samples
+from a float32 copy of its logits, penalized rows rewritten in it. Every other row of that copy is its exact float32
+conversion (the fused kernels convert to float32 as they load anyway), so its draw is the one it would be without
+its neighbours. `min_tokens`: until a row has that many output tokens, its EOS and stop token ids are set to -inf
+before sampling (vLLM's min-tokens logits processor), so they are never drawn. Logprobs stay those of the model's own
+logits. Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nvcli.engine.penalties import PenaltyBatch, apply_penalties
 from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
 from nvcli.outputs import Logprob
@@ -37,15 +41,18 @@ class SamplingBatch:
     philox_seeds: torch.Tensor | None = None  # [num_seqs] int64 for the fused GPU sampler
     needs_filter: bool = False  # some row uses top-k / top-p / min-p
     banned: list[tuple[int, tuple[int, ...]]] | None = None  # (row, token ids it must not draw): min_tokens
+    penalties: PenaltyBatch | None = None  # the rows that sample with penalties; None if none does
 
     @staticmethod
     def build(params: list, positions: list[int], vocab_size: int, device: torch.device,
               rng: random.Random | None = None,
-              banned: list[tuple[int, tuple[int, ...]]] | None = None) -> SamplingBatch:
+              banned: list[tuple[int, tuple[int, ...]]] | None = None,
+              penalties: PenaltyBatch | None = None) -> SamplingBatch:
         """`params`: SamplingParams per row; `positions`: index of the token being sampled.
 
         `rng` draws the noise seeds of unseeded rows (the fused GPU sampler); seeded rows mix
         their seed with the output position instead. `banned`: (row, token ids) the row must not draw.
+        `penalties`: the penalized rows and their token history (engine/penalties.py, PenaltySlots.prepare).
         """
         temps = [0.0 if p.greedy else p.temperature for p in params]
         all_greedy = all(t == 0 for t in temps)
@@ -78,13 +85,19 @@ class SamplingBatch:
             top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
             num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
             needs_filter=top_k is not None or top_p is not None or min_p is not None, banned=banned or None,
+            penalties=penalties,
         )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [num_seqs, vocab] (any float dtype; the fused kernel reads it as is) -> token ids [num_seqs] int64."""
+    """logits [num_seqs, vocab] (any float dtype; the fused kernel reads it as is) -> token ids [num_seqs] int64.
+    The caller's logits are left as they are: they give the logprobs."""
+    raw = logits
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)  # a float32 copy
     if batch.banned:
-        logits = logits.clone()  # the caller's logits give the logprobs
+        if logits is raw:
+            logits = logits.clone()
         for row, ids in batch.banned:
             logits[row, list(ids)] = _MASK
     if use_triton(logits) and batch.philox_seeds is not None:

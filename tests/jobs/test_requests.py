@@ -113,6 +113,19 @@ def test_byte_order_mark_on_first_line():
     assert isinstance(parse(b'\xef\xbb\xbf{"prompt": "x"}', 0), Request)
 
 
+def test_penalties_reach_the_sampling_params_in_every_shape():
+    """presence / frequency / repetition penalties are served (the engine applies them), not refused as knobs nv lacks."""
+    r = parse({"prompt": "x", "frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.1})
+    assert isinstance(r, Request), r
+    sp = r.sampling_params
+    assert (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty) == (0.5, -1, 1.1) and sp.has_penalties
+    for url, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                      ("/v1/completions", {"prompt": "x"})):
+        r = parse({"custom_id": "c", "url": url, "body": {**body, "frequency_penalty": 0.5, "presence_penalty": 0.1}})
+        assert isinstance(r, Request), r
+        assert (r.sampling_params.frequency_penalty, r.sampling_params.presence_penalty) == (0.5, 0.1)
+
+
 @pytest.mark.parametrize("field,value,ok", [
     ("tool_choice", "none", True), ("tool_choice", "auto", False),
     ("response_format", {"type": "text"}, True), ("response_format", {"type": "json_object"}, False),

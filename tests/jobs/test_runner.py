@@ -280,3 +280,26 @@ def test_iter_fd_lines_splits_like_readline(tmp_path):
     finally:
         os.close(fd)
     assert got == io.BytesIO(data).readlines()
+
+
+def test_a_line_with_penalties_is_served_with_them(tiny_model_dir):
+    """A real engine serves a line with frequency_penalty 0.5 (and an OpenAI line with presence_penalty): no error
+    line, and the tokens are those of the engine sampling with the penalty."""
+    from nvcli import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, num_kvcache_blocks=64)
+    ids = list(range(1000, 1005))
+    data = jsonl(
+        {"id": "f", "prompt_token_ids": ids, "frequency_penalty": 0.5, "max_tokens": 12, "return_token_ids": True},
+        {"id": "p", "prompt_token_ids": ids, "max_tokens": 12, "return_token_ids": True},
+        {"custom_id": "o", "url": "/v1/completions",
+         "body": {"prompt": ids, "max_tokens": 12, "presence_penalty": 1.5, "frequency_penalty": 0.5}},
+    )
+    defaults = Defaults(sampling={"max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    result, (f, p, o) = run(llm.engine, data, defaults=defaults)
+    assert result.exit_code == EXIT_OK and result.failed == 0
+    assert "error" not in f and o["error"] is None and o["response"]["status_code"] == 200
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    penalized, plain = llm.generate([ids, ids], [SamplingParams(frequency_penalty=0.5, **greedy), SamplingParams(**greedy)])
+    assert f["token_ids"] == penalized.outputs[0].token_ids != plain.outputs[0].token_ids
+    assert p["token_ids"] == plain.outputs[0].token_ids

@@ -119,7 +119,7 @@ def test_greedy_rows_among_sampled_rows_are_argmax() -> None:
 
 
 def _engine_sample(monkeypatch, logits: torch.Tensor, params: list, positions: list[int] | None = None,
-                   banned=None) -> list[int]:
+                   banned=None, penalties=None) -> list[int]:
     """The engine's sampler as it runs on the GPU: the fused kernel, filters applied as -inf before it."""
     import random
 
@@ -127,7 +127,7 @@ def _engine_sample(monkeypatch, logits: torch.Tensor, params: list, positions: l
 
     monkeypatch.setattr(sampler, "use_triton", lambda t: True)
     batch = sampler.SamplingBatch.build(params, positions or [5] * len(params), logits.shape[1], torch.device(DEVICE),
-                                        random.Random(0), banned)
+                                        random.Random(0), banned, penalties)
     return sampler.sample(logits.to(DEVICE), batch).cpu().tolist()
 
 
@@ -168,3 +168,33 @@ def test_banned_tokens_are_never_drawn_even_greedy(monkeypatch) -> None:
     out = _engine_sample(monkeypatch, logits, [SP(temperature=0.0), SP(temperature=1.0, seed=3)],
                          banned=[(0, (5,)), (1, (5, 6))])
     assert 5 not in out and out[1] != 6
+
+
+def test_penalized_neighbours_leave_the_fused_draws_of_other_rows_unchanged(monkeypatch) -> None:
+    """A penalized row sends its whole batch to the fused kernel as a float32 copy of the logits: the other rows
+    (bf16 here) convert exactly, so a seeded row draws what it draws beside no penalty and a greedy row its argmax;
+    the penalized row draws from its penalized logits."""
+    from nvcli.engine.penalties import PenaltySlots
+    from nvcli.engine.sequence import Sequence
+    from nvcli.sampling_params import SamplingParams as SP
+
+    torch.manual_seed(4)
+    logits = (torch.randn(3, 64) * 2).bfloat16()
+    top = logits[0].float().argmax().item()
+    drawn = []
+    for seed in range(12):
+        sp = SP(temperature=1.0, seed=seed)
+        params = [SP(temperature=0.0, frequency_penalty=2.0), SP(temperature=0.0), sp]
+        seqs = [Sequence([1, 2], p, block_size=16) for p in params]
+        seqs[0].append_token(top)
+        seqs[0].append_token(top)  # generated twice: 4 below its logit, which was the row's largest
+        penalties = PenaltySlots(torch.device(DEVICE)).prepare(seqs, [4, 2, 2], logits.shape[1])
+        with_penalty = _engine_sample(monkeypatch, logits, params, penalties=penalties)
+        without = _engine_sample(monkeypatch, logits, [SP(temperature=0.0), SP(temperature=0.0), sp])
+        assert with_penalty[1:] == without[1:]
+        assert without[0] == top != with_penalty[0]
+        penalized = logits[0].float().clone()
+        penalized[top] -= 4.0
+        assert with_penalty[0] == penalized.argmax().item()
+        drawn.append(without[2])
+    assert len(set(drawn)) > 1  # the seeds matter

@@ -1,0 +1,250 @@
+"""Sampling penalties (vLLM's `apply_penalties`) and the token history they read, kept on the device.
+
+For a row that samples with penalties, over the float32 logits:
+
+    mask = prompt_mask | output_mask   (the token is in the prompt / among the tokens generated so far)
+    logits = where(mask, where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits -= frequency * output_counts
+    logits -= presence * output_mask
+
+`PenaltySlots` keeps what that needs per sequence in rank 0's ModelRunner: a slot of `counts` (each token's
+occurrences in the output) and, once a row has repetition_penalty != 1, of `seen` (prompt_mask | output_mask itself,
+kept up to date rather than recombined every step: a step of rows that only have repetition_penalty, as a model's
+generation_config gives every request, reads one bool row per sequence and no counts). A step adds its sampled tokens
+to both on the device, from the sampled tensor itself: with async scheduling the host schedules (and launches) step
+N+1 before it has read step N's tokens, so a history rebuilt from host tokens would miss them, and rebuilding it every
+step would cost a [rows, vocab] upload per step. Nothing is allocated until a row samples with penalties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from nvcli.engine.scheduler import PENDING
+from nvcli.engine.uploads import upload
+from nvcli.kernels.ops import use_triton
+
+if TYPE_CHECKING:
+    from nvcli.engine.sequence import Sequence
+
+
+@dataclass
+class PenaltyBatch:
+    """The rows of one step that sample with penalties, their settings, and the history they read."""
+
+    rows: torch.Tensor  # [P] int64: batch rows, ascending
+    slots: torch.Tensor  # [P] int64: each row's slot in counts / seen
+    presence: torch.Tensor | None  # [P] float32; None where every row's is 0
+    frequency: torch.Tensor | None  # [P] float32; None where every row's is 0
+    repetition: torch.Tensor | None  # [P] float32; None where every row's is 1
+    counts: torch.Tensor  # [slots, vocab] int32: occurrences of each token in a slot's output so far
+    # [slots, vocab] bool: tokens in a slot's prompt or output so far; passed where repetition is. A slot whose
+    # sequence has repetition_penalty 1 may hold a stale row: x / 1 and x * 1 leave its logits as they are.
+    seen: torch.Tensor | None
+    all_rows: bool = False  # rows is every row of the batch (0, 1, ...): no gather or scatter of logit rows
+    flat_base: torch.Tensor | None = None  # [P] int64: slots * vocab, where `record` adds each row's token
+    ones: torch.Tensor | None = None  # [P] int32: what `record` adds
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
+    """logits [num_seqs, vocab] -> a float32 copy with the penalized rows penalized; every other row is its exact
+    float32 conversion (bf16 and fp16 convert exactly), so what a sampler reads of it is what it read of `logits`."""
+    if use_triton(logits):
+        from nvcli.kernels.penalties import apply_penalties_triton
+
+        # every row is written by the kernel where all are penalized; otherwise the others keep their conversion
+        out = (torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if penalties.all_rows
+               else logits.to(torch.float32, copy=True))
+        apply_penalties_triton(logits, out, penalties.rows, penalties.slots, penalties.counts,
+                               penalties.seen if penalties.repetition is not None else None,
+                               penalties.presence, penalties.frequency, penalties.repetition)
+        return out
+    if penalties.all_rows:
+        out = None
+        x = logits.float()  # [num_seqs, vocab]; only read: every op below makes a new tensor
+    else:
+        out = logits.to(torch.float32, copy=True)  # [num_seqs, vocab]; a copy even when already float32
+        x = out.index_select(0, penalties.rows)  # [P, vocab]
+    if penalties.repetition is not None:
+        assert penalties.seen is not None
+        seen = penalties.seen.index_select(0, penalties.slots)  # [P, vocab]
+        rep = penalties.repetition.unsqueeze(1)  # [P, 1]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if penalties.frequency is not None or penalties.presence is not None:
+        counts = penalties.counts.index_select(0, penalties.slots)  # [P, vocab] int32
+        if penalties.frequency is not None:
+            x = x - penalties.frequency.unsqueeze(1) * counts
+        if penalties.presence is not None:
+            x = x - penalties.presence.unsqueeze(1) * (counts > 0)
+    if out is None:
+        assert x is not logits  # SamplingParams.has_penalties: some op above ran
+        return x
+    return out.index_copy_(0, penalties.rows, x)
+
+
+class PenaltySlots:
+    """Per-sequence token history on the device for the sequences that sample with penalties (rank 0 only).
+
+    A sequence gets a slot the first time it is a sampling row of a launched step; the slot is reclaimed once the
+    sequence has finished and a new sequence needs one (the pool doubles when none is free). A preempted sequence
+    keeps its slot: it keeps its generated tokens across the recompute, so its history stays valid.
+    """
+
+    def __init__(self, device: torch.device, initial_slots: int = 16) -> None:
+        self.device = device
+        self.initial_slots = initial_slots
+        self.counts: torch.Tensor | None = None  # [slots, vocab] int32
+        # [slots, vocab] bool: prompt or output tokens; once a row has repetition_penalty != 1
+        self.seen: torch.Tensor | None = None
+        self._slot_of: dict[int, int] = {}  # seq_id -> slot
+        self._holder: list[Sequence | None] = []  # slot -> the sequence holding it
+        self._free: list[int] = []  # free slots, the lowest last (popped first)
+        self._last: PenaltyBatch | None = None  # the last step's batch, and what it was built from
+        self._last_key: tuple | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._holder)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, seq: Sequence) -> int | None:
+        return self._slot_of.get(seq.seq_id)
+
+    def prepare(self, seqs: list[Sequence], sample_index: list[int], vocab_size: int) -> PenaltyBatch | None:
+        """The penalized sampling rows of a step about to sample (None if it has none), giving each sequence new
+        to the pool a slot and initializing it on the device. Rows with sample_index -1 (a prompt chunk that does not
+        end its prompt) sample nothing the engine keeps, so they neither read nor get a slot."""
+        rows: list[int] = []
+        slots: list[int] = []
+        new: list[Sequence] = []
+        for row, (seq, index) in enumerate(zip(seqs, sample_index)):
+            if index < 0 or not seq.sampling_params.has_penalties:
+                continue
+            slot = self._slot_of.get(seq.seq_id)
+            if slot is None:
+                slot = self._assign(seq, vocab_size)
+                new.append(seq)
+            rows.append(row)
+            slots.append(slot)
+        if not rows:
+            return None
+        if new:
+            self._initialize(new, vocab_size)
+        params = [seqs[row].sampling_params for row in rows]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        repetition = [p.repetition_penalty for p in params]
+        uses_rep = any(r != 1 for r in repetition)
+        assert self.counts is not None
+        seen = self.seen if uses_rep else None
+        # A decode step usually has the rows, slots and settings of the one before it: its device tensors serve again
+        # (no upload; a token's latency pays for each one).
+        key = (len(seqs), rows, slots, presence, frequency, repetition)
+        last = self._last
+        if last is not None and key == self._last_key and last.counts is self.counts and last.seen is seen:
+            return last
+        n = len(rows)
+        packed = np.concatenate([np.array([rows, slots], dtype=np.int64).view(np.uint8).ravel(),
+                                 np.array([presence, frequency, repetition], dtype=np.float32).view(np.uint8).ravel()])
+        dev = upload(torch.from_numpy(packed), self.device)  # one copy: int64 [2, P], then float32 [3, P]
+        ints = dev[: 16 * n].view(torch.int64).view(2, n)
+        floats = dev[16 * n :].view(torch.float32).view(3, n)
+        self._last_key = key
+        self._last = PenaltyBatch(
+            rows=ints[0], slots=ints[1],
+            presence=floats[0] if any(presence) else None,
+            frequency=floats[1] if any(frequency) else None,
+            repetition=floats[2] if uses_rep else None,
+            counts=self.counts, seen=seen, all_rows=n == len(seqs),
+            flat_base=ints[1] * vocab_size, ones=torch.ones(n, dtype=torch.int32, device=self.device),
+        )
+        return self._last
+
+    def record(self, penalties: PenaltyBatch, tokens: torch.Tensor) -> None:
+        """Count each penalized row's sampled token (tokens [num_seqs] int64, on the device) in its slot, and mark it
+        seen where the step has rows with repetition_penalty (a sequence with one is in every step it samples in).
+        Enqueued on the device, no host sync: the next step's sampling, also enqueued, reads them after it."""
+        base = penalties.flat_base if penalties.flat_base is not None else penalties.slots * penalties.counts.shape[1]
+        ones = penalties.ones if penalties.ones is not None else torch.ones_like(base, dtype=torch.int32)
+        flat = base + (tokens if penalties.all_rows else tokens.index_select(0, penalties.rows))  # [P]
+        penalties.counts.view(-1).index_add_(0, flat, ones)
+        if penalties.seen is not None:
+            penalties.seen.view(-1).index_fill_(0, flat, True)
+
+    # ------------------------------------------------------------------ slots
+    def _assign(self, seq: Sequence, vocab_size: int) -> int:
+        if seq.sampling_params.repetition_penalty != 1 and self.seen is None and self.counts is not None:
+            self.seen = torch.zeros(self.counts.shape, dtype=torch.bool, device=self.device)
+        if not self._free and not self._reclaim():
+            self._grow(vocab_size, seq.sampling_params.repetition_penalty != 1)
+        slot = self._free.pop()
+        self._slot_of[seq.seq_id] = slot
+        self._holder[slot] = seq
+        return slot
+
+    def _reclaim(self) -> int:
+        """Free the slots of finished sequences; how many. Their last updates are already enqueued, before the
+        re-initialization of a new holder, so the stream orders them."""
+        freed = [slot for slot, seq in enumerate(self._holder) if seq is not None and seq.is_finished]
+        for slot in reversed(freed):
+            seq = self._holder[slot]
+            assert seq is not None
+            del self._slot_of[seq.seq_id]
+            self._holder[slot] = None
+            self._free.append(slot)
+        return len(freed)
+
+    def _grow(self, vocab_size: int, with_seen: bool) -> None:
+        old = self.num_slots
+        new = max(self.initial_slots, 2 * old)
+        counts = torch.zeros((new, vocab_size), dtype=torch.int32, device=self.device)  # [slots, vocab]
+        if self.counts is not None:
+            counts[:old].copy_(self.counts)
+        self.counts = counts
+        if self.seen is not None or with_seen:
+            seen = torch.zeros((new, vocab_size), dtype=torch.bool, device=self.device)  # [slots, vocab]
+            if self.seen is not None:
+                seen[:old].copy_(self.seen)
+            self.seen = seen
+        self._holder.extend([None] * (new - old))
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def _initialize(self, seqs: list[Sequence], vocab_size: int) -> None:
+        """Zero the new slots and fill them from what the host knows, in one upload: the completion tokens already
+        read back (none for a sequence new to the engine) and, for repetition_penalty, the prompt's tokens too."""
+        assert self.counts is not None
+        slots = [self._slot_of[s.seq_id] for s in seqs]
+        counted: list[np.ndarray] = []  # flat indices slot * vocab + token
+        seen_ids: list[np.ndarray] = []  # flat indices of prompt and known output tokens
+        seen_slots: list[int] = []
+        for seq, slot in zip(seqs, slots):
+            out = np.asarray(seq.completion_token_ids, dtype=np.int64)
+            out = slot * vocab_size + out[out != PENDING]  # tokens still in flight: recorded when sampled
+            if out.size:
+                counted.append(out)
+            if seq.sampling_params.repetition_penalty != 1:
+                seen_ids.append(slot * vocab_size + np.asarray(seq.token_ids[: seq.num_prompt_tokens], dtype=np.int64))
+                seen_ids.append(out)
+                seen_slots.append(slot)
+        n_counted = sum(a.size for a in counted)
+        n_seen = len(seen_slots)
+        packed = np.concatenate([np.asarray(slots, dtype=np.int64), *counted,
+                                 np.asarray(seen_slots, dtype=np.int64), *seen_ids])
+        dev = upload(torch.from_numpy(packed), self.device)
+        at = len(slots)
+        self.counts.index_fill_(0, dev[:at], 0)
+        if n_counted:
+            self.counts.view(-1).index_add_(0, dev[at : at + n_counted],
+                                            torch.ones(n_counted, dtype=torch.int32, device=self.device))
+        at += n_counted
+        if n_seen:
+            assert self.seen is not None
+            self.seen.index_fill_(0, dev[at : at + n_seen], False)
+            self.seen.view(-1).index_fill_(0, dev[at + n_seen :], True)
