@@ -17,7 +17,11 @@ import triton.language as tl
 _BLOCK = 2048
 
 
-@triton.jit(do_not_specialize=["use_repetition", "use_counts"])
+# Not specialized: the flags (one variant per logits dtype serves every mix of penalties), and the per-row pointers,
+# which are slices of one uploaded buffer at offsets that depend on the row count (their 16-byte alignment would
+# otherwise make a variant of its own, compiled mid-job; start-up warms one up)
+@triton.jit(do_not_specialize=["rows_ptr", "slots_ptr", "presence_ptr", "frequency_ptr", "repetition_ptr",
+                               "use_repetition", "use_counts"])
 def _apply_penalties_kernel(
     logits_ptr,  # [num_seqs, vocab], any float dtype
     out_ptr,  # [num_seqs, vocab] float32
@@ -31,7 +35,7 @@ def _apply_penalties_kernel(
     stride_logits,
     stride_out,
     vocab,
-    use_repetition,  # runtime flags, so that one variant per logits dtype serves every mix of penalties
+    use_repetition,
     use_counts,
     BLOCK: tl.constexpr,
 ):
@@ -64,8 +68,9 @@ def apply_penalties_triton(
     repetition: torch.Tensor | None,  # [P] float32; None = 1 for every row
 ) -> None:
     vocab = logits.shape[1]
+    # a missing setting still gets a tensor: a None argument would be a constexpr, another variant per combination
     zeros = None
-    if presence is None or frequency is None:
+    if presence is None or frequency is None or repetition is None:
         zeros = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
     use_counts = presence is not None or frequency is not None
     grid = (rows.shape[0], triton.cdiv(vocab, _BLOCK))

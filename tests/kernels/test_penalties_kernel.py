@@ -77,3 +77,31 @@ def test_kernel_compiles_for_hopper() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_every_mix_of_penalties_launches_the_same_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A None argument is a constexpr to Triton: a variant of its own, compiled at a job's first step with that mix
+    (start-up warms up one). Every mix must pass a tensor for every pointer."""
+    from nvcli.kernels import penalties
+
+    seen_signatures = set()
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen_signatures.add(tuple(type(a).__name__ if not isinstance(a, torch.Tensor) else str(a.dtype)
+                                          for a in args))
+            return launch
+
+    monkeypatch.setattr(penalties, "_apply_penalties_kernel", Recorder())
+    logits = torch.zeros(2, 64)
+    counts = torch.zeros(2, 64, dtype=torch.int32)
+    f = torch.ones(2)
+    for presence in (None, f):
+        for frequency in (None, f):
+            for repetition in (None, f):
+                seen = counts.bool() if repetition is not None else None
+                apply_penalties_triton(logits, logits.clone(), torch.arange(2), torch.arange(2), counts, seen,
+                                       presence, frequency, repetition)
+    assert len(seen_signatures) == 1, seen_signatures
+    assert "NoneType" not in next(iter(seen_signatures))
