@@ -52,14 +52,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = _per_prompt(sampling_params, len(prompts), "prompts")
         resolved = [_prompt(p) for p in prompts]
         texts: list[str | None] = [None] * len(resolved)
         # every text prompt in one tokenizer call (all cores, outside the GIL); empty ones stay text so
@@ -98,13 +91,7 @@ class LLM:
             for conv in conversations
         ]
         token_lists: list[str | list[int]] = list(self.engine.encode_batch(texts, add_special_tokens=False))  # one call
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(texts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(texts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(texts)} conversations")
-        return self._generate(token_lists, params, list(texts))
+        return self._generate(token_lists, _per_prompt(sampling_params, len(texts), "conversations"), list(texts))
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -136,6 +123,19 @@ class LLM:
                 engine.shutdown()
             except Exception:
                 pass
+
+
+def _per_prompt(sampling_params: SamplingParams | SequenceABC[SamplingParams] | None, count: int, what: str
+                ) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a single one (default: SamplingParams()) for all, or a list of `count`."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} {what}")
+    return params
 
 
 def _prompt(p: PromptType) -> str | list[int]:

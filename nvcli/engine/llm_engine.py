@@ -197,13 +197,14 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
                 "(shorten the prompt or raise --max-model-len)"
             )
+        banned: tuple[int, ...] = ()
+        if sampling_params.min_tokens:  # the same for every completion
+            ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
+            banned = tuple(sorted(ends))
         seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size) for sp in _completion_params(sampling_params)]
         for index, seq in enumerate(seqs):
             seq.completion_index = index
-            if sampling_params.min_tokens:
-                sp = seq.sampling_params
-                ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else self.eos_token_ids)
-                seq.min_tokens_banned = tuple(sorted(ends))
+            seq.min_tokens_banned = banned
         # siblings wait for the first completion's prompt blocks only where the cache can share a full block
         hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
         request = _Request(seqs, text, seqs[1:] if hold else [], [None] * len(seqs))

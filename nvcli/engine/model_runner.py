@@ -511,18 +511,19 @@ class ModelRunner:
                     params = [SamplingParams(temperature=temperature)] * rows
                     sample(logits, SamplingBatch.build(params, [0] * rows, logits.shape[1], self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))  # leaves the job's RNG alone
-                if rows == 1 and logits.dtype != torch.float32:
-                    # a step with penalized rows samples from a float32 copy (sampler.py): the fused kernels'
-                    # float32-pointer variant, which would otherwise compile at a job's first such step
-                    sample(logits.float(), SamplingBatch.build([SamplingParams(temperature=0.7)], [0], logits.shape[1],
-                                                               self.device, random.Random(0)),
-                           torch.Generator(device=self.device).manual_seed(0))
-                if rows == 1:  # the penalty kernel (kernels/penalties.py): one variant per logits dtype
+                if rows == 1:
+                    # a step with penalized rows samples from a float32 copy that the penalty kernel writes
+                    # (engine/penalties.py): that kernel, and the fused sampler's float32 variant for a bf16 / fp16
+                    # model, would otherwise compile at a job's first such step
                     one = torch.zeros(1, dtype=torch.int64, device=self.device)
                     history = torch.zeros((1, logits.shape[1]), dtype=torch.int32, device=self.device)
                     neutral = torch.ones(1, dtype=torch.float32, device=self.device)
-                    apply_penalties(logits, PenaltyBatch(rows=one, slots=one, presence=neutral, frequency=neutral,
-                                                         repetition=neutral, counts=history, seen=history.bool()))
+                    penalized = apply_penalties(logits, PenaltyBatch(rows=one, slots=one, presence=neutral,
+                                                                     frequency=neutral, repetition=neutral,
+                                                                     counts=history, seen=history.bool()))
+                    sample(penalized, SamplingBatch.build([SamplingParams(temperature=0.7)], [0], logits.shape[1],
+                                                          self.device, random.Random(0)),
+                           torch.Generator(device=self.device).manual_seed(0))
             else:
                 self.model.compute_logits(*final)
         torch.cuda.synchronize(self.device)
@@ -604,8 +605,7 @@ class ModelRunner:
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
                   if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
-        penalties = (self.penalty_slots.prepare(batch.seqs, batch.sample_index, logits.shape[1])
-                     if any(p.has_penalties for p in params) else None)
+        penalties = self.penalty_slots.prepare(batch.seqs, batch.sample_index, logits.shape[1])  # None: no such row
         sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
                                  self.noise_rng if self.device.type == "cuda" else None, banned, penalties)
         tokens = sample(logits, sb, self.generator)
