@@ -35,4 +35,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it), then {token_id:
+    # Logprob} with the prompt's own token first and the top alternatives after it; None where not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)

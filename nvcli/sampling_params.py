@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass
@@ -14,7 +15,9 @@ class SamplingParams:
 
     temperature 0 is greedy. `seed` makes a request's samples independent of whatever
     else shares its batch. `stop` strings end generation and are cut from the text.
-    `logprobs=N` returns the sampled token's logprob plus the N most likely alternatives.
+    `logprobs=N` returns the sampled token's logprob plus the N most likely alternatives. `prompt_logprobs=N` does
+    the same for every prompt token after the first (vLLM's scoring output: the first token has no context, None);
+    such a request computes its whole prompt (it does not read the prefix cache), once for all n completions.
     `n` completions are sampled per prompt (the prompt is computed once and shared through the prefix cache);
     with a seed, completion i draws from `seed + i`, as in vLLM.
 
@@ -36,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -80,8 +84,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be an integer in [0, 20] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")

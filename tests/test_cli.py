@@ -160,6 +160,42 @@ def test_penalties_are_served(model):
     assert b["response"]["status_code"] == 200
 
 
+def test_prompt_logprobs_score_every_prompt_token(model):
+    """A scoring job: native lines get one entry per prompt token (null first), OpenAI lines vLLM's shape in each
+    completion choice and at the top of a chat body, all from the same model logits; --prompt-logprobs sets it for
+    every line, and an out-of-range value is an error line that loses nothing else."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 1}
+    data = "".join(json.dumps(x) + "\n" for x in [
+        {"id": "a", "prompt": "The cat sat on the mat", "max_tokens": 1, "prompt_logprobs": 2, "n": 2},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The cat sat on the mat", "max_tokens": 1, "prompt_logprobs": 0}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        {"id": "d", "prompt": "The cat", "prompt_logprobs": 21},
+        {"id": "e", "prompt": "The cat sat on the mat", "max_tokens": 1},
+    ])
+    r = nv(model, "-", "-q", input=data)
+    assert r.exit_code == 1 and "1 lines failed" in r.stderr  # line d
+    a, b, c, d, e = jsonl(r.stdout)
+    n_prompt = a["usage"]["prompt_tokens"]
+    scores = a["prompt_logprobs"]
+    assert len(scores) == n_prompt and scores[0] is None
+    for entry in scores[1:]:
+        assert set(entry) == {"token_id", "token", "logprob", "top_logprobs"} and len(entry["top_logprobs"]) == 2
+        assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"] + 1e-6
+    vllm_shape = b["response"]["body"]["choices"][0]["prompt_logprobs"]
+    assert len(vllm_shape) == n_prompt and vllm_shape[0] is None
+    for native, entry in zip(scores[1:], vllm_shape[1:]):
+        assert list(entry) == [str(native["token_id"])]  # k = 0: the prompt's own token only
+        assert entry[str(native["token_id"])]["logprob"] == pytest.approx(native["logprob"], abs=1e-5)
+    chat_scores = c["response"]["body"]["prompt_logprobs"]
+    assert chat_scores[0] is None and len(chat_scores) == c["response"]["body"]["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" in d["error"]["message"]
+    assert "prompt_logprobs" not in e
+    r = nv(model, "-", "-q", "--prompt-logprobs", 0, "--max-tokens", 1, input=json.dumps({"prompt": "The cat"}) + "\n")
+    (line,) = jsonl(r.stdout)
+    assert len(line["prompt_logprobs"]) == line["usage"]["prompt_tokens"]
+
+
 def test_ordered_and_unordered_agree_by_id(model, tmp_path):
     src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
                                         for i in range(16)])

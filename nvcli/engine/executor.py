@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import ModelRunner, StepHandle, build_step_input
+from nvcli.engine.model_runner import ModelRunner, StepHandle, StepResult, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
-from nvcli.outputs import Logprob
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -21,7 +20,7 @@ class Executor(Protocol):
 
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle: ...
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]: ...
+    def collect(self, handle: StepHandle) -> StepResult: ...
 
     def shutdown(self) -> None: ...
 
@@ -39,7 +38,7 @@ class LocalExecutor:
         step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
         return self.runner.launch(batch, step)
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def collect(self, handle: StepHandle) -> StepResult:
         return self.runner.collect(handle)
 
     def shutdown(self) -> None:

@@ -20,7 +20,7 @@ from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
-from nvcli.outputs import CompletionOutput, RequestOutput
+from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
 
@@ -205,6 +205,8 @@ class LLMEngine:
         for index, seq in enumerate(seqs):
             seq.completion_index = index
             seq.min_tokens_banned = banned
+        if sampling_params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
+            seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
         # siblings wait for the first completion's prompt blocks only where the cache can share a full block
         hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
         request = _Request(seqs, text, seqs[1:] if hold else [], [None] * len(seqs))
@@ -273,12 +275,16 @@ class LLMEngine:
 
     def _collect(self, handle) -> list[Sequence]:
         t1 = time.perf_counter()
-        tokens, logprobs = self.executor.collect(handle)
+        result = self.executor.collect(handle)
         t2 = time.perf_counter()
         self.execute_s += t2 - t1
         finished: list[Sequence] = []
-        rows = {s.seq_id: i for i, s in enumerate(handle.batch.seqs)}
-        for seq, index in self.scheduler.postprocess(handle.batch, tokens):
+        batch = handle.batch
+        for (i, _, _), entries in zip(batch.prompt_logit_spans, result.prompt_logprobs):
+            batch.seqs[i].prompt_logprobs.extend(entries)
+        logprobs = result.logprobs
+        rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
+        for seq, index in self.scheduler.postprocess(batch, result.tokens):
             self.generation_tokens += 1
             lp = logprobs[rows[seq.seq_id]]
             if lp is not None:
@@ -332,9 +338,8 @@ class LLMEngine:
                 ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text (vLLM's detokenizer)
             text = self.tokenizer.decode(ids_for_text, skip_special_tokens=sp.skip_special_tokens)
         cum = sum(d[t].logprob for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None
-        for entry in seq.logprobs if sp.logprobs is not None else ():
-            for tid, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+        if sp.logprobs is not None:
+            self._decode_logprob_tokens(seq.logprobs)
         completion = CompletionOutput(
             index=seq.completion_index, text=text, token_ids=ids, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=seq.logprobs if sp.logprobs is not None else None,
@@ -348,10 +353,22 @@ class LLMEngine:
             del self._requests[seq.request_id]
         self.num_finished += 1
         first = request.seqs[0]
+        prompt_logprobs = None
+        if sp.prompt_logprobs is not None:
+            self._decode_logprob_tokens(first.prompt_logprobs)
+            prompt_logprobs = [None, *first.prompt_logprobs]
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
             outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _decode_logprob_tokens(self, entries: list[dict[int, Logprob]]) -> None:
+        """Fill each Logprob's decoded_token, every token decoded on its own (vLLM's), in one tokenizer call."""
+        lps = [(tid, lp) for entry in entries for tid, lp in entry.items()]
+        texts = self.tokenizer.batch_decode([[tid] for tid, _ in lps], skip_special_tokens=False) if lps else []
+        for (_, lp), text in zip(lps, texts):
+            lp.decoded_token = text
 
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:

@@ -23,7 +23,7 @@ import torch
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.attention_metadata import AttentionMetadata, DecodeSplit
 from nvcli.engine.penalties import PenaltyBatch, PenaltySlots, apply_penalties
-from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
+from nvcli.engine.sampler import SamplingBatch, TokenLogprobs, gather_logprobs, sample, token_logprobs
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
 from nvcli.kernels.kv_layout import allocate_kv_cache
@@ -53,12 +53,16 @@ COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 # ~27 ms against ~8 ms of GPU work (RESULTS session 23). NV_SPLIT_MIXED=0 / NV_MIXED_GRAPHS=0 turn either off.
 SPLIT_MIXED = os.environ.get("NV_SPLIT_MIXED", "1") != "0"
 MIXED_GRAPHS = os.environ.get("NV_MIXED_GRAPHS", "1") != "0"
+# prompt_logprobs: the LM head runs over at most this many bytes of float32 logits at a time
+PROMPT_LOGITS_CHUNK_BYTES = 128 << 20
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # Token-level columns of a step: lists for decode steps (one token per sequence, where Python lists are
 # cheapest), numpy int64 arrays for steps that carry prompt chunks (16k tokens: per-token Python costs ms).
 Ints = list[int] | np.ndarray
+# The final norm's inputs of some rows: (hidden, residual) [rows, hidden] each; residual None under the deferred norm
+Final = tuple[torch.Tensor, torch.Tensor | None]
 
 
 @dataclass
@@ -76,6 +80,8 @@ class StepInput:
     pending: list[tuple[int, int]] = field(default_factory=list)
     # A step with prompt chunks: its leading sequences that compute one token each (decode kernel rows)
     num_decode_rows: int = 0
+    # Token rows whose logits are wanted besides each sequence's last (prompt_logprobs), in the batch's span order
+    logit_rows: Ints = field(default_factory=list)
 
 
 def _feeding_row(seq: Sequence, prev_rows: dict[int, int] | None) -> int:
@@ -136,7 +142,12 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
         table = np.asarray(seq.block_table[start // block_size : (end - 1) // block_size + 1], dtype=np.int64)
         slots[rows] = table[pos // block_size - start // block_size] * block_size + pos % block_size
         seq_lens.append(end)
-    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending, d)
+    logit_rows: Ints = []
+    if batch.prompt_logit_spans:  # position p of sequence i sits at row qsl[i] + p - start[i]
+        logit_rows = np.concatenate([np.arange(qsl[i] + lo - batch.start[i], qsl[i] + hi - batch.start[i])
+                                     for i, lo, hi in batch.prompt_logit_spans])
+    return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending, d,
+                     logit_rows)
 
 
 @dataclass
@@ -150,6 +161,16 @@ class StepHandle:
     row_of: dict[int, int]  # seq_id -> row, for the next step's pending inputs
     logits: torch.Tensor | None  # kept only when some row asked for logprobs
     sampling: SamplingBatch | None
+    prompt_logprobs: TokenLogprobs | None = None  # of the batch's prompt_logit_spans, in order
+
+
+@dataclass
+class StepResult:
+    """What a collected step hands the engine."""
+
+    tokens: list[int]  # per batch row
+    logprobs: list[dict[int, Logprob] | None]  # per batch row; None where not asked for
+    prompt_logprobs: list[list[dict[int, Logprob]]]  # per entry of the batch's prompt_logit_spans
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -567,12 +588,16 @@ class ModelRunner:
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     @torch.inference_mode()
-    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, step: StepInput) -> Final:
         """The last token of each sequence: the final norm's inputs (hidden, residual), [num_seqs, hidden] each
         (residual None where the model returns the residual stream itself: deferred norm, models/llama.py)."""
+        return self._forward_rows(step)[0]
+
+    def _forward_rows(self, step: StepInput) -> tuple[Final, Final | None]:
+        """_forward's rows, and the same of `step.logit_rows` ([len(logit_rows), hidden] each; None without)."""
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
-            return self._replay_graph(step)
+            return self._replay_graph(step), None
         tokens = self._mixed_graph_for(step) if self.mixed_graphs and not step.decode_only else 0
         if tokens:
             return self._replay_mixed_graph(step, tokens)
@@ -580,9 +605,21 @@ class ModelRunner:
         self._feed_back(input_ids, step)
         hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
         if step.decode_only:  # one token per sequence: every row is a last token
-            return hidden, residual
-        last = meta.query_start_loc[1:].long() - 1
-        return hidden[last], residual[last] if residual is not None else None
+            return (hidden, residual), None
+        return _rows((hidden, residual), meta.query_start_loc[1:].long() - 1), self._logit_rows((hidden, residual), step)
+
+    def _logit_rows(self, final: Final, step: StepInput) -> Final | None:
+        if not len(step.logit_rows):
+            return None
+        return _rows(final, upload(torch.from_numpy(np.asarray(step.logit_rows, dtype=np.int64)), self.device))
+
+    def _prompt_logit_chunks(self, rows: Final) -> Iterator[torch.Tensor]:
+        """Logits [<= chunk, vocab] of `rows`, a bounded chunk at a time: a 16k-token prompt step's logits in one
+        piece would take 10 GB in float32. Every TP rank runs the same chunks (the LM head gathers the vocab)."""
+        hidden, residual = rows
+        chunk = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size))
+        for a in range(0, hidden.shape[0], chunk):
+            yield self.model.compute_logits(hidden[a : a + chunk], None if residual is None else residual[a : a + chunk])
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInput) -> torch.Tensor:
@@ -592,15 +629,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> None:
         """A tensor-parallel worker's share of a step (rank 0 runs `launch`)."""
-        self.model.compute_logits(*self._forward(step))  # the vocab-parallel gather needs every rank
+        final, extra = self._forward_rows(step)
+        self.model.compute_logits(*final)  # the vocab-parallel gather needs every rank
         if self.broadcast_tokens:  # rank 0's sampled tokens, for the next step's pending inputs
             self.prev_tokens = torch.empty(len(step.seq_lens), dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(self.prev_tokens, src=0)
+        for _ in self._prompt_logit_chunks(extra) if extra is not None else ():  # rank 0 runs them after the broadcast
+            pass
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, step: StepInput) -> StepHandle:
         """Enqueue forward and sampling (rank 0); returns before the device is done."""
-        logits = self.model.compute_logits(*self._forward(step))  # [num_seqs, vocab] in the model dtype; the sampler upcasts
+        final, extra = self._forward_rows(step)
+        logits = self.model.compute_logits(*final)  # [num_seqs, vocab] in the model dtype; the sampler upcasts
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
@@ -623,17 +664,29 @@ class ModelRunner:
             done.record()
         else:
             host = tokens
+        prompt_lp = None
+        if extra is not None:  # behind the tokens' copy: the next step's inputs do not wait for the prompt logprobs
+            targets, ks = _prompt_logprob_targets(batch)
+            prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(ks), self.device)
         return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)},
-                          logits if want_logprobs else None, sb if want_logprobs else None)
+                          logits if want_logprobs else None, sb if want_logprobs else None, prompt_lp)
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a launched step; its tokens (and logprobs where asked)."""
         if handle.done is not None:
             handle.done.synchronize()
         tokens = handle.tokens_host.tolist()
-        if handle.logits is None:
-            return tokens, [None] * len(tokens)
-        return tokens, gather_logprobs(handle.logits, handle.tokens, handle.sampling)
+        logprobs = ([None] * len(tokens) if handle.logits is None
+                    else gather_logprobs(handle.logits, handle.tokens, handle.sampling))
+        prompt_logprobs = []
+        if handle.prompt_logprobs is not None:
+            spans = handle.batch.prompt_logit_spans
+            entries = handle.prompt_logprobs.entries(
+                [handle.batch.seqs[i].sampling_params.prompt_logprobs or 0 for i, lo, hi in spans for _ in range(lo, hi)])
+            for _, lo, hi in spans:
+                prompt_logprobs.append(entries[: hi - lo])
+                entries = entries[hi - lo :]
+        return StepResult(tokens, logprobs, prompt_logprobs)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -832,9 +885,9 @@ class ModelRunner:
         d_cap, p_cap = self._mixed_capacity(tokens)
         return tokens if d <= d_cap and len(step.seq_lens) - d <= p_cap else 0
 
-    def _replay_mixed_graph(self, step: StepInput, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay_mixed_graph(self, step: StepInput, tokens: int) -> tuple[Final, Final | None]:
         """Stage a step with prompt chunks into the buffers of the mixed graph of `tokens` rows and replay it;
-        (hidden, residual) of each sequence's last row."""
+        (hidden, residual) of each sequence's last row, and of step.logit_rows (None without)."""
         num_tokens, num_seqs, d = len(step.input_ids), len(step.seq_lens), step.num_decode_rows
         d_cap, p_cap = self._mixed_capacity(tokens)
         p = num_seqs - d
@@ -873,9 +926,24 @@ class ModelRunner:
             m["pre_tables"][:p, :width].copy_(stage["pre_tables"][:p, :width], non_blocking=True)
         self._feed_back(m["i64"][0], step)
         self.mixed_graphs[tokens].replay()
-        hidden, residual = self.mixed_outputs[tokens]
-        last = m["last"][:num_seqs]
-        return hidden.index_select(0, last), residual.index_select(0, last) if residual is not None else None
+        outputs = self.mixed_outputs[tokens]
+        return _rows(outputs, m["last"][:num_seqs]), self._logit_rows(outputs, step)
+
+
+def _rows(final: Final, index: torch.Tensor) -> Final:
+    hidden, residual = final
+    return hidden.index_select(0, index), None if residual is None else residual.index_select(0, index)
+
+
+def _prompt_logprob_targets(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+    """The prompt token each position of the batch's prompt_logit_spans predicts, and each span's k."""
+    targets: list[int] = []
+    ks: list[int] = []
+    for i, lo, hi in batch.prompt_logit_spans:
+        seq = batch.seqs[i]
+        targets.extend(seq.token_ids[lo + 1 : hi + 1])
+        ks.append(seq.sampling_params.prompt_logprobs or 0)
+    return targets, ks
 
 
 def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:

@@ -17,6 +17,7 @@ logits. Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflo
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -153,19 +154,51 @@ def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingB
     out: list[dict[int, Logprob] | None] = [None] * len(batch.num_logprobs)
     if not rows:
         return out
-    token_ids = tokens.tolist()  # one device read, not one per row
     idx = torch.tensor(rows, device=logits.device)
-    logp = torch.log_softmax(logits[idx].float(), dim=-1)
-    chosen_t = logp.gather(1, tokens[idx].unsqueeze(1))  # [rows, 1]
-    chosen = chosen_t.squeeze(1).tolist()
-    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()  # vLLM's rank: 1 + tokens strictly more likely
-    max_n = max(batch.num_logprobs[i] or 0 for i in rows)
-    top_vals, top_ids = (logp.topk(max_n, dim=-1) if max_n else (None, None))
-    for j, i in enumerate(rows):
-        entry = {token_ids[i]: Logprob(chosen[j], ranks[j])}
-        n = batch.num_logprobs[i] or 0
-        if n:
-            for r, (t, v) in enumerate(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()), start=1):
-                entry.setdefault(t, Logprob(v, r))
+    ks = [batch.num_logprobs[i] or 0 for i in rows]
+    found = token_logprobs([logits[idx]], tokens[idx], max(ks), logits.device)
+    for i, entry in zip(rows, found.entries(ks)):
         out[i] = entry
     return out
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of given tokens, their ranks and each row's top-k, still on the device (read by `entries`)."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    chosen: torch.Tensor  # [rows] float32
+    ranks: torch.Tensor  # [rows] int64
+    top_values: torch.Tensor  # [rows, k] float32
+    top_ids: torch.Tensor  # [rows, k] int64
+
+    def entries(self, ks: list[int]) -> list[dict[int, Logprob]]:
+        """Per row: {token: Logprob} with the given token first, then its row's top ks[row] (vLLM's layout; the
+        given token keeps its own rank where it is among them)."""
+        token_ids, chosen, ranks = self.token_ids.tolist(), self.chosen.tolist(), self.ranks.tolist()
+        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        out = []
+        for row, k in enumerate(ks):
+            entry = {token_ids[row]: Logprob(chosen[row], ranks[row])}
+            for r, (t, v) in enumerate(zip(top_ids[row][:k], top_values[row][:k]), start=1):
+                entry.setdefault(t, Logprob(v, r))
+            out.append(entry)
+        return out
+
+
+def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor | list[int], k: int,
+                   device: torch.device) -> TokenLogprobs:
+    """Log-softmax of each row's logits at `token_ids` [rows], the rank there (vLLM's: 1 + tokens strictly more
+    likely) and the row's top k, for rows that come as chunks of logits [chunk, vocab] in order."""
+    if not isinstance(token_ids, torch.Tensor):
+        token_ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
+    parts: list[tuple[torch.Tensor, ...]] = []
+    a = 0
+    for chunk in logit_chunks:
+        logp = torch.log_softmax(chunk.float(), dim=-1)  # [chunk, vocab]
+        chosen = logp.gather(1, token_ids[a : a + chunk.shape[0]].unsqueeze(1))  # [chunk, 1]
+        top_values, top_ids = logp.topk(k, dim=-1)  # [chunk, k]
+        parts.append((chosen.squeeze(1), (logp > chosen).sum(dim=-1) + 1, top_values, top_ids))
+        a += chunk.shape[0]
+    chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
+    return TokenLogprobs(token_ids, chosen, ranks, top_values, top_ids)

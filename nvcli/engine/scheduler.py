@@ -30,6 +30,8 @@ class ScheduledBatch:
     start: list[int] = field(default_factory=list)  # first token index computed, per sequence
     sample_index: list[int] = field(default_factory=list)  # token index sampled, or -1 (prompt chunk)
     is_decode_only: bool = False
+    # prompt_logprobs: (batch index, first position, end position) of prompt positions whose logits this step keeps
+    prompt_logit_spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_single_token_rows(self) -> int:
@@ -114,7 +116,8 @@ class Scheduler:
             seq = self.waiting[0]
             if PENDING in seq.token_ids[-2:]:
                 break  # preempted while its token was in flight: readmit once the token is known
-            cached = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            # prompt_logprobs need every prompt position's logits: such a prompt is computed, not read from the cache
+            cached = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 and not seq.needs_prompt_logits else []
             remaining = seq.num_tokens - len(cached) * bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
@@ -145,7 +148,13 @@ class Scheduler:
         batch.is_decode_only = bool(seqs) and all(
             n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(seqs, counts)
         )
-        for seq, n in zip(seqs, counts):
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            if seq.needs_prompt_logits:
+                lo = max(seq.num_computed_tokens, seq.num_prompt_logprobs_scheduled)
+                hi = min(seq.num_computed_tokens + n, seq.num_prompt_logprobs_wanted)
+                if hi > lo:
+                    batch.prompt_logit_spans.append((i, lo, hi))
+                    seq.num_prompt_logprobs_scheduled = hi
             batch.start.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:

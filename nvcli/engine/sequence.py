@@ -51,6 +51,12 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] = []
+        # prompt_logprobs: positions 0..wanted-1 each predict the prompt token after them. `scheduled` counts the
+        # positions a step has been given already (results come back in step order), so a recomputed prompt
+        # (preemption) or a later chunk does not ask for them twice.
+        self.num_prompt_logprobs_wanted = 0
+        self.num_prompt_logprobs_scheduled = 0
+        self.prompt_logprobs: list[dict[int, Logprob]] = []
         # token ids the sampler must not draw while the output is shorter than min_tokens (EOS and stop ids)
         self.min_tokens_banned: tuple[int, ...] = ()
 
@@ -76,6 +82,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Some prompt position still needs its logits computed (prompt_logprobs): the prompt cannot come from the
+        prefix cache."""
+        return self.num_prompt_logprobs_scheduled < self.num_prompt_logprobs_wanted
 
     @property
     def stop_token_ended(self) -> bool:

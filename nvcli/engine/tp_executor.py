@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import ModelRunner, StepHandle, StepInput, build_step_input
+from nvcli.engine.model_runner import ModelRunner, StepHandle, StepInput, StepResult, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
-from nvcli.outputs import Logprob
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -41,7 +40,7 @@ CMD_STEP, CMD_EXIT = 1, 2
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process exited; the job cannot go on."""
-_HEADER = 8  # int32 words: cmd, decode_only, num_tokens, num_seqs, width, 3 spare
+_HEADER = 8  # int32 words: cmd, decode_only, num_tokens, num_seqs, width, pending, decode rows, logit rows
 
 
 def free_port() -> int:
@@ -54,13 +53,14 @@ def channel_words(config: EngineConfig) -> int:
     max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
     max_blocks = -(-(config.max_model_len or 0) // config.kvcache_block_size) + 1
     seqs = config.max_num_seqs
-    return _HEADER + 3 * max_tokens + 2 * seqs + 1 + seqs * max_blocks + 2 * seqs
+    return _HEADER + 4 * max_tokens + 2 * seqs + 1 + seqs * max_blocks + 2 * seqs
 
 
 def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     n, s = len(step.input_ids), len(step.seq_lens)
     width = max(len(b) for b in step.block_tables)
-    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, len(step.pending), step.num_decode_rows, 0)
+    buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, len(step.pending), step.num_decode_rows,
+                     len(step.logit_rows))
     o = _HEADER
     for arr in (step.input_ids, step.positions, step.slot_mapping):
         buf[o : o + n] = arr
@@ -76,10 +76,12 @@ def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     o += s * width
     if step.pending:
         buf[o : o + 2 * len(step.pending)] = [x for pair in step.pending for x in pair]
+    o += 2 * len(step.pending)
+    buf[o : o + len(step.logit_rows)] = step.logit_rows
 
 
 def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
-    cmd, decode_only, n, s, width, num_pending, num_decode_rows = (int(x) for x in buf[:7])
+    cmd, decode_only, n, s, width, num_pending, num_decode_rows, num_logit_rows = (int(x) for x in buf[:_HEADER])
     if cmd != CMD_STEP:
         return cmd, None
     o = _HEADER
@@ -93,7 +95,10 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
     o += s * width
     flat = buf[o : o + 2 * num_pending].tolist()
     pending = list(zip(flat[0::2], flat[1::2]))
-    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only), pending, num_decode_rows)
+    o += 2 * num_pending
+    logit_rows = buf[o : o + num_logit_rows].tolist()
+    return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only), pending, num_decode_rows,
+                          logit_rows)
 
 
 def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
@@ -219,7 +224,7 @@ class TensorParallelExecutor:
             self._worker_died(e)
             raise
 
-    def collect(self, handle: StepHandle) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def collect(self, handle: StepHandle) -> StepResult:
         try:
             return self.runner.collect(handle)
         except Exception as e:

@@ -1,11 +1,14 @@
 """Build output lines: native results, OpenAI Batch results, and error lines of both shapes.
 
 Native:  {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}
-         (+ "token_ids", + "logprobs" when asked for); with n > 1 the per-completion fields move into
-         "outputs": [{"index", "text", "finish_reason", ...}, ...] and usage counts every completion's tokens
+         (+ "token_ids", + "logprobs", + "prompt_logprobs" when asked for); with n > 1 the per-completion fields
+         move into "outputs": [{"index", "text", "finish_reason", ...}, ...] and usage counts every completion's
+         tokens. "prompt_logprobs" has the logprobs' shape, one entry per prompt token, null for the first.
 OpenAI:  {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}
          with body a chat.completion / text_completion object, or {"error": {...}} and
-         status_code 400 for a line that cannot be served.
+         status_code 400 for a line that cannot be served. "prompt_logprobs" (vLLM's extension: null, then
+         {token_id: {"logprob", "rank", "decoded_token"}} per prompt token) sits in each completion choice, and
+         at the top of a chat.completion body.
 Errors:  {"id", "error": {"type", "message"}} for native lines.
 """
 
@@ -47,6 +50,9 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
             line.update(completions[0])
         else:  # n > 1: one entry per completion, in index order
             line["outputs"] = [{"index": comp.index, **c} for comp, c in zip(out.outputs, completions)]
+        if out.prompt_logprobs is not None:
+            line["prompt_logprobs"] = [None, *_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:],  # type: ignore[arg-type]
+                                                               req.sampling_params.prompt_logprobs or 0, ctx)]
         line["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen}
         return line
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -69,6 +75,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
             }
         if req.return_token_ids:
             choice["token_ids"] = list(comp.token_ids)
+        if req.shape != CHAT and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs, ctx)
         choices.append(choice)
     obj, prefix = ("chat.completion", "chatcmpl") if req.shape == CHAT else ("text_completion", "cmpl")
     body = {
@@ -79,6 +87,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
         "choices": choices,
         "usage": usage,
     }
+    if req.shape == CHAT and out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs, ctx)
     return _envelope(req.id, req.custom_id, 200, body)
 
 
@@ -129,6 +139,13 @@ def _native_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int
             ]
         out.append(item)
     return out
+
+
+def _vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None], ctx: FormatContext) -> list[dict | None]:
+    """vLLM's OpenAI server shape: per prompt token None or {token_id: {"logprob", "rank", "decoded_token"}}."""
+    return [None if entry is None else
+            {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": _token_str(t, ctx, v)} for t, v in entry.items()}
+            for entry in entries]
 
 
 def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> dict:

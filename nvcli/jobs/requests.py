@@ -50,13 +50,14 @@ SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
     "include_stop_str_in_output",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
 )
-_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 _NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids")
 # Body fields of OpenAI requests that we accept and ignore (no effect on generation).
 _OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls")
@@ -224,7 +225,7 @@ def _parse_openai_body(
     common = (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
         "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
-        "frequency_penalty", "repetition_penalty",
+        "frequency_penalty", "repetition_penalty", "prompt_logprobs",
     )
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs"}
     if shape == CHAT:

@@ -99,7 +99,7 @@ def test_tp2_async_with_preemption_and_chunked_prefill(tiny_model_dir) -> None:
 def test_a_step_with_prompt_chunks_reaches_the_workers_whole() -> None:
     """Rank 0 ships each step to the workers through shared memory: a step with one-token rows ahead of prompt
     chunks must arrive with its decode-row count (the workers split attention on it, in the same CUDA graph as
-    rank 0), its in-flight token rows, and every row's ids, positions, slots, lengths and block table."""
+    rank 0), its in-flight token rows, the rows whose logits it keeps, and every row's ids, positions, slots, lengths and block table."""
     import numpy as np
 
     from nvcli.config import EngineConfig
@@ -112,7 +112,7 @@ def test_a_step_with_prompt_chunks_reaches_the_workers_whole() -> None:
                      slot_mapping=np.array([88, 34, 195, 300, 301, 302, 303], dtype=np.int64),
                      query_start_loc=[0, 1, 2, 3, 7], seq_lens=[41, 19, 100, 4],
                      block_tables=[[5, 2, 5], [1, 2], [9, 8, 7, 6, 5, 4, 3], [18]], decode_only=False,
-                     pending=[(0, 2), (2, 0)], num_decode_rows=3)
+                     pending=[(0, 2), (2, 0)], num_decode_rows=3, logit_rows=np.array([3, 4, 5], dtype=np.int64))
     buf = np.full(channel_words(config), -7, dtype=np.int32)  # stale words from an earlier, longer step
     pack_step(buf, step)
     cmd, got = unpack_step(buf)
@@ -121,4 +121,5 @@ def test_a_step_with_prompt_chunks_reaches_the_workers_whole() -> None:
     assert list(got.slot_mapping) == list(step.slot_mapping)
     assert (got.query_start_loc, got.seq_lens) == (step.query_start_loc, step.seq_lens)
     assert (got.decode_only, got.pending, got.num_decode_rows) == (False, step.pending, 3)
+    assert list(got.logit_rows) == [3, 4, 5]  # prompt_logprobs rows: every rank runs their LM head
     assert [row[: len(b)] for row, b in zip(got.block_tables, step.block_tables)] == step.block_tables
