@@ -196,6 +196,45 @@ def test_prompt_logprobs_score_every_prompt_token(model):
     assert len(line["prompt_logprobs"]) == line["usage"]["prompt_tokens"]
 
 
+def test_completions_echo_scores_the_prompt(model):
+    """/v1/completions with echo (how lm-eval-harness scores a continuation): the prompt leads the text and the
+    logprobs, its first token without one; max_tokens 0 returns the prompt alone and counts no completion tokens.
+    echo on a chat line and max_tokens 0 without echo are error lines."""
+    def completion(custom_id: str, **body) -> dict:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+    prompt = "The cat sat on the mat"
+    data = "".join(json.dumps(x) + "\n" for x in [
+        completion("score", prompt=prompt, max_tokens=0, echo=True, logprobs=1),
+        completion("continue", prompt=prompt, max_tokens=3, echo=True, logprobs=0),
+        completion("plain", prompt=prompt, max_tokens=3, logprobs=0),
+        {"id": "native", "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "echo": True}},
+        completion("zero", prompt=prompt, max_tokens=0),
+    ])
+    r = nv(model, "-", "-q", "--ignore-eos", input=data)
+    assert r.exit_code == 1 and "2 lines failed" in r.stderr
+    score, cont, plain, native, chat, zero = jsonl(r.stdout)
+    body = score["response"]["body"]
+    choice = body["choices"][0]
+    n_prompt = body["usage"]["prompt_tokens"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == n_prompt and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e["logprob"] for e in native["prompt_logprobs"][1:]], abs=1e-5)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    plain_choice = plain["response"]["body"]["choices"][0]
+    cont_choice = cont["response"]["body"]["choices"][0]
+    assert cont_choice["text"] == prompt + plain_choice["text"]
+    assert cont_choice["logprobs"]["token_logprobs"][n_prompt:] == plain_choice["logprobs"]["token_logprobs"]
+    assert len(cont_choice["logprobs"]["tokens"]) == n_prompt + 3
+    assert chat["response"]["status_code"] == 400 and "echo" in chat["response"]["body"]["error"]["message"]
+    assert zero["response"]["status_code"] == 400 and "max_tokens" in zero["response"]["body"]["error"]["message"]
+
+
 def test_ordered_and_unordered_agree_by_id(model, tmp_path):
     src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
                                         for i in range(16)])

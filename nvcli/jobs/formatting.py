@@ -41,7 +41,7 @@ def error_line(err: LineError) -> dict[str, Any]:
 
 def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[str, Any]:
     n_prompt = len(out.prompt_token_ids)
-    n_gen = sum(len(c.token_ids) for c in out.outputs)
+    n_gen = 0 if req.echo_prompt_only else sum(len(c.token_ids) for c in out.outputs)
     k = req.sampling_params.logprobs
     if req.shape == NATIVE:
         line: dict[str, Any] = {"id": req.id}
@@ -66,6 +66,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
                 "logprobs": _chat_logprobs(comp.token_ids, comp.logprobs, k, ctx) if want_lp else None,  # type: ignore[arg-type]
                 "finish_reason": comp.finish_reason,
             }
+        elif req.echo:
+            choice = _echo_choice(req, out, comp, ctx)
         else:
             choice = {
                 "index": comp.index,
@@ -166,14 +168,39 @@ def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, 
     return {"content": content}
 
 
-def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> dict:
+def _echo_choice(req: Request, out: RequestOutput, comp: CompletionOutput, ctx: FormatContext) -> dict[str, Any]:
+    """/v1/completions with echo: the prompt's text (and tokens, first without a logprob) lead the completion's; with
+    max_tokens 0 the prompt alone (vLLM's echo)."""
+    prompt_text = out.prompt
+    if prompt_text is None:  # a token-id prompt
+        prompt_text = ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
+    ids: list[int] = list(out.prompt_token_ids)
+    lps: list[dict[int, Logprob] | None] = list(out.prompt_logprobs or [None] * len(ids))
+    text = prompt_text
+    if not req.echo_prompt_only:
+        ids += comp.token_ids
+        lps += comp.logprobs or [None] * len(comp.token_ids)
+        text += comp.text
+    k = req.sampling_params.logprobs
+    return {
+        "index": comp.index,
+        "text": text,
+        "logprobs": _completion_logprobs(ids, lps, k, ctx) if k is not None else None,
+        "finish_reason": "length" if req.echo_prompt_only else comp.finish_reason,
+    }
+
+
+def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob] | None], k: int, ctx: FormatContext
+                         ) -> dict:
+    """OpenAI's legacy logprobs object; a None entry (an echoed prompt's first token) has no logprob."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = 0
     for tid, entry in zip(token_ids, lps, strict=False):
-        tok = _token_str(tid, ctx, entry.get(tid))
+        tok = _token_str(tid, ctx, None if entry is None else entry.get(tid))
         tokens.append(tok)
-        token_lps.append(_lp(entry, tid))
-        tops.append({_token_str(t, ctx, v): v.logprob for t, v in _top(entry, k)} if k > 0 else None)
+        token_lps.append(None if entry is None else _lp(entry, tid))
+        tops.append({_token_str(t, ctx, v): v.logprob for t, v in _top(entry, k)} if k > 0 and entry is not None
+                    else None)
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

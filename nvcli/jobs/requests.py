@@ -66,7 +66,6 @@ _OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_optio
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -99,6 +98,8 @@ class Request:
     custom_id: str | None = None
     return_token_ids: bool = False
     ordinal: int = -1  # position among output lines, assigned by the reader
+    echo: bool = False  # /v1/completions: the prompt leads the text (and, with logprobs, the logprobs)
+    echo_prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not returned (vLLM's)
 
 
 @dataclass
@@ -227,7 +228,7 @@ def _parse_openai_body(
         "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "prompt_logprobs",
     )
-    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs"}
+    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs", "echo"}
     if shape == CHAT:
         known |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
     else:
@@ -238,7 +239,10 @@ def _parse_openai_body(
         if value is not None and not any(_same_json(value, v) for v in neutral):
             raise _Invalid(f"body.{name}={value!r} is not supported by nv (leave it out)")
     overrides = {k: body[k] for k in common if k in body and body[k] is not None}
+    echo = _bool(body, "echo", False, prefix="body.")
     if shape == CHAT:
+        if echo:
+            raise _Invalid("body.echo is supported for /v1/completions only")
         if body.get("max_completion_tokens") is not None:
             overrides["max_tokens"] = body["max_completion_tokens"]
         lp, top = body.get("logprobs"), body.get("top_logprobs")
@@ -253,7 +257,15 @@ def _parse_openai_body(
     else:
         if body.get("logprobs") is not None:
             overrides["logprobs"] = body["logprobs"]
+            if echo:  # the echoed prompt's tokens get logprobs too (vLLM: prompt_logprobs = logprobs)
+                overrides["prompt_logprobs"] = body["logprobs"]
+        zero = overrides.get("max_tokens")
+        # scoring a prompt: lm-eval-harness asks this way
+        prompt_only = echo and type(zero) in (int, float) and zero == 0
+        if prompt_only:
+            overrides["max_tokens"] = 1
         req = Request(line_no, rid, id_key(rid), COMPLETION, _sampling(defaults, overrides, prefix="body."))
+        req.echo, req.echo_prompt_only = echo, prompt_only
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one

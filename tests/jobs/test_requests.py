@@ -126,10 +126,34 @@ def test_penalties_reach_the_sampling_params_in_every_shape():
         assert (r.sampling_params.frequency_penalty, r.sampling_params.presence_penalty) == (0.5, 0.1)
 
 
+def test_completions_echo_asks_for_the_prompts_logprobs():
+    """echo with logprobs scores the prompt too (vLLM: prompt_logprobs = logprobs); max_tokens 0 with echo generates
+    one token that the answer leaves out; echo is a /v1/completions knob only, and a boolean."""
+    def body_of(**body) -> Request | LineError:
+        return parse({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", **body}})
+
+    r = body_of(echo=True, max_tokens=0, logprobs=2)
+    assert isinstance(r, Request), r
+    assert (r.echo, r.echo_prompt_only, r.sampling_params.max_tokens) == (True, True, 1)
+    assert (r.sampling_params.logprobs, r.sampling_params.prompt_logprobs) == (2, 2)
+    r = body_of(echo=True, max_tokens=4)
+    assert isinstance(r, Request) and r.echo and not r.echo_prompt_only and r.sampling_params.prompt_logprobs is None
+    r = body_of(echo=False, max_tokens=0)
+    assert isinstance(r, LineError) and "max_tokens" in r.message
+    r = body_of(echo=0)
+    assert isinstance(r, LineError) and "body.echo must be true or false" in r.message
+    r = parse({"custom_id": "c", "url": "/v1/chat/completions",
+               "body": {"messages": [{"role": "user", "content": "x"}], "echo": True}})
+    assert isinstance(r, LineError) and "/v1/completions only" in r.message
+    r = parse({"custom_id": "c", "url": "/v1/chat/completions",
+               "body": {"messages": [{"role": "user", "content": "x"}], "echo": False}})
+    assert isinstance(r, Request)
+
+
 @pytest.mark.parametrize("field,value,ok", [
     ("tool_choice", "none", True), ("tool_choice", "auto", False),
     ("response_format", {"type": "text"}, True), ("response_format", {"type": "json_object"}, False),
-    ("echo", False, True), ("echo", 0, False), ("logit_bias", {}, True), ("logit_bias", {"5": 1}, False),
+    ("logit_bias", {}, True), ("logit_bias", {"5": 1}, False),
     ("tools", [], True), ("best_of", 1, True), ("best_of", 2, False),
 ])
 def test_openai_knobs_nv_lacks_are_accepted_at_their_neutral_values(field, value, ok):
