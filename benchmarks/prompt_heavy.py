@@ -84,12 +84,13 @@ def reader_rate(tokenizer: Any, lines: list[bytes]) -> tuple[float, float]:
     return len(lines) / dt, engine.prompt_tokens / dt
 
 
-def engine_job(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+def engine_job(engine: Any, prompts: list[list[int]], max_tokens: int, prompt_logprobs: int | None = None
+               ) -> tuple[float, float]:
     """The same prompts straight into the engine's step loop (no reader, writer or dashboard threads): how fast
     the engine alone turns them over, and where the host's time goes. Returns (seconds, prompt tok/s)."""
     from nvcli.sampling_params import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     before = step_counters(engine)
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--reader-only", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                    help="score every prompt token (a perplexity job); the engine kind alone times it")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after the timed repeats, run the engine kind once more under cProfile and print its N "
                          "costliest functions")
@@ -167,7 +170,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for k in kinds:
             if k == "engine":
-                rows[k].append(engine_job(engine, prompt_ids, args.max_tokens))
+                rows[k].append(engine_job(engine, prompt_ids, args.max_tokens, args.prompt_logprobs))
                 continue
             sink = io.BytesIO()
             before = step_counters(engine)

@@ -124,6 +124,33 @@ def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.
     assert got == want
 
 
+def test_prompt_logprobs_from_mixed_graphs_match_cpu(tiny_model_dir) -> None:
+    """prompt_logprobs read their rows from the mixed graphs' outputs: float32 on the GPU gives the CPU's prompt
+    logprobs and top alternatives, steps replayed from the graphs included."""
+    model_dir = tiny_model_dir("qwen3")
+    common = dict(max_model_len=512, max_num_seqs=2, max_num_batched_tokens=256, num_kvcache_blocks=256)
+    params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, prompt_logprobs=2) for p in PARAMS]
+    cpu = LLM(str(model_dir), device="cpu", **common)
+    try:
+        want = cpu.generate(PROMPTS, params)
+    finally:
+        cpu.shutdown()
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", **common)
+    try:
+        got = llm.generate(PROMPTS, params)
+        assert llm.engine.executor.runner.num_mixed_replays > 0
+    finally:
+        llm.shutdown()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) and g.prompt_logprobs[0] is None
+        for ge, we in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert list(ge)[0] == list(we)[0]  # the prompt's own token
+            assert set(ge) == set(we)
+            for t in we:
+                assert ge[t].logprob == pytest.approx(we[t].logprob, abs=1e-3)
+
+
 def test_fp8_steps_with_prompt_chunks_match_one_prefill_kernel(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 cache (32-token pages, V sealed dims-major when full) through the same admissions: the mixed graphs'
     split attention gives the tokens of the old path, every row on the prefill kernel (both read the same
