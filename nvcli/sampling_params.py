@@ -25,6 +25,10 @@ class SamplingParams:
     `presence_penalty` is subtracted once from every token already generated, `frequency_penalty` once per
     occurrence; `repetition_penalty` (HF / CTRL) divides a positive logit, or multiplies a negative one, of every
     token in the prompt or the output. Logprobs stay those of the model's own logits.
+
+    `logit_bias` ({token id: bias}, OpenAI's and vLLM's) is added to those tokens' logits before the penalties (vLLM V1's
+    order). A bias outside [-100, 100] is clamped to it, as vLLM does (`SamplingParams.from_optional`); a bias that is
+    not a finite number is an error. Token ids past the model's vocabulary are rejected when the request is added.
     """
 
     n: int = 1
@@ -45,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -93,6 +98,17 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be a number > 0 (1 means none)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of {token id: bias} or None")
+            for t, b in self.logit_bias.items():  # the offending entry, not the whole dict, in the message
+                if not _is_int(t) or t < 0:
+                    raise ValueError(f"SamplingParams.logit_bias: keys must be non-negative integer token ids "
+                                     f"(got {t!r})")
+                if not (_is_int(b) or _is_number(b)):  # _is_int first: math.isfinite(10**400) overflows
+                    raise ValueError(f"SamplingParams.logit_bias: values must be finite numbers (got {b!r} for {t})")
+            # a copy: dataclasses.replace (n > 1 completions) and the caller's own dict stay independent
+            self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
 
     @property
     def stop_list(self) -> list[str]:
@@ -104,6 +120,10 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -235,6 +235,30 @@ def test_completions_echo_scores_the_prompt(model):
     assert zero["response"]["status_code"] == 400 and "max_tokens" in zero["response"]["body"]["error"]["message"]
 
 
+def test_logit_bias_is_served_and_a_bad_one_is_its_lines_error(model):
+    """A line's logit_bias (JSON keys: strings of token ids) steers its tokens; a bias on a token id past the vocabulary
+    (refused when the request is added) or on a key that is no token id answers that line with an error, and the
+    lines around it complete."""
+    biased = {"77": 100}
+    lines = [{"id": "a", "prompt": "Hello", "max_tokens": 4, "logit_bias": biased, "return_token_ids": True},
+             {"id": "vocab", "prompt": "Hello", "logit_bias": {"77": 1, "999999999": -1}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Hello", "max_tokens": 4, "logit_bias": biased, "return_token_ids": True}},
+             {"custom_id": "key", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "logit_bias": {"hello": 5}}},
+             {"id": "plain", "prompt": "Hello", "max_tokens": 4, "return_token_ids": True}]
+    r = nv(model, "-", "--ignore-eos", "-q", input="".join(json.dumps(x) + "\n" for x in lines))
+    assert r.exit_code == 1, r.stderr  # some lines failed
+    a, vocab, b, key, plain = jsonl(r.stdout)
+    assert a["token_ids"] == [77] * 4 and "error" not in a
+    assert b["response"]["status_code"] == 200 and b["response"]["body"]["choices"][0]["text"] == a["text"]
+    assert plain["token_ids"] != [77] * 4 and plain["usage"]["completion_tokens"] == 4
+    assert vocab["error"]["type"] == "invalid_request"
+    assert "logit_bias: token id(s) 999999999 are outside the vocabulary" in vocab["error"]["message"]
+    assert key["response"]["status_code"] == 400
+    assert "body.logit_bias: keys must be token ids" in key["response"]["body"]["error"]["message"]
+
+
 def test_ordered_and_unordered_agree_by_id(model, tmp_path):
     src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
                                         for i in range(16)])

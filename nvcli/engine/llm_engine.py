@@ -192,6 +192,12 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")
+        if sampling_params.logit_bias:
+            vocab = self.model_config.vocab_size
+            outside = sorted(t for t in sampling_params.logit_bias if t >= vocab)
+            if outside:  # an index past the logits' width: the sampler's index_put_ would fail mid-step
+                shown = ", ".join(map(str, outside[:8])) + (", ..." if len(outside) > 8 else "")
+                raise ValueError(f"logit_bias: token id(s) {shown} are outside the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "

@@ -6,11 +6,14 @@ rows' logits unchanged, so their draws are too). On the CPU sampling uses the ex
 argmax(p / q) with q ~ Exp(1) picks token i with probability p_i. Either way a seeded row draws from its own seed mixed
 with the output position, so a seeded request gets the same tokens whatever shares its batch.
 
-Penalties (presence, frequency, repetition; engine/penalties.py) come first: a batch with a penalized row samples
-from a float32 copy of its logits, penalized rows rewritten in it. Every other row of that copy is its exact float32
-conversion (the fused kernels convert to float32 as they load anyway), so its draw is the one it would be without
-its neighbours. `min_tokens`: until a row has that many output tokens, its EOS and stop token ids are set to -inf
-before sampling (vLLM's min-tokens logits processor), so they are never drawn. Logprobs stay those of the model's own
+`logit_bias` comes first, then the penalties (presence, frequency, repetition; engine/penalties.py), vLLM V1's order
+(its Sampler applies the min-tokens and logit-bias logits processors, then the penalties): a batch with a biased or a
+penalized row samples from a float32 copy of its logits, those rows rewritten in it (the bias added by one
+accumulating index_put_ over its (row, token) pairs). Every other row of that copy is its exact float32 conversion
+(the fused kernels convert to float32 as they load anyway), so its draw is the one it would be without its
+neighbours. `min_tokens`: until a row has that many output tokens, its EOS and stop token ids are set to -inf
+before sampling (vLLM's min-tokens logits processor), so they are never drawn; vLLM sets them before the bias and the
+penalties, which leave -inf as it is, so setting them last here is the same. Logprobs stay those of the model's own
 logits. Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflows).
 """
 
@@ -19,7 +22,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from nvcli.engine.penalties import PenaltyBatch, apply_penalties
@@ -43,6 +48,8 @@ class SamplingBatch:
     needs_filter: bool = False  # some row uses top-k / top-p / min-p
     banned: list[tuple[int, tuple[int, ...]]] | None = None  # (row, token ids it must not draw): min_tokens
     penalties: PenaltyBatch | None = None  # the rows that sample with penalties; None if none does
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # ([K] int64 rows, [K] int64 token ids): logit_bias
+    bias_values: torch.Tensor | None = None  # [K] float32: what each (row, token) pair adds
 
     @staticmethod
     def build(params: list, positions: list[int], vocab_size: int, device: torch.device,
@@ -54,6 +61,7 @@ class SamplingBatch:
         `rng` draws the noise seeds of unseeded rows (the fused GPU sampler); seeded rows mix
         their seed with the output position instead. `banned`: (row, token ids) the row must not draw.
         `penalties`: the penalized rows and their token history (engine/penalties.py, PenaltySlots.prepare).
+        Each row's `logit_bias` goes to the device here, as (row, token, bias) triples in one upload.
         """
         temps = [0.0 if p.greedy else p.temperature for p in params]
         all_greedy = all(t == 0 for t in temps)
@@ -76,6 +84,17 @@ class SamplingBatch:
         def to(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else upload(t, device)
 
+        bias_index = bias_values = None
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            k = sum(len(b) for _, b in biased)
+            rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b) for _, b in biased])
+            tokens = np.fromiter(chain.from_iterable(b.keys() for _, b in biased), dtype=np.int64, count=k)
+            values = np.fromiter(chain.from_iterable(b.values() for _, b in biased), dtype=np.float32, count=k)
+            packed = np.concatenate([rows.view(np.uint8), tokens.view(np.uint8), values.view(np.uint8)])
+            dev = upload(torch.from_numpy(packed), device)  # one copy: int64 [2, K], then float32 [K]
+            index = dev[: 16 * k].view(torch.int64).view(2, k)
+            bias_index, bias_values = (index[0], index[1]), dev[16 * k :].view(torch.float32)
         philox = None
         if rng is not None and not all_greedy:
             by_row = dict(seeds)
@@ -86,7 +105,7 @@ class SamplingBatch:
             top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
             num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
             needs_filter=top_k is not None or top_p is not None or min_p is not None, banned=banned or None,
-            penalties=penalties,
+            penalties=penalties, bias_index=bias_index, bias_values=bias_values,
         )
 
 
@@ -94,6 +113,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     """logits [num_seqs, vocab] (any float dtype; the fused kernel reads it as is) -> token ids [num_seqs] int64.
     The caller's logits are left as they are: they give the logprobs."""
     raw = logits
+    if batch.bias_index is not None:
+        logits = logits.to(torch.float32, copy=True)  # [num_seqs, vocab]; the other rows convert exactly
+        logits.index_put_(batch.bias_index, batch.bias_values, accumulate=True)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)  # a float32 copy
     if batch.banned:

@@ -15,6 +15,7 @@ tokenization happen in the reader, so this module is testable without a model.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +57,10 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "logit_bias",
 )
+# a logit_bias key: ASCII digits (str.isdigit takes "²"), few enough for int() (it refuses over 4300)
+_TOKEN_ID = re.compile(r"[0-9]{1,32}")
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 _NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids")
 # Body fields of OpenAI requests that we accept and ignore (no effect on generation).
@@ -64,7 +68,6 @@ _OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_optio
 # OpenAI sampling knobs we do not implement: accepted only at their neutral values (None, the first, is "left out";
 # clients often send the others explicitly).
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "best_of": (1,),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -226,7 +229,7 @@ def _parse_openai_body(
     common = (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
         "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "prompt_logprobs",
+        "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs",
     )
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs", "echo"}
     if shape == CHAT:
@@ -331,6 +334,8 @@ def _messages(value: Any, prefix: str) -> list[dict[str, Any]]:
 
 def _sampling(defaults: Defaults, overrides: dict[str, Any], prefix: str = "") -> SamplingParams:
     merged = {**defaults.sampling, **overrides}
+    if isinstance(merged.get("logit_bias"), dict):
+        merged["logit_bias"] = _logit_bias(merged["logit_bias"], prefix)
     for k in _INT_FIELDS:  # 10.0 -> 10, as a lenient JSON client would
         v = merged.get(k)
         if isinstance(v, float) and math.isfinite(v) and v == int(v):
@@ -339,6 +344,18 @@ def _sampling(defaults: Defaults, overrides: dict[str, Any], prefix: str = "") -
         return SamplingParams(**merged)
     except ValueError as e:
         raise _Invalid(prefix + str(e).removeprefix("SamplingParams.")) from None
+
+
+def _logit_bias(value: dict, prefix: str) -> dict:
+    """JSON object keys are strings: {"50256": -100} -> {50256: -100}. The values are SamplingParams' to check."""
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            key = int(key)
+        elif not _is_int(key):
+            raise _Invalid(f"{prefix}logit_bias: keys must be token ids, strings of digits like \"50256\" (got {key!r})")
+        out[key] = bias
+    return out
 
 
 def _bool(obj: dict, key: str, default: bool, prefix: str = "") -> bool:

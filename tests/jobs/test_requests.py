@@ -150,10 +150,43 @@ def test_completions_echo_asks_for_the_prompts_logprobs():
     assert isinstance(r, Request)
 
 
+def test_logit_bias_reaches_the_sampling_params_in_every_shape():
+    """JSON object keys are strings: {"50256": -100} becomes {50256: -100.0} (native lines and OpenAI bodies alike);
+    {} and null are no bias; a bias past [-100, 100] is clamped, as vLLM does."""
+    cases = [({"50256": -100, "7": 2.5}, {50256: -100.0, 7: 2.5}), ({"3": 1e9}, {3: 100.0}), ({}, {}), (None, None)]
+    for value, expected in cases:
+        r = parse({"prompt": "x", "logit_bias": value})
+        assert isinstance(r, Request), r
+        assert r.sampling_params.logit_bias == expected
+        for url, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                          ("/v1/completions", {"prompt": "x"})):
+            r = parse({"custom_id": "c", "url": url, "body": {**body, "logit_bias": value}})
+            assert isinstance(r, Request), r
+            assert r.sampling_params.logit_bias == expected
+
+
+@pytest.mark.parametrize("value, why", [
+    ({"x": 1}, "keys must be token ids, strings of digits like \"50256\" (got 'x')"),
+    ({"-1": 1}, "keys must be token ids, strings of digits like \"50256\" (got '-1')"),
+    ({"1.0": 1}, "keys must be token ids, strings of digits like \"50256\" (got '1.0')"),
+    ({" 1": 1}, "keys must be token ids, strings of digits like \"50256\" (got ' 1')"),
+    ({"": 1}, "keys must be token ids, strings of digits like \"50256\" (got '')"),
+    ({"5": "a"}, "values must be finite numbers (got 'a' for 5)"),
+    ({"5": True}, "values must be finite numbers (got True for 5)"),
+    ([[5, 1]], "must be a dict of {token id: bias} or None"),
+    (5, "must be a dict of {token id: bias} or None"),
+])
+def test_a_bad_logit_bias_is_the_lines_error(value, why):
+    r = parse({"id": "a", "prompt": "x", "logit_bias": value})
+    assert isinstance(r, LineError) and r.kind == INVALID_REQUEST and r.message.startswith("logit_bias: " + why), r
+    body = {"messages": [{"role": "user", "content": "x"}], "logit_bias": value}
+    r = parse({"custom_id": "c", "url": "/v1/chat/completions", "body": body})
+    assert isinstance(r, LineError) and r.kind == INVALID_REQUEST and r.message.startswith("body.logit_bias: " + why), r
+
+
 @pytest.mark.parametrize("field,value,ok", [
     ("tool_choice", "none", True), ("tool_choice", "auto", False),
     ("response_format", {"type": "text"}, True), ("response_format", {"type": "json_object"}, False),
-    ("logit_bias", {}, True), ("logit_bias", {"5": 1}, False),
     ("tools", [], True), ("best_of", 1, True), ("best_of", 2, False),
 ])
 def test_openai_knobs_nv_lacks_are_accepted_at_their_neutral_values(field, value, ok):

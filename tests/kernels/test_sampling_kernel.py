@@ -198,3 +198,26 @@ def test_penalized_neighbours_leave_the_fused_draws_of_other_rows_unchanged(monk
         assert with_penalty[0] == penalized.argmax().item()
         drawn.append(without[2])
     assert len(set(drawn)) > 1  # the seeds matter
+
+
+def test_logit_bias_in_front_of_the_fused_kernel(monkeypatch) -> None:
+    """A biased row sends its batch to the fused kernel as a float32 copy with the bias added: +100 makes a greedy
+    row pick its token, -100 takes a seeded row's favourite away, and the unbiased rows (bf16) draw what they draw
+    with no biased neighbour."""
+    from nvcli.sampling_params import SamplingParams as SP
+
+    torch.manual_seed(5)
+    logits = (torch.randn(4, 64) * 2).bfloat16()
+    logits[2, 9] = 20.0  # row 2's favourite, by far
+    low = logits[0].float().argmin().item()
+    drawn = []
+    for seed in range(12):
+        plain = [SP(temperature=0.0), SP(temperature=1.0, seed=seed)]
+        biased = [SP(temperature=0.0, logit_bias={low: 100}), SP(temperature=1.0, seed=seed + 50, logit_bias={9: -100})]
+        with_bias = _engine_sample(monkeypatch, logits, [biased[0], plain[0], biased[1], plain[1]])
+        without = _engine_sample(monkeypatch, logits, [SP(temperature=0.0), plain[0], SP(temperature=1.0), plain[1]])
+        assert with_bias[1] == without[1] == logits[1].float().argmax().item()
+        assert with_bias[3] == without[3]
+        assert with_bias[0] == low and with_bias[2] != 9 and without[2] == 9
+        drawn.append(without[3])
+    assert len(set(drawn)) > 1  # the seeds matter
