@@ -135,6 +135,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._num_held = 0  # completions waiting for their first sibling's prompt (counted as waiting)
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs (at most the vocabulary)
         self.num_steps = 0
         self.num_finished = 0
         self.prompt_tokens = 0
@@ -370,11 +371,15 @@ class LLMEngine:
         )
 
     def _decode_logprob_tokens(self, entries: list[dict[int, Logprob]]) -> None:
-        """Fill each Logprob's decoded_token, every token decoded on its own (vLLM's), in one tokenizer call."""
-        lps = [(tid, lp) for entry in entries for tid, lp in entry.items()]
-        texts = self.tokenizer.batch_decode([[tid] for tid, _ in lps], skip_special_tokens=False) if lps else []
-        for (_, lp), text in zip(lps, texts):
-            lp.decoded_token = text
+        """Fill each Logprob's decoded_token: every token decoded on its own (vLLM's), once per token id (a scoring
+        job meets the same ids millions of times)."""
+        texts = self._token_texts
+        for entry in entries:
+            for tid, lp in entry.items():
+                text = texts.get(tid)
+                if text is None:
+                    text = texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+                lp.decoded_token = text
 
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:

@@ -287,6 +287,8 @@ class ModelRunner:
         self.penalty_slots = PenaltySlots(self.device)
         # Pipelined tensor parallelism: workers need rank 0's tokens to fill pending inputs.
         self.broadcast_tokens = bool(config.async_scheduling) and config.tensor_parallel_size > 1
+        # prompt_logprobs: the LM head's rows per chunk (a multiple of 16), at most PROMPT_LOGITS_CHUNK_BYTES of float32
+        self.logit_chunk_rows = max(16, PROMPT_LOGITS_CHUNK_BYTES // (4 * model_config.vocab_size) // 16 * 16)
 
         # Wall seconds of each start-up phase (logged, and read by benchmarks/startup.py).
         self.startup_s: dict[str, float] = {}
@@ -609,15 +611,22 @@ class ModelRunner:
         return _rows((hidden, residual), meta.query_start_loc[1:].long() - 1), self._logit_rows((hidden, residual), step)
 
     def _logit_rows(self, final: Final, step: StepInput) -> Final | None:
-        if not len(step.logit_rows):
+        """The final norm's inputs of step.logit_rows; on a GPU padded (the last row repeated) to whole chunks of
+        `logit_chunk_rows`, so that the LM head and the reductions meet one shape, not a new one every step
+        (cuBLAS pays milliseconds of host time for each row count it has not seen; RESULTS session 15)."""
+        n = len(step.logit_rows)
+        if not n:
             return None
-        return _rows(final, upload(torch.from_numpy(np.asarray(step.logit_rows, dtype=np.int64)), self.device))
+        index = np.asarray(step.logit_rows, dtype=np.int64)
+        if self.device.type == "cuda" and n % self.logit_chunk_rows:
+            index = np.concatenate([index, np.full(self.logit_chunk_rows - n % self.logit_chunk_rows, index[-1])])
+        return _rows(final, upload(torch.from_numpy(index), self.device))
 
     def _prompt_logit_chunks(self, rows: Final) -> Iterator[torch.Tensor]:
-        """Logits [<= chunk, vocab] of `rows`, a bounded chunk at a time: a 16k-token prompt step's logits in one
-        piece would take 10 GB in float32. Every TP rank runs the same chunks (the LM head gathers the vocab)."""
+        """Logits [<= logit_chunk_rows, vocab] of `rows`, a bounded chunk at a time: a 16k-token prompt step's logits
+        in one piece would take 10 GB in float32. Every TP rank runs the same chunks (the LM head gathers the vocab)."""
         hidden, residual = rows
-        chunk = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size))
+        chunk = self.logit_chunk_rows
         for a in range(0, hidden.shape[0], chunk):
             yield self.model.compute_logits(hidden[a : a + chunk], None if residual is None else residual[a : a + chunk])
 
@@ -667,6 +676,7 @@ class ModelRunner:
         prompt_lp = None
         if extra is not None:  # behind the tokens' copy: the next step's inputs do not wait for the prompt logprobs
             targets, ks = _prompt_logprob_targets(batch)
+            targets += targets[-1:] * (extra[0].shape[0] - len(targets))  # padding rows (_logit_rows)
             prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(ks), self.device)
         return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)},
                           logits if want_logprobs else None, sb if want_logprobs else None, prompt_lp)

@@ -197,8 +197,11 @@ class TokenLogprobs:
     def entries(self, ks: list[int]) -> list[dict[int, Logprob]]:
         """Per row: {token: Logprob} with the given token first, then its row's top ks[row] (vLLM's layout; the
         given token keeps its own rank where it is among them)."""
-        token_ids, chosen, ranks = self.token_ids.tolist(), self.chosen.tolist(), self.ranks.tolist()
-        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        n = len(ks)  # rows past it: padding
+        token_ids, chosen, ranks = self.token_ids[:n].tolist(), self.chosen[:n].tolist(), self.ranks[:n].tolist()
+        if not any(ks):
+            return [{t: Logprob(c, r)} for t, c, r in zip(token_ids, chosen, ranks)]
+        top_values, top_ids = self.top_values[:n].tolist(), self.top_ids[:n].tolist()
         out = []
         for row, k in enumerate(ks):
             entry = {token_ids[row]: Logprob(chosen[row], ranks[row])}
@@ -211,16 +214,24 @@ class TokenLogprobs:
 def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor | list[int], k: int,
                    device: torch.device) -> TokenLogprobs:
     """Log-softmax of each row's logits at `token_ids` [rows], the rank there (vLLM's: 1 + tokens strictly more
-    likely) and the row's top k, for rows that come as chunks of logits [chunk, vocab] in order."""
+    likely) and the row's top k, for rows that come as chunks of logits [chunk, vocab] in order. Three passes over a
+    chunk (its float32 copy, log-sum-exp, the rank's compare-and-count), plus top-k where k > 0: a scoring job runs
+    this over every prompt token."""
     if not isinstance(token_ids, torch.Tensor):
         token_ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
     parts: list[tuple[torch.Tensor, ...]] = []
     a = 0
     for chunk in logit_chunks:
-        logp = torch.log_softmax(chunk.float(), dim=-1)  # [chunk, vocab]
-        chosen = logp.gather(1, token_ids[a : a + chunk.shape[0]].unsqueeze(1))  # [chunk, 1]
-        top_values, top_ids = logp.topk(k, dim=-1)  # [chunk, k]
-        parts.append((chosen.squeeze(1), (logp > chosen).sum(dim=-1) + 1, top_values, top_ids))
-        a += chunk.shape[0]
+        x = chunk.float()  # [chunk, vocab]
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [chunk, 1]
+        target = x.gather(1, token_ids[a : a + x.shape[0]].unsqueeze(1))  # [chunk, 1]
+        ranks = (x > target).sum(dim=-1, dtype=torch.int32) + 1  # int32: an int64 count costs 3x on the CPU
+        if k:
+            top_values, top_ids = x.topk(k, dim=-1)  # [chunk, k]
+            top_values = top_values - lse
+        else:
+            top_values, top_ids = x.new_empty(x.shape[0], 0), token_ids.new_empty(x.shape[0], 0)
+        parts.append(((target - lse).squeeze(1), ranks, top_values, top_ids))
+        a += x.shape[0]
     chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
     return TokenLogprobs(token_ids, chosen, ranks, top_values, top_ids)
