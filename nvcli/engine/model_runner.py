@@ -53,8 +53,8 @@ COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 # ~27 ms against ~8 ms of GPU work (RESULTS session 23). NV_SPLIT_MIXED=0 / NV_MIXED_GRAPHS=0 turn either off.
 SPLIT_MIXED = os.environ.get("NV_SPLIT_MIXED", "1") != "0"
 MIXED_GRAPHS = os.environ.get("NV_MIXED_GRAPHS", "1") != "0"
-# prompt_logprobs: the LM head runs over at most this many bytes of float32 logits at a time
-PROMPT_LOGITS_CHUNK_BYTES = 128 << 20
+# prompt_logprobs: the LM head runs over at most this many bytes of logits (in the model's dtype) at a time
+PROMPT_LOGITS_CHUNK_BYTES = 256 << 20
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -287,8 +287,10 @@ class ModelRunner:
         self.penalty_slots = PenaltySlots(self.device)
         # Pipelined tensor parallelism: workers need rank 0's tokens to fill pending inputs.
         self.broadcast_tokens = bool(config.async_scheduling) and config.tensor_parallel_size > 1
-        # prompt_logprobs: the LM head's rows per chunk (a multiple of 16), at most PROMPT_LOGITS_CHUNK_BYTES of float32
-        self.logit_chunk_rows = max(16, PROMPT_LOGITS_CHUNK_BYTES // (4 * model_config.vocab_size) // 16 * 16)
+        # prompt_logprobs: the LM head's rows per chunk (a multiple of 16), at most PROMPT_LOGITS_CHUNK_BYTES of logits
+        # (on the CPU the torch form makes float32 temporaries of a chunk's size too)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.logit_chunk_rows = max(16, PROMPT_LOGITS_CHUNK_BYTES // (elem * model_config.vocab_size) // 16 * 16)
 
         # Wall seconds of each start-up phase (logged, and read by benchmarks/startup.py).
         self.startup_s: dict[str, float] = {}
@@ -547,6 +549,7 @@ class ModelRunner:
                     sample(penalized, SamplingBatch.build([SamplingParams(temperature=0.7)], [0], logits.shape[1],
                                                           self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))
+                    token_logprobs([logits], one, 1, self.device)  # logprobs and prompt_logprobs (one variant)
             else:
                 self.model.compute_logits(*final)
         torch.cuda.synchronize(self.device)
@@ -624,7 +627,7 @@ class ModelRunner:
 
     def _prompt_logit_chunks(self, rows: Final) -> Iterator[torch.Tensor]:
         """Logits [<= logit_chunk_rows, vocab] of `rows`, a bounded chunk at a time: a 16k-token prompt step's logits
-        in one piece would take 10 GB in float32. Every TP rank runs the same chunks (the LM head gathers the vocab)."""
+        in one piece would take 5 GB in bf16. Every TP rank runs the same chunks (the LM head gathers the vocab)."""
         hidden, residual = rows
         chunk = self.logit_chunk_rows
         for a in range(0, hidden.shape[0], chunk):

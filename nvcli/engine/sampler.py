@@ -214,24 +214,31 @@ class TokenLogprobs:
 def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor | list[int], k: int,
                    device: torch.device) -> TokenLogprobs:
     """Log-softmax of each row's logits at `token_ids` [rows], the rank there (vLLM's: 1 + tokens strictly more
-    likely) and the row's top k, for rows that come as chunks of logits [chunk, vocab] in order. Three passes over a
-    chunk (its float32 copy, log-sum-exp, the rank's compare-and-count), plus top-k where k > 0: a scoring job runs
-    this over every prompt token."""
+    likely) and the row's top k, for rows that come as chunks of logits [chunk, vocab] in order. On the GPU one kernel
+    reads each chunk once (kernels/token_logprobs.py), plus top-k where k > 0: a scoring job runs this over every
+    prompt token."""
     if not isinstance(token_ids, torch.Tensor):
         token_ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
     parts: list[tuple[torch.Tensor, ...]] = []
     a = 0
     for chunk in logit_chunks:
-        x = chunk.float()  # [chunk, vocab]
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [chunk, 1]
-        target = x.gather(1, token_ids[a : a + x.shape[0]].unsqueeze(1))  # [chunk, 1]
-        ranks = (x > target).sum(dim=-1, dtype=torch.int32) + 1  # int32: an int64 count costs 3x on the CPU
-        if k:
-            top_values, top_ids = x.topk(k, dim=-1)  # [chunk, k]
-            top_values = top_values - lse
+        targets = token_ids[a : a + chunk.shape[0]]  # [chunk]
+        if use_triton(chunk):
+            from nvcli.kernels.token_logprobs import logprob_and_rank_triton
+
+            chosen, ranks, lse = logprob_and_rank_triton(chunk, targets)
         else:
-            top_values, top_ids = x.new_empty(x.shape[0], 0), token_ids.new_empty(x.shape[0], 0)
-        parts.append(((target - lse).squeeze(1), ranks, top_values, top_ids))
-        a += x.shape[0]
+            x = chunk.float()  # [chunk, vocab]
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [chunk, 1]
+            target = x.gather(1, targets.unsqueeze(1))  # [chunk, 1]
+            chosen = (target - lse).squeeze(1)
+            ranks = (x > target).sum(dim=-1, dtype=torch.int32) + 1  # int32: an int64 count costs 3x on the CPU
+        if k:
+            top_values, top_ids = chunk.topk(k, dim=-1)  # [chunk, k]
+            top_values = top_values.float() - lse
+        else:
+            top_values, top_ids = lse.new_empty(chunk.shape[0], 0), token_ids.new_empty(chunk.shape[0], 0)
+        parts.append((chosen, ranks, top_values, top_ids))
+        a += chunk.shape[0]
     chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
     return TokenLogprobs(token_ids, chosen, ranks, top_values, top_ids)
