@@ -190,7 +190,7 @@ class TokenLogprobs:
 
     token_ids: torch.Tensor  # [rows] int64
     chosen: torch.Tensor  # [rows] float32
-    ranks: torch.Tensor  # [rows] int64
+    ranks: torch.Tensor  # [rows] int32
     top_values: torch.Tensor  # [rows, k] float32
     top_ids: torch.Tensor  # [rows, k] int64
 

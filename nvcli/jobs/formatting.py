@@ -66,15 +66,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
                 "logprobs": _chat_logprobs(comp.token_ids, comp.logprobs, k, ctx) if want_lp else None,  # type: ignore[arg-type]
                 "finish_reason": comp.finish_reason,
             }
-        elif req.echo:
-            choice = _echo_choice(req, out, comp, ctx)
         else:
-            choice = {
-                "index": comp.index,
-                "text": comp.text,
-                "logprobs": _completion_logprobs(comp.token_ids, comp.logprobs, k, ctx) if want_lp else None,  # type: ignore[arg-type]
-                "finish_reason": comp.finish_reason,
-            }
+            choice = _completion_choice(req, out, comp, ctx)
         if req.return_token_ids:
             choice["token_ids"] = list(comp.token_ids)
         if req.shape != CHAT and out.prompt_logprobs is not None:
@@ -168,24 +161,28 @@ def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, 
     return {"content": content}
 
 
-def _echo_choice(req: Request, out: RequestOutput, comp: CompletionOutput, ctx: FormatContext) -> dict[str, Any]:
-    """/v1/completions with echo: the prompt's text (and tokens, first without a logprob) lead the completion's; with
-    max_tokens 0 the prompt alone (vLLM's echo)."""
-    prompt_text = out.prompt
-    if prompt_text is None:  # a token-id prompt
-        prompt_text = ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
-    ids: list[int] = list(out.prompt_token_ids)
-    lps: list[dict[int, Logprob] | None] = list(out.prompt_logprobs or [None] * len(ids))
-    text = prompt_text
-    if not req.echo_prompt_only:
-        ids += comp.token_ids
-        lps += comp.logprobs or [None] * len(comp.token_ids)
-        text += comp.text
+def _completion_choice(req: Request, out: RequestOutput, comp: CompletionOutput, ctx: FormatContext) -> dict[str, Any]:
+    """A /v1/completions choice. With echo the prompt's text and tokens (the first without a logprob) lead the
+    completion's, and with max_tokens 0 stand alone (vLLM's echo)."""
+    ids: list[int] = list(comp.token_ids)
+    lps: list[dict[int, Logprob] | None] | None = comp.logprobs  # type: ignore[assignment]
+    text = comp.text
+    if req.echo:
+        prompt_text = out.prompt
+        if prompt_text is None:  # a token-id prompt
+            prompt_text = ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
+        prompt_lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+        if req.echo_prompt_only:
+            ids, lps, text = list(out.prompt_token_ids), prompt_lps, prompt_text
+        else:
+            ids = list(out.prompt_token_ids) + ids
+            lps = prompt_lps + (lps or [None] * len(comp.token_ids))
+            text = prompt_text + text
     k = req.sampling_params.logprobs
     return {
         "index": comp.index,
         "text": text,
-        "logprobs": _completion_logprobs(ids, lps, k, ctx) if k is not None else None,
+        "logprobs": _completion_logprobs(ids, lps, k, ctx) if k is not None and lps is not None else None,
         "finish_reason": "length" if req.echo_prompt_only else comp.finish_reason,
     }
 
