@@ -1,9 +1,9 @@
 """nv: batch generation for large language models with an embedded paged-attention engine."""
 
 from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
-from nvcli.sampling_params import SamplingParams
+from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

@@ -2,11 +2,80 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `StructuredOutputsParams`): exactly one of
+
+    - `json`: a JSON schema (a dict, or its JSON text); the output is a JSON value that matches it;
+    - `json_object`: True for any JSON object (OpenAI's `response_format: {"type": "json_object"}`);
+    - `regex`: the output matches this regular expression in full;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a Lark grammar (llguidance's dialect; its `start` rule is the output).
+
+    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens), as vLLM's option does. Each token
+    is drawn only from those that keep the output a prefix of something the constraint accepts (llguidance computes
+    the allowed set every step); generation stops with finish_reason "stop" when the constraint is complete and
+    nothing may follow, or at an allowed EOS. A schema or pattern that does not compile is an error when the request
+    is added.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"StructuredOutputsParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams: set exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(given) if given else 'none'})")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as e:
+                    raise bad("json", f"is not valid JSON text ({e})") from None
+                if not isinstance(parsed, (dict, bool)):
+                    raise bad("json", "must be a JSON schema (an object)")
+            elif not isinstance(self.json, dict):
+                raise bad("json", "must be a JSON schema: a dict or its JSON text")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise bad("regex", "must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise bad("grammar", "must be a non-empty Lark grammar")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad("choice", "must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad("json_object", "must be true or false")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise bad("disable_any_whitespace", "must be true or false")
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint: equal constraints compile once (engine/structured_output.py)."""
+        fields = {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar", "json_object",
+                                                 "disable_any_whitespace")}
+        if isinstance(fields["json"], str):
+            fields["json"] = json.loads(fields["json"])
+        return json.dumps(fields, sort_keys=True)
 
 
 @dataclass
@@ -29,6 +98,9 @@ class SamplingParams:
     `logit_bias` ({token id: bias}, OpenAI's and vLLM's) is added to those tokens' logits before the penalties (vLLM V1's
     order). A bias outside [-100, 100] is clamped to it, as vLLM does (`SamplingParams.from_optional`); a bias that is
     not a finite number is an error. Token ids past the model's vocabulary are rejected when the request is added.
+
+    `structured_outputs` constrains the output to a JSON schema, a regex, a list of choices or a grammar
+    (StructuredOutputsParams, vLLM's name); logprobs are then those of the constrained distribution, as in vLLM.
     """
 
     n: int = 1
@@ -50,6 +122,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -109,6 +182,8 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.logit_bias: values must be finite numbers (got {b!r} for {t})")
             # a copy: dataclasses.replace (n > 1 completions) and the caller's own dict stay independent
             self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def stop_list(self) -> list[str]:
