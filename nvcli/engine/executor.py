@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import ModelRunner, StepHandle, StepResult, build_step_input
+from nvcli.engine.model_runner import ModelRunner, StepHandle, StepResult, TokenMaskHook, build_step_input
 from nvcli.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -18,7 +18,8 @@ class Executor(Protocol):
     num_kvcache_blocks: int
     supports_async: bool  # launch may run ahead of collect (inputs fed back on the device)
 
-    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle: ...
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None, token_masks: TokenMaskHook | None = None
+               ) -> StepHandle: ...
 
     def collect(self, handle: StepHandle) -> StepResult: ...
 
@@ -34,9 +35,10 @@ class LocalExecutor:
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
         self.block_size = config.kvcache_block_size
 
-    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None, token_masks: TokenMaskHook | None = None
+               ) -> StepHandle:
         step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
-        return self.runner.launch(batch, step)
+        return self.runner.launch(batch, step, token_masks)
 
     def collect(self, handle: StepHandle) -> StepResult:
         return self.runner.collect(handle)

@@ -25,6 +25,11 @@ from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
 
 if TYPE_CHECKING:
+    import torch
+
+    from nvcli.engine.model_runner import TokenMaskHook
+    from nvcli.engine.scheduler import ScheduledBatch
+    from nvcli.engine.structured_output import GrammarCompiler
     from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
@@ -145,6 +150,8 @@ class LLMEngine:
         self.num_decode_steps = 0
         self._request_counter = 0
         self._in_flight = None  # launched step whose tokens are not read yet (async scheduling)
+        self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: made at the first such request
+        self._num_constrained = 0  # unfinished sequences with a grammar: steps without any skip the mask hook
         self.async_scheduling = bool(self.config.async_scheduling) and self.executor.supports_async
 
     # ------------------------------------------------------------------ requests
@@ -204,6 +211,9 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
                 "(shorten the prompt or raise --max-model-len)"
             )
+        grammar = None
+        if sampling_params.structured_outputs is not None:  # compiled (and checked) once for all completions
+            grammar = self._structured_outputs().grammar(sampling_params.structured_outputs)
         banned: tuple[int, ...] = ()
         if sampling_params.min_tokens:  # the same for every completion
             ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
@@ -212,6 +222,8 @@ class LLMEngine:
         for index, seq in enumerate(seqs):
             seq.completion_index = index
             seq.min_tokens_banned = banned
+            if grammar is not None:
+                seq.grammar = self._structured_outputs().new_state(grammar)
         if sampling_params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
             seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
         # siblings wait for the first completion's prompt blocks only where the cache can share a full block
@@ -227,8 +239,18 @@ class LLMEngine:
                 seq.request_id = request_id
             self._requests[request_id] = request
             self._num_held += len(request.held)
+            self._num_constrained += len(seqs) if grammar is not None else 0
             self._inbox.extend(seqs[:1] if hold else seqs)
         return request_id
+
+    def _structured_outputs(self) -> GrammarCompiler:
+        with self._lock:  # requests may come from a reader thread
+            if self._grammar_compiler is None:
+                from nvcli.engine.structured_output import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+            return self._grammar_compiler
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -268,7 +290,10 @@ class LLMEngine:
                 n for s, start, n in zip(batch.seqs, batch.start, batch.num_new_tokens) if start < s.num_prompt_tokens
             )
             self.num_decode_steps += batch.is_decode_only
-            handle = self.executor.launch(batch, self._in_flight)
+            token_masks = None
+            if self._num_constrained and any(s.grammar is not None for s in batch.seqs):
+                token_masks = self._token_mask_hook(batch, finished)
+            handle = self.executor.launch(batch, self._in_flight, token_masks)
         # With async scheduling the device now runs this step while the host reads the previous
         # one's tokens; otherwise the step just launched is the one to collect.
         if not self.async_scheduling:
@@ -279,6 +304,19 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
         return [out for out in map(self._finish_output, finished) if out is not None]
+
+    def _token_mask_hook(self, batch: ScheduledBatch, finished: list[Sequence]) -> TokenMaskHook:
+        """Called by the runner between `batch`'s forward and its sampling: a constrained row's mask needs the token
+        before it, which the step in flight (if any) is still computing. So the host reads that step now, while the
+        device runs this one's forward, then builds the masks."""
+        def token_masks() -> tuple[list[int], torch.Tensor] | None:
+            if self._in_flight is not None:
+                finished.extend(self._collect(self._in_flight))
+                self._in_flight = None
+            assert self._grammar_compiler is not None
+            return self._grammar_compiler.step_mask(batch)
+
+        return token_masks
 
     def _collect(self, handle) -> list[Sequence]:
         t1 = time.perf_counter()
@@ -298,7 +336,12 @@ class LLMEngine:
                 seq.logprobs.append(lp)
             if index == seq.num_prompt_tokens and seq.completion_index == 0:
                 self._release_siblings(seq)
+            if seq.grammar is not None:
+                seq.grammar.consume(seq.token_ids[index])
             self._check_stop(seq, index)
+            if not seq.is_finished and seq.grammar is not None and seq.grammar.is_done:
+                seq.constraint_complete = True  # nothing may follow; vLLM would stop at the EOS forced next
+                self.scheduler.finish(seq, "stop", None, index)
             if seq.is_finished:
                 finished.append(seq)
         self.postprocess_s += time.perf_counter() - t2
@@ -337,6 +380,9 @@ class LLMEngine:
         """The request's output once its last completion has finished; None while others still run."""
         sp = seq.sampling_params
         self._detok.pop(seq.seq_id, None)
+        if seq.grammar is not None:
+            with self._lock:
+                self._num_constrained -= 1
         ids = seq.completion_token_ids
         text = getattr(seq, "stop_text", None)
         if text is None:

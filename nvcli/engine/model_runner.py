@@ -11,7 +11,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +63,8 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
 Ints = list[int] | np.ndarray
 # The final norm's inputs of some rows: (hidden, residual) [rows, hidden] each; residual None under the deferred norm
 Final = tuple[torch.Tensor, torch.Tensor | None]
+# structured outputs: called between a step's forward and its sampling -> (rows, their token bitmask) or None
+TokenMaskHook = Callable[[], "tuple[list[int], torch.Tensor] | None"]
 
 
 @dataclass
@@ -650,10 +652,20 @@ class ModelRunner:
             pass
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, step: StepInput) -> StepHandle:
-        """Enqueue forward and sampling (rank 0); returns before the device is done."""
+    def launch(self, batch: ScheduledBatch, step: StepInput, token_masks: TokenMaskHook | None = None) -> StepHandle:
+        """Enqueue forward and sampling (rank 0); returns before the device is done. `token_masks` (structured
+        outputs) is called once the forward is enqueued, so the host builds the masks while the device runs it:
+        (rows, bitmask [len(rows), ceil(vocab / 32)] int32) that restrict those rows' tokens, or None."""
         final, extra = self._forward_rows(step)
         logits = self.model.compute_logits(*final)  # [num_seqs, vocab] in the model dtype; the sampler upcasts
+        masks = token_masks() if token_masks is not None else None
+        if masks is not None:  # in place: the logprobs are then those of the constrained distribution, as in vLLM
+            # imported late, as token_logprobs: the CPU tests pick Triton's interpreter after importing the engine
+            from nvcli.kernels.token_bitmask import apply_token_bitmask_
+
+            rows, bitmask = masks
+            apply_token_bitmask_(logits, upload(torch.tensor(rows, dtype=torch.int64), self.device),
+                                 upload(bitmask, self.device))
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))

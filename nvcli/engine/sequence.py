@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import itertools
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nvcli.outputs import Logprob
 from nvcli.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nvcli.engine.structured_output import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -59,6 +63,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob]] = []
         # token ids the sampler must not draw while the output is shorter than min_tokens (EOS and stop ids)
         self.min_tokens_banned: tuple[int, ...] = ()
+        self.grammar: GrammarState | None = None  # structured outputs: the matcher of this completion's tokens
+        self.constraint_complete = False  # finished because its grammar allows nothing more (the last token is text)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -92,7 +98,7 @@ class Sequence:
     @property
     def stop_token_ended(self) -> bool:
         """Finished by an EOS or stop token id (left out of the text); a stop string's stop_reason is the string."""
-        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        return self.finish_reason == "stop" and not isinstance(self.stop_reason, str) and not self.constraint_complete
 
     @property
     def is_finished(self) -> bool:

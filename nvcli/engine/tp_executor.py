@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import ModelRunner, StepHandle, StepInput, StepResult, build_step_input
+from nvcli.engine.model_runner import (
+    ModelRunner,
+    StepHandle,
+    StepInput,
+    StepResult,
+    TokenMaskHook,
+    build_step_input,
+)
 from nvcli.engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -208,7 +215,8 @@ class TensorParallelExecutor:
 
     supports_async = True  # rank 0 broadcasts each step's tokens; workers fill pending inputs from them
 
-    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None, token_masks: TokenMaskHook | None = None
+               ) -> StepHandle:
         step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
         for a in self.acks:  # every worker has read the previous step out of the channel
             while not a.wait(timeout=1.0):
@@ -219,7 +227,7 @@ class TensorParallelExecutor:
         for e in self.events:
             e.set()
         try:
-            return self.runner.launch(batch, step)
+            return self.runner.launch(batch, step, token_masks)  # masks on rank 0: it samples for every rank
         except Exception as e:
             self._worker_died(e)
             raise

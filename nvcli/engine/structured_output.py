@@ -1,0 +1,123 @@
+"""Structured outputs: a grammar matcher per constrained sequence, and each step's mask of allowed tokens.
+
+llguidance (the library vLLM's `guidance` backend uses) turns a request's constraint (JSON schema, regex, choice list,
+Lark grammar) into a grammar over the tokenizer's tokens. Every completion of a constrained request holds its own
+matcher, fed each token the engine accepts. A step that samples constrained rows asks their matchers which tokens may
+come next: one bit per token, 32 tokens per int32 word, filled on llguidance's thread pool. The model runner applies
+the mask to those rows' logits (-inf where the bit is 0) before sampling, so every draw keeps the output a prefix of
+something the constraint accepts.
+
+With async scheduling the next step is launched before this one's tokens are read, and a mask needs the token before
+it. So the engine launches the step's forward first, reads the previous step's tokens while the device runs it, then
+fills the masks and launches the sampling (`LLMEngine._constrained_step_hook`). The forward still overlaps the host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nvcli.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nvcli.engine.scheduler import ScheduledBatch
+
+_CACHED_GRAMMARS = 256  # a job usually repeats one schema on every line: compile it once
+
+
+class GrammarState:
+    """One sequence's matcher, and how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.consumed = 0
+
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(token)  # a refused token leaves the matcher in its error state
+        self.consumed += 1
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing may follow: the constraint is complete (or the matcher failed). The sequence ends here."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer. The tokenizer's llguidance form takes about a second to build, so it is
+    made at the first constrained request, not at start-up."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._llguidance = llguidance
+        # the model's vocab (the logits' width) may exceed the tokenizer's: tokens past it are never allowed
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                      eos_token=sorted(eos_token_ids) or None)
+        self._executor = llguidance.LLExecutor()
+        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self.vocab_size = vocab_size
+        self.mask_words = (vocab_size + 31) // 32
+
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """The constraint's grammar text, checked: ValueError with llguidance's message if it does not compile."""
+        key = params.key
+        text = self._grammars.get(key)
+        if text is not None:
+            self._grammars.move_to_end(key)
+            return text
+        text = self._grammar_text(params)
+        matcher = self._llguidance.LLMatcher(self._tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {_first_line(matcher.get_error())}")
+        self._grammars[key] = text
+        if len(self._grammars) > _CACHED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return text
+
+    def _grammar_text(self, params: StructuredOutputsParams) -> str:
+        lm = self._llguidance.LLMatcher
+        if params.json is not None or params.json_object:
+            schema = {"type": "object"} if params.json_object else params.json
+            try:
+                return lm.grammar_from_json_schema(schema, defaults={
+                    "whitespace_flexible": not params.disable_any_whitespace})
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: the JSON schema is not valid: {e}") from None
+        if params.regex is not None:
+            return lm.grammar_from_regex(params.regex)
+        if params.choice is not None:  # JSON string literals are Lark's quoted strings, escapes included
+            return lm.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+        assert params.grammar is not None
+        return lm.grammar_from_lark(params.grammar)
+
+    def new_state(self, grammar: str) -> GrammarState:
+        return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0))
+
+    def step_mask(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask [len(rows), mask_words] int32) for the rows of `batch` that sample a constrained token now;
+        None if there are none. Every token a row's matcher needs must have been consumed (the engine collects the
+        previous step first). Rows that sample nothing (a prompt chunk), or whose sequence ended while this step was
+        in flight, are left out: their token is dropped anyway."""
+        targets: list[tuple[Any, int]] = []
+        rows: list[int] = []
+        for row, (seq, index) in enumerate(zip(batch.seqs, batch.sample_index)):
+            state: GrammarState | None = seq.grammar
+            if state is None or index < 0 or seq.is_finished or state.is_done:
+                continue
+            assert state.consumed == index - seq.num_prompt_tokens, "a constrained row's previous token is unread"
+            targets.append((state.matcher, len(rows)))
+            rows.append(row)
+        if not rows:
+            return None
+        mask = torch.empty((len(rows), self.mask_words), dtype=torch.int32,
+                           pin_memory=torch.cuda.is_available())
+        self._executor.unsafe_compute_mask_ptr(targets, mask.data_ptr(), self.mask_words * 4, len(rows))
+        return rows, mask
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "the constraint does not compile"
