@@ -552,6 +552,11 @@ class ModelRunner:
                                                           self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))
                     token_logprobs([logits], one, 1, self.device)  # logprobs and prompt_logprobs (one variant)
+                    from nvcli.kernels.token_bitmask import apply_token_bitmask_
+
+                    # structured outputs' mask (kernels/token_bitmask.py), on the model-dtype logits it writes in a job
+                    words = -(-logits.shape[1] // 32)
+                    apply_token_bitmask_(logits, one, torch.full((1, words), -1, dtype=torch.int32, device=self.device))
             else:
                 self.model.compute_logits(*final)
         torch.cuda.synchronize(self.device)

@@ -35,7 +35,8 @@ def _apply_token_bitmask_kernel(
     banned = ((word >> (cols % 32)) & 1) == 0
     row = tl.load(rows_ptr + i)
     x_ptr = logits_ptr + row * stride_logits + cols
-    tl.store(x_ptr, tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty), mask=in_vocab & banned)
+    minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty)
+    tl.store(x_ptr, minus_inf, mask=in_vocab & banned)
 
 
 def apply_token_bitmask_ref(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
@@ -50,13 +51,16 @@ def apply_token_bitmask_ref(logits: torch.Tensor, rows: torch.Tensor, mask: torc
 def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
     """logits [num_seqs, vocab] (row-contiguous), rows [num_masked] int64, mask [num_masked, ceil(vocab / 32)] int32,
     all on one device: set logits[rows[i], t] = -inf wherever bit t of mask[i] is 0."""
-    num_masked, words = mask.shape
-    assert words * 32 >= logits.shape[1], "the mask must cover the vocabulary"
-    if not num_masked:
-        return
-    if not use_triton(logits):
+    assert mask.shape[1] * 32 >= logits.shape[1], "the mask must cover the vocabulary"
+    if use_triton(logits):
+        apply_token_bitmask_triton(logits, rows, mask)
+    else:
         apply_token_bitmask_ref(logits, rows, mask)
-        return
+
+
+def apply_token_bitmask_triton(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
     assert logits.stride(1) == 1, "the kernel writes each row as one contiguous run"
-    grid = (num_masked, triton.cdiv(logits.shape[1], _BLOCK))
-    _apply_token_bitmask_kernel[grid](logits, rows, mask, logits.stride(0), logits.shape[1], words, BLOCK=_BLOCK)
+    if mask.shape[0]:
+        grid = (mask.shape[0], triton.cdiv(logits.shape[1], _BLOCK))
+        _apply_token_bitmask_kernel[grid](logits, rows, mask, logits.stride(0), logits.shape[1], mask.shape[1],
+                                          BLOCK=_BLOCK)
