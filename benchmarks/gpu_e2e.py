@@ -1,6 +1,6 @@
 """End-to-end checks and timings on one GPU, in one run (see benchmarks/RESULTS.md).
 
-    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming,sampling]
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming,sampling,structured]
 
 1. correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU
    float32 path, GPU bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
@@ -155,6 +155,50 @@ def bench_sampling_features(model_dir: str, repeats: int) -> None:
     free(llm)
 
 
+def bench_structured_outputs(model_dir: str, repeats: int) -> None:
+    """The DESIGN workload with a constraint on its requests: what the per-step masks cost (llguidance on the host,
+    between the forward and the sampling; the upload and the mask kernel on the device). Constrained outputs may end
+    early (an allowed EOS, a closed JSON object), so rates count the tokens generated."""
+    import dataclasses
+
+    from nvcli import StructuredOutputsParams
+    from nvcli.bench import Workload
+
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512, max_num_batched_tokens=BATCHED_TOKENS)
+    base = make_workload(256, (100, 1024), (100, 1024), seed=0)
+    schema = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["title", "year", "tags"]}
+
+    def constrained(every: int, so: StructuredOutputsParams) -> Workload:
+        return Workload(base.prompts, [dataclasses.replace(sp, structured_outputs=so) if i % every == 0 else sp
+                                       for i, sp in enumerate(base.params)])
+
+    run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
+    run_workload(llm.engine, constrained(1, StructuredOutputsParams(json_object=True)))  # the tokenizer's llguidance form
+    for label, work in [("as is", base), ("regex [a-z ]+ on every request", constrained(1, StructuredOutputsParams(
+                            regex="[a-z ]+"))),
+                        ("json_object on every request", constrained(1, StructuredOutputsParams(json_object=True))),
+                        ("a JSON schema on every other request", constrained(2, StructuredOutputsParams(json=schema)))]:
+        times, tokens, steps = [], [], []
+        compiler = llm.engine._grammar_compiler
+        m0 = (compiler.mask_s, compiler.num_masked_steps) if compiler else (0.0, 0)
+        for _ in range(repeats):
+            llm.engine.reset_prefix_cache()
+            s0 = llm.stats()
+            times.append(run_workload(llm.engine, work))
+            s1 = llm.stats()
+            tokens.append(s1.generation_tokens - s0.generation_tokens)
+            steps.append(s1.num_steps - s0.num_steps)
+        m1 = (compiler.mask_s, compiler.num_masked_steps) if compiler else (0.0, 0)
+        masked = m1[1] - m0[1]
+        mask_ms = f", host mask fill {1e3 * (m1[0] - m0[0]) / masked:.2f} ms per masked step" if masked else ""
+        i = sorted(range(repeats), key=times.__getitem__)[repeats // 2]  # the median run
+        row(f"structured outputs: {label}", f"{tokens[i] / times[i]:,.0f} output tok/s ({tokens[i]:,} tokens in "
+            f"{times[i]:.2f} s, {steps[i]} steps), runs {[round(t, 2) for t in times]}{mask_ms}")
+    free(llm)
+
+
 def bench_latency(model_dir: str) -> None:
     llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=512)
     res = latency(llm.engine, 128, 512, repeats=3)
@@ -245,6 +289,7 @@ def main() -> None:
         ("hf", lambda: bench_hf(model_dir)),
         ("streaming", lambda: bench_streaming(model_dir)),
         ("sampling", lambda: bench_sampling_features(model_dir, args.repeats)),
+        ("structured", lambda: bench_structured_outputs(model_dir, args.repeats)),
         ("profile1", lambda: profile_steps(model_dir, 1)),
         ("profile256", lambda: profile_steps(model_dir, 256)),
     ]:

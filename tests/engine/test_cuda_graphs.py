@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvcli import LLM, SamplingParams
+from nvcli import LLM, SamplingParams, StructuredOutputsParams
 from nvcli.engine import model_runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -151,6 +151,45 @@ def test_prompt_logprobs_from_mixed_graphs_match_cpu(tiny_model_dir) -> None:
                 assert ge[t].logprob == pytest.approx(we[t].logprob, abs=1e-3)
 
 
+def test_structured_outputs_with_graphs_and_async_scheduling_match_cpu(tiny_model_dir) -> None:
+    """The mask is applied between a decode graph's replay and the sampling, after the host has read the step in
+    flight (async scheduling): float32 greedy tokens on the GPU equal the CPU's, and every output is what its
+    constraint accepts."""
+    import json
+    import re
+
+    model_dir = tiny_model_dir("qwen3")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    constraints = [StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                   StructuredOutputsParams(regex=r"[a-z]{2,6}-[0-9]{2}"), StructuredOutputsParams(choice=["yes", "no"])]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraints[i % 3]) for i in range(6)]
+    prompts = [list(p) for p in PROMPTS]
+    common = dict(max_model_len=512, num_kvcache_blocks=256)
+    cpu = LLM(str(model_dir), device="cpu", **common)
+    try:
+        want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    finally:
+        cpu.shutdown()
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", **common)
+    try:
+        assert llm.engine.async_scheduling and llm.engine.executor.runner.graphs
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    for i, o in enumerate(outs):
+        text = o.outputs[0].text
+        assert o.outputs[0].finish_reason == "stop", text
+        if i % 3 == 0:
+            assert set(json.loads(text)) == {"n", "ok"}
+        elif i % 3 == 1:
+            assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", text), text
+        else:
+            assert text in ("yes", "no")
+
+
 def test_fp8_steps_with_prompt_chunks_match_one_prefill_kernel(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 cache (32-token pages, V sealed dims-major when full) through the same admissions: the mixed graphs'
     split attention gives the tokens of the old path, every row on the prefill kernel (both read the same
@@ -174,7 +213,7 @@ NO_COMPILE_SCRIPT = '''
 import json, os, random, sys, tempfile
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a machine's first job: nothing compiled yet
 import triton
-from nvcli import LLM, SamplingParams
+from nvcli import LLM, SamplingParams, StructuredOutputsParams
 from nvcli.kernels import ops
 from nvcli.kernels.compile_ahead import variant_difference
 
@@ -190,6 +229,8 @@ ops.paged_split_attention = counting_split
 rng = random.Random(0)
 prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(350, 450))] for _ in range(60)]
 params = [SamplingParams(temperature=0.7, seed=i, max_tokens=rng.randint(4, 60), ignore_eos=True) for i in range(60)]
+for i in range(0, 60, 10):  # structured outputs: their token mask (kernels/token_bitmask.py) on the bf16 logits
+    params[i].structured_outputs = StructuredOutputsParams(json_object=True)
 llm.generate(prompts, params)
 llm.shutdown()
 print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" for fn, key in compiled],
