@@ -259,6 +259,26 @@ def test_logit_bias_is_served_and_a_bad_one_is_its_lines_error(model):
     assert "body.logit_bias: keys must be token ids" in key["response"]["body"]["error"]["message"]
 
 
+def test_a_constraint_nv_cannot_serve_is_its_lines_error(model):
+    """A response_format type nv lacks, or two constraints on one line, answers that line with one error line (a 400
+    in an OpenAI request); the lines around it complete."""
+    lines = [{"id": "before", "prompt": "Hello", "max_tokens": 2},
+             {"custom_id": "xml", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "xml"}}},
+             {"id": "two", "prompt": "Hello", "guided_regex": "a+", "guided_choice": ["a"]},
+             {"id": "after", "prompt": "Hello", "max_tokens": 2}]
+    r = nv(model, "-", "--ignore-eos", "-q", input="".join(json.dumps(x) + "\n" for x in lines))
+    assert r.exit_code == 1, r.stderr
+    before, xml, two, after = jsonl(r.stdout)
+    assert (before["id"], after["id"]) == ("before", "after")
+    assert before["usage"]["completion_tokens"] == after["usage"]["completion_tokens"] == 2
+    assert xml["custom_id"] == "xml" and xml["response"]["status_code"] == 400
+    assert xml["response"]["body"]["error"]["message"] == (
+        "body.response_format.type 'xml' is not supported: nv serves \"text\", \"json_object\" and \"json_schema\"")
+    assert two["error"]["type"] == "invalid_request"
+    assert two["error"]["message"] == "give one output constraint per line (got 2: guided_regex, guided_choice)"
+
+
 def test_ordered_and_unordered_agree_by_id(model, tmp_path):
     src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
                                         for i in range(16)])
@@ -331,6 +351,8 @@ def test_usage_errors_exit_2(model, tmp_path):
         (["generate", str(src), "--model", model, "--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
         (["generate", str(src), "--model", model, "--top-p", "0"], "--top-p"),
         (["generate", str(src), "--tp", "x"], "--tensor-parallel-size"),
+        (["generate", str(src), "--model", model, "--json-schema", str(tmp_path / "no-schema.json")],
+         "--json-schema: file"),
     ]
     for argv, words in cases:
         r = runner.invoke(app, argv)

@@ -31,7 +31,7 @@ from nvcli.jobs.runner import (
     LineCounter,
     run_job,
 )
-from nvcli.sampling_params import SamplingParams
+from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class UsageError(Exception):
@@ -51,6 +51,7 @@ class GenerateArgs:
     retry_errors: bool = False  # with resume: error lines are served again
     quiet: bool = False
     max_in_flight: int | None = None
+    json_schema: str | None = None  # a JSON schema file: the output constraint of lines that set none
 
 
 # The model's generation_config.json may recommend these (vLLM's `--generation-config auto`).
@@ -102,6 +103,7 @@ def _generate(args: GenerateArgs) -> int:
         EngineConfig(**args.engine)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    structured_outputs = _json_schema(args.json_schema)
     done: dict[str, bool] = {}
     if args.resume and out_path is not None:
         try:
@@ -128,6 +130,7 @@ def _generate(args: GenerateArgs) -> int:
             sampling=_sampling_defaults(engine, args),
             chat_template_kwargs=dict(args.chat_template_kwargs),
             return_token_ids=args.return_token_ids,
+            structured_outputs=structured_outputs,
         )
         max_num_seqs = int(args.engine.get("max_num_seqs") or EngineConfig.__dataclass_fields__["max_num_seqs"].default)
         opts = JobOptions(
@@ -154,6 +157,44 @@ def _check_input(spec: str) -> Path | None:
     if not os.access(p, os.R_OK):
         raise UsageError(f"input file {spec!r} is not readable")
     return p
+
+
+def _json_schema(path: str | None) -> StructuredOutputsParams | None:
+    """--json-schema: the file's schema as every line's default constraint, checked before the model loads (llguidance
+    compiles a schema without a tokenizer), so a bad one stops the job at start-up, not on every line."""
+    if path is None:
+        return None
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"--json-schema: file {path!r} does not exist") from None
+    except OSError as e:
+        raise UsageError(f"--json-schema: cannot read {path!r}: {e.strerror or e}") from None
+    try:
+        schema = jsonio.loads(data.removeprefix(b"\xef\xbb\xbf"))
+    except (jsonio.JSONDecodeError, ValueError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if getattr(e, "colno", None) else ""
+        raise UsageError(f"--json-schema: {path!r} is not valid JSON: {getattr(e, 'msg', None) or e}{where}") from None
+    if not isinstance(schema, dict):
+        kind = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(schema), "a number")
+        raise UsageError(f"--json-schema: {path!r} must hold a JSON schema (an object), got {kind}")
+    problem = _schema_problem(schema)
+    if problem:
+        raise UsageError(f"--json-schema: {path!r} is not a JSON schema nv can use: {problem}")
+    return StructuredOutputsParams(json=schema)
+
+
+def _schema_problem(schema: dict) -> str | None:
+    """What llguidance finds wrong with a JSON schema (an unknown type, a $ref to nowhere), or None."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:  # the engine reports it with the first request
+        return None
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema)
+    except ValueError as e:
+        return " ".join(str(e).split()) or "it does not compile"
+    return " ".join(LLMatcher.validate_grammar(grammar).split()) or None
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:

@@ -6,6 +6,11 @@ Shapes (DESIGN.md §1):
 - OpenAI Batch envelope: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
   "/v1/completions", "body": {...}}`, answered in the OpenAI Batch output shape.
 
+A line may constrain its output (structured outputs, vLLM's and OpenAI's fields): `response_format` (`json_object` or
+`json_schema`), `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object", "disable_any_whitespace"})
+or vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; one constraint per line. A line
+without one takes the job's (`--json-schema`), if any.
+
 A line's id is its `id`, else its `custom_id`, else its 0-based line number. A line whose id cannot be read (not
 JSON, not an object, an id of another type) is answered with `"id": null` and its line number: it must not take an id
 that another line may own. Per-line sampling fields override the command-line defaults. Nothing here touches the engine: chat rendering and
@@ -14,6 +19,7 @@ tokenization happen in the reader, so this module is testable without a model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs import jsonio
-from nvcli.sampling_params import SamplingParams
+from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 from nvcli.token_ids import valid_token_ids
 
 NATIVE = "native"
@@ -72,17 +78,34 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
+# Structured outputs (native lines and OpenAI bodies alike, as vLLM's server takes them). StructuredOutputsParams'
+# constraint fields, vLLM's older guided_* names for them, and every field a line may constrain its output with.
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided_decoding_backend",
+                      "guided_whitespace_pattern")
+# keys of vLLM's structured_outputs that nv ignores (the backend is always llguidance), and those it lacks: accepted
+# only at their neutral values
+_SO_IGNORED = ("backend", "disable_fallback")
+_SO_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "whitespace_pattern": (None,), "structural_tag": (None,), "disable_additional_properties": (None, False),
+}
+# what a constraint's value must be, for values StructuredOutputsParams would take for "not set" (false, 0)
+_CONSTRAINT_TYPES = {"json": "a JSON schema: an object or its JSON text", "regex": "a non-empty string",
+                     "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty Lark grammar",
+                     "json_object": "true or false"}
 
 
 @dataclass
 class Defaults:
-    """Job-wide defaults: command-line sampling flags, chat template kwargs, output extras."""
+    """Job-wide defaults: command-line sampling flags, chat template kwargs, output extras, and the output constraint
+    (`--json-schema`) of every line that sets none of its own."""
 
     sampling: dict[str, Any] = field(default_factory=dict)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     return_token_ids: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 @dataclass
@@ -190,7 +213,7 @@ def _error(line_no: int, rid: str | int | None, shape: str, kind: str, message: 
 
 
 def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None) -> Request:
-    _warn_unknown(obj, set(_NATIVE_OWN) | set(SAMPLING_FIELDS), "", warn)
+    _warn_unknown(obj, set(_NATIVE_OWN) | set(SAMPLING_FIELDS) | set(_STRUCTURED_FIELDS), "", warn)
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in obj]
     if not given:
         raise _Invalid("missing prompt: give one of \"prompt\", \"messages\" or \"prompt_token_ids\"")
@@ -201,6 +224,7 @@ def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, w
         overrides["logprobs"] = 0
     elif overrides.get("logprobs") is False:
         overrides["logprobs"] = None
+    _constrain(overrides, obj, defaults, "", warn)
     req = Request(line_no, rid, id_key(rid), NATIVE, _sampling(defaults, overrides))
     req.return_token_ids = _bool(obj, "return_token_ids", defaults.return_token_ids)
     _fill_prompt(req, obj, given[0], defaults)
@@ -231,7 +255,8 @@ def _parse_openai_body(
         "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs",
     )
-    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | {"return_token_ids", "logprobs", "echo"}
+    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(_STRUCTURED_FIELDS)
+    known |= {"return_token_ids", "logprobs", "echo"}
     if shape == CHAT:
         known |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
     else:
@@ -242,6 +267,7 @@ def _parse_openai_body(
         if value is not None and not any(_same_json(value, v) for v in neutral):
             raise _Invalid(f"body.{name}={value!r} is not supported by nv (leave it out)")
     overrides = {k: body[k] for k in common if k in body and body[k] is not None}
+    _constrain(overrides, body, defaults, "body.", warn)
     echo = _bool(body, "echo", False, prefix="body.")
     if shape == CHAT:
         if echo:
@@ -280,6 +306,95 @@ def _parse_openai_body(
         _fill_prompt(req, {key: prompt}, key, defaults, prefix="body.")
     req.return_token_ids = _bool(body, "return_token_ids", defaults.return_token_ids, prefix="body.")
     return req
+
+
+def _constrain(overrides: dict[str, Any], obj: dict, defaults: Defaults, prefix: str, warn: Callable | None) -> None:
+    """Put the line's output constraint, or the job's, into the sampling overrides."""
+    params = _structured_outputs(obj, defaults, prefix, warn)
+    if params is not None:
+        overrides["structured_outputs"] = params
+
+
+def _structured_outputs(
+    obj: dict, defaults: Defaults, prefix: str, warn: Callable | None
+) -> StructuredOutputsParams | None:
+    """The constraint a line sets with response_format, structured_outputs or a guided_* field (at most one of them),
+    else the job's default (`--json-schema`), else None. vLLM's semantics; its checks are StructuredOutputsParams'."""
+    found: list[tuple[str, str, Any]] = []  # (the line's field, StructuredOutputsParams' field, value)
+    compact: bool | None = None  # disable_any_whitespace
+    fmt = obj.get("response_format")
+    if fmt is not None:
+        constraint = _response_format(fmt, prefix + "response_format")
+        if constraint is not None:
+            found.append(constraint)
+    so = obj.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _Invalid(f"{prefix}structured_outputs must be a JSON object like {{\"json\": {{...}}}} or "
+                           f"{{\"regex\": \"...\"}}, got {_json_type(so)}")
+        for key, value in so.items():
+            name = f"{prefix}structured_outputs.{key}"
+            if key in _CONSTRAINTS:
+                if value is not None and not (key == "json_object" and value is False):
+                    found.append((name, key, value))
+            elif key == "disable_any_whitespace":
+                if value is not None and not isinstance(value, bool):
+                    raise _Invalid(f"{name}: must be true or false (got {value!r})")
+                compact = value
+            elif key in _SO_NEUTRAL:
+                if not any(_same_json(value, v) for v in _SO_NEUTRAL[key]):
+                    raise _Invalid(f"{name}={value!r} is not supported by nv (leave it out)")
+            elif key not in _SO_IGNORED and warn is not None:
+                warn(f"ignoring unknown field {name!r}")
+    for field_name, key in _GUIDED.items():
+        if obj.get(field_name) is not None:
+            found.append((prefix + field_name, key, obj[field_name]))
+    if obj.get("guided_whitespace_pattern") is not None:
+        raise _Invalid(f"{prefix}guided_whitespace_pattern is not supported by nv (leave it out; "
+                       f"{prefix}structured_outputs.disable_any_whitespace keeps JSON compact)")
+    backend = obj.get("guided_decoding_backend")
+    if backend is not None and not isinstance(backend, str):  # any backend name is served by llguidance
+        raise _Invalid(f"{prefix}guided_decoding_backend must be a string, got {_json_type(backend)}")
+    if len(found) > 1:
+        raise _Invalid(f"give one output constraint per line (got {len(found)}: "
+                       + ", ".join(name for name, _, _ in found) + ")")
+    if not found:
+        if not compact:
+            return defaults.structured_outputs
+        if defaults.structured_outputs is None:
+            raise _Invalid(f"{prefix}structured_outputs.disable_any_whitespace needs a constraint: set one of "
+                           "json, json_object, regex, choice, grammar")
+        return dataclasses.replace(defaults.structured_outputs, disable_any_whitespace=True)
+    name, key, value = found[0]
+    if not isinstance(value, bool) if key == "json_object" else isinstance(value, (bool, int, float)):
+        raise _Invalid(f"{name}: must be {_CONSTRAINT_TYPES[key]} (got {value!r})")
+    try:
+        return StructuredOutputsParams(**{key: value}, disable_any_whitespace=bool(compact))
+    except ValueError as e:  # "StructuredOutputsParams.regex: must be ..." -> "body.guided_regex: must be ..."
+        raise _Invalid(str(e).replace(f"StructuredOutputsParams.{key}", name, 1)) from None
+
+
+def _response_format(value: Any, name: str) -> tuple[str, str, Any] | None:
+    """OpenAI's response_format: (name, StructuredOutputsParams' field, value), or None for plain text."""
+    if not isinstance(value, dict):
+        raise _Invalid(f"{name} must be a JSON object like {{\"type\": \"json_object\"}}, got {_json_type(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return name, "json_object", True
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _Invalid(f"{name}.json_schema must be a JSON object {{\"name\", \"schema\"}} when "
+                           f"{name}.type is \"json_schema\", got {_json_type(spec)}")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise _Invalid(f"{name}.json_schema.schema must be a JSON schema (an object), got {_json_type(schema)}")
+        return f"{name}.json_schema.schema", "json", schema
+    if isinstance(kind, str):
+        raise _Invalid(f"{name}.type {kind!r} is not supported: nv serves \"text\", \"json_object\" and \"json_schema\"")
+    raise _Invalid(f"{name}.type must be \"text\", \"json_object\" or \"json_schema\", got {_json_type(kind)}")
 
 
 def _fill_prompt(req: Request, obj: dict, key: str, defaults: Defaults, prefix: str = "") -> None:

@@ -155,7 +155,8 @@ def test_help_lists_vllm_flags():
                  "--max-num-batched-tokens", "--enforce-eager", "--no-enable-prefix-caching", "--dtype", "--seed",
                  "--kv-cache-dtype", "--block-size", "--load-format", "--device", "--num-kvcache-blocks",
                  "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--ignore-eos",
-                 "--logprobs", "--chat-template-kwargs", "--no-thinking", "--unordered", "--resume", "--quiet"):
+                 "--logprobs", "--chat-template-kwargs", "--no-thinking", "--json-schema", "--unordered", "--resume",
+                 "--quiet"):
         assert flag in r.stdout, flag
 
 
@@ -277,3 +278,44 @@ def test_a_closed_stdout_or_stdin_is_a_usage_error(tmp_path, redirect, words):
     r = subprocess.run(["bash", "-c", f"{sys.executable} -m nvcli generate {arg} -q --model missing {redirect}"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_json_schema_constrains_the_lines_that_set_no_constraint(tmp_path, engines):
+    """--json-schema PATH: every line's request carries the file's schema, unless the line sets its own constraint."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"prompt": "a"},
+        {"prompt": "b", "guided_regex": "[0-9]+"},
+        {"custom_id": "c", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "c"}], "response_format": {"type": "json_object"}}},
+        {"custom_id": "d", "url": "/v1/completions", "body": {"prompt": "d", "response_format": {"type": "text"}}},
+    ])
+    r = nv(src, "--json-schema", path, "--max-tokens", 1, "-q")
+    assert r.exit_code == 0, r.output
+    a, b, c, d = (sp.structured_outputs for sp in engines[0].sampling_seen)
+    assert (a.json, b.regex, c.json_object, d.json) == (schema, "[0-9]+", True, schema)
+    assert a.regex is None and b.json is None and c.json is None
+    r = nv(src, "--max-tokens", 1, "-q")  # without the flag, only the lines' own constraints
+    assert r.exit_code == 0, r.output
+    assert engines[1].sampling_seen[0].structured_outputs is None
+    assert engines[1].sampling_seen[3].structured_outputs is None
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "--json-schema: file 'PATH' does not exist"),
+    ("{\"type\": ", "--json-schema: 'PATH' is not valid JSON"),
+    ("[1, 2]", "--json-schema: 'PATH' must hold a JSON schema (an object), got a list"),
+    ('{"type": "colour"}', "--json-schema: 'PATH' is not a JSON schema nv can use"),
+    ('{"$ref": "#/definitions/nowhere"}', "--json-schema: 'PATH' is not a JSON schema nv can use"),
+])
+def test_a_bad_json_schema_file_stops_the_job_at_start_up(tmp_path, engines, content, words):
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    r = nv(src, "--json-schema", path, "-q")
+    assert r.exit_code == 2, r.output
+    assert words.replace("PATH", str(path)) in r.output and "Traceback" not in r.output, r.output
+    assert engines == []  # checked before the model loads

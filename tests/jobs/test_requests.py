@@ -17,6 +17,7 @@ from nvcli.jobs.requests import (
     id_key,
     parse_line,
 )
+from nvcli.sampling_params import StructuredOutputsParams
 
 
 def parse(obj, line_no: int = 0, defaults: Defaults | None = None, warn=None):
@@ -186,7 +187,7 @@ def test_a_bad_logit_bias_is_the_lines_error(value, why):
 
 @pytest.mark.parametrize("field,value,ok", [
     ("tool_choice", "none", True), ("tool_choice", "auto", False),
-    ("response_format", {"type": "text"}, True), ("response_format", {"type": "json_object"}, False),
+    ("response_format", {"type": "text"}, True),
     ("tools", [], True), ("best_of", 1, True), ("best_of", 2, False),
 ])
 def test_openai_knobs_nv_lacks_are_accepted_at_their_neutral_values(field, value, ok):
@@ -198,3 +199,169 @@ def test_openai_knobs_nv_lacks_are_accepted_at_their_neutral_values(field, value
         assert isinstance(r, Request), r
     else:
         assert isinstance(r, LineError) and f"body.{field}=" in r.message
+
+
+# -- structured outputs ------------------------------------------------------------------------------------------
+SO = StructuredOutputsParams
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+SHAPES = ("native", "chat", "completion")
+
+
+def constrained_line(shape: str, fields: dict) -> dict:
+    """A line of `shape` with `fields` where that shape takes them: the top level, or the OpenAI body."""
+    if shape == "native":
+        return {"id": "a", "prompt": "x", **fields}
+    if shape == "chat":
+        return {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": "x"}], **fields}}
+    return {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **fields}}
+
+
+def constraint_of(shape: str, fields: dict, defaults: Defaults | None = None, warn=None):
+    r = parse(constrained_line(shape, fields), defaults=defaults, warn=warn)
+    assert isinstance(r, Request), r
+    return r.sampling_params.structured_outputs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fields, expected", [
+    ({}, None),
+    ({"response_format": None}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, SO(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     SO(json=SCHEMA)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, SO(json=SCHEMA)),
+])
+def test_response_format_sets_the_constraint_in_every_shape(shape, fields, expected):
+    """OpenAI's response_format (vLLM takes it on chat and completions requests; nv on native lines too): text is no
+    constraint, json_object any JSON object, json_schema its schema."""
+    assert constraint_of(shape, fields) == expected
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fields, expected", [
+    ({"structured_outputs": {"json": SCHEMA}}, SO(json=SCHEMA)),
+    ({"structured_outputs": {"json": '{"type": "integer"}'}}, SO(json='{"type": "integer"}')),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, SO(regex="[0-9]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, SO(choice=["yes", "no"])),
+    ({"structured_outputs": {"grammar": 'start: "a"+'}}, SO(grammar='start: "a"+')),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+     SO(json_object=True, disable_any_whitespace=True)),
+    ({"structured_outputs": {"json": SCHEMA, "regex": None, "json_object": False, "backend": "xgrammar",
+                             "disable_fallback": True, "whitespace_pattern": None}}, SO(json=SCHEMA)),
+    ({"structured_outputs": None}, None),
+    ({"structured_outputs": {"disable_any_whitespace": False}}, None),
+    ({"guided_json": SCHEMA}, SO(json=SCHEMA)),
+    ({"guided_json": '{"type": "integer"}'}, SO(json='{"type": "integer"}')),
+    ({"guided_regex": "[0-9]+", "guided_decoding_backend": "outlines"}, SO(regex="[0-9]+")),
+    ({"guided_choice": ["yes", "no"], "guided_whitespace_pattern": None}, SO(choice=["yes", "no"])),
+    ({"guided_grammar": 'start: "a"+'}, SO(grammar='start: "a"+')),
+    ({"guided_json": None, "guided_regex": None, "guided_decoding_backend": "auto"}, None),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+     SO(json_object=True, disable_any_whitespace=True)),  # vLLM fills response_format into structured_outputs
+])
+def test_vllm_structured_outputs_and_guided_fields_in_every_shape(shape, fields, expected):
+    """vLLM's structured_outputs object and its older guided_* fields, on native lines and in OpenAI bodies alike;
+    none of them is an unknown field."""
+    seen: list[str] = []
+    assert constraint_of(shape, fields, warn=seen.append) == expected
+    assert seen == []
+
+
+def test_the_constraint_reaches_every_completion_and_the_other_sampling_fields_stay():
+    r = parse({"prompt": "x", "n": 3, "temperature": 0.5, "max_tokens": 9, "guided_choice": ["a", "b"]})
+    sp = r.sampling_params
+    assert (sp.n, sp.temperature, sp.max_tokens, sp.structured_outputs) == (3, 0.5, 9, SO(choice=["a", "b"]))
+
+
+def test_an_unknown_key_of_structured_outputs_warns():
+    seen: list[str] = []
+    assert constraint_of("chat", {"structured_outputs": {"regex": "a", "regx": "b"}}, warn=seen.append) == SO(regex="a")
+    assert seen == ["ignoring unknown field 'body.structured_outputs.regx'"]
+
+
+TYPES = '"text", "json_object" and "json_schema"'
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fields, message", [
+    ({"response_format": {"type": "xml"}}, f"response_format.type 'xml' is not supported: nv serves {TYPES}"),
+    ({"response_format": {"type": "structural_tag"}},
+     f"response_format.type 'structural_tag' is not supported: nv serves {TYPES}"),
+    ({"response_format": {}}, 'response_format.type must be "text", "json_object" or "json_schema", got null'),
+    ({"response_format": "json_object"},
+     'response_format must be a JSON object like {"type": "json_object"}, got a string'),
+    ({"response_format": {"type": "json_schema"}},
+     'response_format.json_schema must be a JSON object {"name", "schema"} when response_format.type is '
+     '"json_schema", got null'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format.json_schema.schema must be a JSON schema (an object), got null"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}},
+     "response_format.json_schema.schema must be a JSON schema (an object), got a string"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     "give one output constraint per line (got 2: response_format, guided_regex)"),
+    ({"structured_outputs": {"json": SCHEMA}, "guided_json": SCHEMA},
+     "give one output constraint per line (got 2: structured_outputs.json, guided_json)"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "give one output constraint per line (got 2: structured_outputs.regex, structured_outputs.choice)"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "guided_choice": ["a"],
+      "structured_outputs": {"grammar": "start: x"}},
+     "give one output constraint per line (got 3: response_format.json_schema.schema, structured_outputs.grammar, "
+     "guided_choice)"),
+    ({"guided_regex": 5}, "guided_regex: must be a non-empty string (got 5)"),
+    ({"guided_regex": False}, "guided_regex: must be a non-empty string (got False)"),
+    ({"guided_regex": ""}, "guided_regex: must be a non-empty string (got '')"),
+    ({"guided_choice": []}, "guided_choice: must be a non-empty list of non-empty strings (got [])"),
+    ({"guided_choice": "yes"}, "guided_choice: must be a non-empty list of non-empty strings (got 'yes')"),
+    ({"guided_grammar": " "}, "guided_grammar: must be a non-empty Lark grammar (got ' ')"),
+    ({"guided_json": [1]}, "guided_json: must be a JSON schema: a dict or its JSON text (got [1])"),
+    ({"guided_json": 0}, "guided_json: must be a JSON schema: an object or its JSON text (got 0)"),
+    ({"structured_outputs": {"json": "{bad"}}, "structured_outputs.json: is not valid JSON text"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object: must be true or false (got 1)"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace: must be true or false (got 'yes')"),
+    ({"structured_outputs": {"disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace needs a constraint: set one of json, json_object, regex, choice, "
+     "grammar"),
+    ({"structured_outputs": ["regex", "a"]},
+     'structured_outputs must be a JSON object like {"json": {...}} or {"regex": "..."}, got a list'),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern=' ' is not supported by nv (leave it out)"),
+    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
+     "structured_outputs.disable_additional_properties=True is not supported by nv (leave it out)"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"},
+     "guided_whitespace_pattern is not supported by nv (leave it out; structured_outputs.disable_any_whitespace "
+     "keeps JSON compact)"),
+    ({"guided_regex": "a", "guided_decoding_backend": 1}, "guided_decoding_backend must be a string, got a number (1)"),
+])
+def test_a_constraint_nv_cannot_serve_is_the_lines_error(shape, fields, message):
+    """Each message names the field as the line spells it (body. in an OpenAI request); a bad value gets
+    StructuredOutputsParams' own words."""
+    r = parse(constrained_line(shape, fields))
+    assert isinstance(r, LineError) and r.kind == INVALID_REQUEST and r.id == "a", r
+    prefix = "" if shape == "native" else "body."
+    expected = message.replace("response_format", prefix + "response_format").replace(
+        "structured_outputs", prefix + "structured_outputs").replace("guided_", prefix + "guided_")
+    assert r.message.startswith(expected), (r.message, expected)
+    assert r.shape == (NATIVE if shape == "native" else CHAT if shape == "chat" else COMPLETION)
+
+
+def test_the_job_schema_constrains_every_line_that_sets_no_constraint_of_its_own():
+    """--json-schema (Defaults.structured_outputs): lines without a constraint take it (response_format text is no
+    constraint); a line's own response_format, structured_outputs or guided_* field wins; a line's
+    disable_any_whitespace alone keeps the job's schema, compact."""
+    job = SO(json={"type": "array"})
+    defaults = Defaults(sampling={"max_tokens": None}, structured_outputs=job)
+    for shape in SHAPES:
+        assert constraint_of(shape, {}, defaults) == job
+        assert constraint_of(shape, {"response_format": {"type": "text"}}, defaults) == job
+        assert constraint_of(shape, {"guided_regex": "a+"}, defaults) == SO(regex="a+")
+        assert constraint_of(shape, {"response_format": {"type": "json_object"}}, defaults) == SO(json_object=True)
+        assert constraint_of(shape, {"structured_outputs": {"choice": ["a"]}}, defaults) == SO(choice=["a"])
+        assert constraint_of(shape, {"structured_outputs": {"disable_any_whitespace": True}}, defaults) == SO(
+            json={"type": "array"}, disable_any_whitespace=True)
+        r = parse(constrained_line(shape, {"guided_regex": "a", "guided_choice": ["a"]}), defaults=defaults)
+        assert isinstance(r, LineError) and "one output constraint" in r.message
+    assert job == SO(json={"type": "array"})  # the job's own stays as it was
+    assert constraint_of("native", {}) is None  # no --json-schema: no constraint
