@@ -182,7 +182,8 @@ def bench_structured_outputs(model_dir: str, repeats: int) -> None:
                         ("a JSON schema on every other request", constrained(2, StructuredOutputsParams(json=schema)))]:
         times, tokens, steps = [], [], []
         compiler = llm.engine._grammar_compiler
-        m0 = (compiler.mask_s, compiler.num_masked_steps) if compiler else (0.0, 0)
+        m0 = (compiler.mask_s, compiler.num_masked_steps, compiler.consume_s) if compiler else (0.0, 0, 0.0)
+        h0 = llm.stats()
         for _ in range(repeats):
             llm.engine.reset_prefix_cache()
             s0 = llm.stats()
@@ -190,9 +191,15 @@ def bench_structured_outputs(model_dir: str, repeats: int) -> None:
             s1 = llm.stats()
             tokens.append(s1.generation_tokens - s0.generation_tokens)
             steps.append(s1.num_steps - s0.num_steps)
-        m1 = (compiler.mask_s, compiler.num_masked_steps) if compiler else (0.0, 0)
+        m1 = (compiler.mask_s, compiler.num_masked_steps, compiler.consume_s) if compiler else (0.0, 0, 0.0)
+        h1 = llm.stats()
         masked = m1[1] - m0[1]
-        mask_ms = f", host mask fill {1e3 * (m1[0] - m0[0]) / masked:.2f} ms per masked step" if masked else ""
+        mask_ms = (f", host per masked step: mask fill {1e3 * (m1[0] - m0[0]) / masked:.2f} ms, tokens to matchers "
+                   f"{1e3 * (m1[2] - m0[2]) / masked:.2f} ms" if masked else "")
+        n = h1.num_steps - h0.num_steps
+        mask_ms += (f"; host per step: schedule {1e3 * (h1.schedule_s - h0.schedule_s) / n:.2f} ms, launch+collect "
+                    f"{1e3 * (h1.execute_s - h0.execute_s) / n:.2f} ms, postprocess "
+                    f"{1e3 * (h1.postprocess_s - h0.postprocess_s) / n:.2f} ms")
         i = sorted(range(repeats), key=times.__getitem__)[repeats // 2]  # the median run
         row(f"structured outputs: {label}", f"{tokens[i] / times[i]:,.0f} output tok/s ({tokens[i]:,} tokens in "
             f"{times[i]:.2f} s, {steps[i]} steps), runs {[round(t, 2) for t in times]}{mask_ms}")

@@ -329,15 +329,17 @@ class LLMEngine:
             batch.seqs[i].prompt_logprobs.extend(entries)
         logprobs = result.logprobs
         rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
-        for seq, index in self.scheduler.postprocess(batch, result.tokens):
+        produced = self.scheduler.postprocess(batch, result.tokens)
+        if self._grammar_compiler is not None:  # the constrained rows' matchers take their tokens, in parallel
+            self._grammar_compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
+                                            if seq.grammar is not None])
+        for seq, index in produced:
             self.generation_tokens += 1
             lp = logprobs[rows[seq.seq_id]]
             if lp is not None:
                 seq.logprobs.append(lp)
             if index == seq.num_prompt_tokens and seq.completion_index == 0:
                 self._release_siblings(seq)
-            if seq.grammar is not None:
-                seq.grammar.consume(seq.token_ids[index])
             self._check_stop(seq, index)
             if not seq.is_finished and seq.grammar is not None and seq.grammar.is_done:
                 seq.constraint_complete = True  # nothing may follow; vLLM would stop at the EOS forced next

@@ -287,6 +287,7 @@ class ModelRunner:
         self.prev_tokens = torch.zeros(0, dtype=torch.int64)  # the last step's sampled tokens (device)
         # token history of the sequences that sample with penalties (rank 0 samples; allocated at the first one)
         self.penalty_slots = PenaltySlots(self.device)
+        self._mask_stream: torch.cuda.Stream | None = None  # structured outputs: token masks upload on it
         # Pipelined tensor parallelism: workers need rank 0's tokens to fill pending inputs.
         self.broadcast_tokens = bool(config.async_scheduling) and config.tensor_parallel_size > 1
         # prompt_logprobs: the LM head's rows per chunk (a multiple of 16), at most PROMPT_LOGITS_CHUNK_BYTES of logits
@@ -669,8 +670,7 @@ class ModelRunner:
             from nvcli.kernels.token_bitmask import apply_token_bitmask_
 
             rows, bitmask = masks
-            apply_token_bitmask_(logits, upload(torch.tensor(rows, dtype=torch.int64), self.device),
-                                 upload(bitmask, self.device))
+            apply_token_bitmask_(logits, *self._upload_token_mask(rows, bitmask))
         params = [s.sampling_params for s in batch.seqs]
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
@@ -700,6 +700,23 @@ class ModelRunner:
             prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(ks), self.device)
         return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)},
                           logits if want_logprobs else None, sb if want_logprobs else None, prompt_lp)
+
+    def _upload_token_mask(self, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and their bitmask on the device. On a GPU the copy (19 KB a row: 4.9 MB at 256 rows) goes on a
+        stream of its own, so that it overlaps the forward still running instead of waiting behind it on the
+        step's stream; the mask kernel waits for it (H100: +0.5 ms per step with it in line, RESULTS session 30)."""
+        rows_host = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return rows_host, bitmask
+        if self._mask_stream is None:
+            self._mask_stream = torch.cuda.Stream(self.device)
+        step_stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._mask_stream):
+            rows_dev, mask_dev = upload(rows_host, self.device), upload(bitmask, self.device)
+        step_stream.wait_stream(self._mask_stream)
+        rows_dev.record_stream(step_stream)  # allocated on the copy stream, read on the step's
+        mask_dev.record_stream(step_stream)
+        return rows_dev, mask_dev
 
     def collect(self, handle: StepHandle) -> StepResult:
         """Wait for a launched step; its tokens (and logprobs where asked)."""
