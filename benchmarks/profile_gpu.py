@@ -367,10 +367,10 @@ def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, 
     launch = runner.launch
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] = []
 
-    def timed_launch(batch, step):
+    def timed_launch(batch, step, *rest):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        handle = launch(batch, step)
+        handle = launch(batch, step, *rest)
         e1.record()
         marks.append((e0, e1, len(batch.seqs), batch.is_decode_only, sum(len(s) for s in batch.seqs)))
         return handle
@@ -419,6 +419,13 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
     engine = llm.engine
     run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))
     work = make_workload(requests, (100, 1024), (out_min, out_max), seed=0)
+    if os.environ.get("PROFILE_REGEX"):  # structured outputs: this regex on every request
+        import dataclasses
+
+        from nvcli import StructuredOutputsParams
+
+        so = StructuredOutputsParams(regex=os.environ["PROFILE_REGEX"])
+        work = dataclasses.replace(work, params=[dataclasses.replace(sp, structured_outputs=so) for sp in work.params])
     out = []
     if os.environ.get("PROFILE_GC_FREEZE") == "1":  # A/B probe: the start-up heap out of the collector's way
         gc.collect()
