@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,13 +30,21 @@ if TYPE_CHECKING:
 _CACHED_GRAMMARS = 256  # a job usually repeats one schema on every line: compile it once
 
 
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A constraint's grammar text, checked, and the mask of its first token (the same for every matcher of it)."""
+
+    text: str
+    first_mask: torch.Tensor  # [ceil(vocab / 32)] int32
+
+
 class GrammarState:
     """One sequence's matcher, and how many of its output tokens it has consumed."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, grammar: CompiledGrammar) -> None:
         self.matcher = matcher
+        self.grammar = grammar
         self.consumed = 0
-
 
     @property
     def is_done(self) -> bool:
@@ -56,28 +65,34 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                       eos_token=sorted(eos_token_ids) or None)
         self._executor = llguidance.LLExecutor()
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._grammars: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self.vocab_size = vocab_size
         self.mask_words = (vocab_size + 31) // 32
         self.mask_s = 0.0  # host seconds spent filling masks (benchmarks report it per step)
         self.num_masked_steps = 0
         self.consume_s = 0.0  # host seconds spent feeding tokens to matchers
 
-    def grammar(self, params: StructuredOutputsParams) -> str:
-        """The constraint's grammar text, checked: ValueError with llguidance's message if it does not compile."""
+    def grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The constraint compiled and checked: ValueError with llguidance's message if it does not compile."""
         key = params.key
-        text = self._grammars.get(key)
-        if text is not None:
+        compiled = self._grammars.get(key)
+        if compiled is not None:
             self._grammars.move_to_end(key)
-            return text
+            return compiled
         text = self._grammar_text(params)
         matcher = self._llguidance.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {_one_line(matcher.get_error())}")
-        self._grammars[key] = text
+        # A new matcher's first mask is the slowest to compute (nothing cached yet), and it falls in the step that
+        # finishes the prompt, whose eager launch keeps the host busy: computed here once, copied for every request.
+        first_mask = torch.empty(self.mask_words, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(first_mask.data_ptr(), self.mask_words * 4)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs: {_one_line(matcher.get_error())}")
+        compiled = self._grammars[key] = CompiledGrammar(text, first_mask)
         if len(self._grammars) > _CACHED_GRAMMARS:
             self._grammars.popitem(last=False)
-        return text
+        return compiled
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
         lm = self._llguidance.LLMatcher
@@ -105,8 +120,8 @@ class GrammarCompiler:
             state.consumed += 1
         self.consume_s += time.perf_counter() - t0
 
-    def new_state(self, grammar: str) -> GrammarState:
-        return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar, log_level=0))
+    def new_state(self, grammar: CompiledGrammar) -> GrammarState:
+        return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar.text, log_level=0), grammar)
 
     def step_mask(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor] | None:
         """(rows, bitmask [len(rows), mask_words] int32) for the rows of `batch` that sample a constrained token now;
@@ -114,20 +129,27 @@ class GrammarCompiler:
         previous step first). Rows that sample nothing (a prompt chunk), or whose sequence ended while this step was
         in flight, are left out: their token is dropped anyway."""
         targets: list[tuple[Any, int]] = []
+        firsts: list[tuple[int, torch.Tensor]] = []  # (mask row, the grammar's first mask)
         rows: list[int] = []
         for row, (seq, index) in enumerate(zip(batch.seqs, batch.sample_index)):
             state: GrammarState | None = seq.grammar
             if state is None or index < 0 or seq.is_finished or state.is_done:
                 continue
             assert state.consumed == index - seq.num_prompt_tokens, "a constrained row's previous token is unread"
-            targets.append((state.matcher, len(rows)))
+            if state.consumed:
+                targets.append((state.matcher, len(rows)))
+            else:
+                firsts.append((len(rows), state.grammar.first_mask))
             rows.append(row)
         if not rows:
             return None
         t0 = time.perf_counter()
         mask = torch.empty((len(rows), self.mask_words), dtype=torch.int32,
                            pin_memory=torch.cuda.is_available())  # the caching host allocator reuses it
-        self._executor.unsafe_compute_mask_ptr(targets, mask.data_ptr(), self.mask_words * 4, len(rows))
+        for i, first in firsts:
+            mask[i] = first
+        if targets:
+            self._executor.unsafe_compute_mask_ptr(targets, mask.data_ptr(), self.mask_words * 4, len(rows))
         self.mask_s += time.perf_counter() - t0
         self.num_masked_steps += 1
         return rows, mask

@@ -183,3 +183,18 @@ def test_tensor_parallel_gives_the_single_process_outputs(tiny_model_dir) -> Non
     assert tp == single
     for text, c in zip(tp, CONSTRAINTS):
         check(text, "stop", c)
+
+
+def test_a_constraint_compiles_once_and_its_cached_first_mask_is_a_fresh_matchers(tiny_model_dir) -> None:
+    """Every request of a job usually repeats one schema: it compiles once, and the mask of the first token (the
+    slowest, computed when the request is added) is what each new matcher would compute."""
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, num_kvcache_blocks=32)
+    compiler = llm.engine._structured_outputs()
+    for c in CONSTRAINTS:
+        compiled = compiler.grammar(StructuredOutputsParams(**c))
+        assert compiler.grammar(StructuredOutputsParams(**c)) is compiled
+        state = compiler.new_state(compiled)
+        fresh = torch.empty_like(compiled.first_mask)
+        state.matcher.unsafe_compute_mask_ptr(fresh.data_ptr(), fresh.numel() * 4)
+        assert torch.equal(fresh, compiled.first_mask)
+        assert 0 < int(torch.count_nonzero(fresh)) < fresh.numel()  # some tokens allowed, not all
