@@ -1,4 +1,4 @@
-"""The row-scale kernels compile for the H100 (sm_90), on any machine.
+"""The row-scale kernels and the structured-output mask compile for the H100 (sm_90), on any machine.
 
 The Triton interpreter runs the kernels on the CPU without checking what only the GPU compiler rejects: a jit
 function reading a global that is not a `tl.constexpr`, a type error in a branch the tests' shapes do not take.
@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nvcli.kernels import activation, rms_norm, rotary
+    from nvcli.kernels import activation, rms_norm, rotary, token_bitmask
 
     def compile_for_hopper(kernel, types, constexprs):
         names = kernel.arg_names
@@ -42,11 +42,15 @@ SCRIPT = textwrap.dedent("""
                  FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block))
     compile_for_hopper(rms_norm._row_rstd_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp32", "eps": "fp32"},
                        dict(ROWS=8, BLOCK=1024))
+    for logits in ("*bf16", "*fp32", "*fp16"):  # structured outputs' mask, in the model's dtype
+        compile_for_hopper(token_bitmask._apply_token_bitmask_kernel,
+                           {"logits_ptr": logits, "rows_ptr": "*i64", "mask_ptr": "*i32"},
+                           dict(BLOCK=token_bitmask._BLOCK))
     print("compiled")
 """)
 
 
-def test_row_scale_kernels_compile_for_sm90() -> None:
+def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
