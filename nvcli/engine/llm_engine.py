@@ -330,7 +330,7 @@ class LLMEngine:
         logprobs = result.logprobs
         rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
         produced = self.scheduler.postprocess(batch, result.tokens)
-        if self._grammar_compiler is not None:  # the constrained rows' matchers take their tokens, in parallel
+        if self._num_constrained and self._grammar_compiler is not None:  # the constrained rows' matchers: their tokens
             self._grammar_compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
                                             if seq.grammar is not None])
         for seq, index in produced:
