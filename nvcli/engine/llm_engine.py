@@ -211,9 +211,10 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
                 "(shorten the prompt or raise --max-model-len)"
             )
-        grammar = None
+        grammar = compiler = None
         if sampling_params.structured_outputs is not None:  # compiled (and checked) once for all completions
-            grammar = self._structured_outputs().grammar(sampling_params.structured_outputs)
+            compiler = self._structured_outputs()
+            grammar = compiler.grammar(sampling_params.structured_outputs)
         banned: tuple[int, ...] = ()
         if sampling_params.min_tokens:  # the same for every completion
             ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
@@ -222,8 +223,8 @@ class LLMEngine:
         for index, seq in enumerate(seqs):
             seq.completion_index = index
             seq.min_tokens_banned = banned
-            if grammar is not None:
-                seq.grammar = self._structured_outputs().new_state(grammar)
+            if compiler is not None and grammar is not None:
+                seq.grammar = compiler.new_state(grammar)
         if sampling_params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
             seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
         # siblings wait for the first completion's prompt blocks only where the cache can share a full block

@@ -79,7 +79,10 @@ class GrammarCompiler:
         if compiled is not None:
             self._grammars.move_to_end(key)
             return compiled
-        text = self._grammar_text(params)
+        try:
+            text = grammar_text(params)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: the JSON schema is not valid: {e}") from None
         matcher = self._llguidance.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {_one_line(matcher.get_error())}")
@@ -93,22 +96,6 @@ class GrammarCompiler:
         if len(self._grammars) > _CACHED_GRAMMARS:
             self._grammars.popitem(last=False)
         return compiled
-
-    def _grammar_text(self, params: StructuredOutputsParams) -> str:
-        lm = self._llguidance.LLMatcher
-        if params.json is not None or params.json_object:
-            schema = {"type": "object"} if params.json_object else params.json
-            try:
-                return lm.grammar_from_json_schema(schema, defaults={
-                    "whitespace_flexible": not params.disable_any_whitespace})
-            except ValueError as e:
-                raise ValueError(f"structured_outputs: the JSON schema is not valid: {e}") from None
-        if params.regex is not None:
-            return lm.grammar_from_regex(params.regex)
-        if params.choice is not None:  # JSON string literals are Lark's quoted strings, escapes included
-            return lm.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
-        assert params.grammar is not None
-        return lm.grammar_from_lark(params.grammar)
 
     def consume(self, tokens: list[tuple[GrammarState, int]]) -> None:
         """Each state's matcher takes its sequence's new token. In this thread: 2-5 us a token, where llguidance's
@@ -153,6 +140,35 @@ class GrammarCompiler:
         self.mask_s += time.perf_counter() - t0
         self.num_masked_steps += 1
         return rows, mask
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The constraint as llguidance's grammar text; no tokenizer needed. ValueError where llguidance cannot read a
+    JSON schema at all (the other forms are checked when a matcher or `validate_grammar` compiles them)."""
+    from llguidance import LLMatcher
+
+    if params.json is not None or params.json_object:
+        schema = {"type": "object"} if params.json_object else params.json
+        return LLMatcher.grammar_from_json_schema(schema, defaults={
+            "whitespace_flexible": not params.disable_any_whitespace})
+    if params.regex is not None:
+        return LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:  # JSON string literals are Lark's quoted strings, escapes included
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    assert params.grammar is not None
+    return LLMatcher.grammar_from_lark(params.grammar)
+
+
+def constraint_problem(params: StructuredOutputsParams) -> str | None:
+    """What llguidance finds wrong with a constraint (an unknown type, a $ref to nowhere, a bad regex) without a
+    tokenizer, on one line; None if nothing."""
+    from llguidance import LLMatcher
+
+    try:
+        text = grammar_text(params)
+    except ValueError as e:
+        return _one_line(str(e))
+    return " ".join(LLMatcher.validate_grammar(text).split()) or None
 
 
 def _one_line(message: str) -> str:

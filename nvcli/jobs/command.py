@@ -186,15 +186,12 @@ def _json_schema(path: str | None) -> StructuredOutputsParams | None:
 
 def _schema_problem(schema: dict) -> str | None:
     """What llguidance finds wrong with a JSON schema (an unknown type, a $ref to nowhere), or None."""
+    from nvcli.engine.structured_output import constraint_problem
+
     try:
-        from llguidance import LLMatcher
-    except ImportError:  # the engine reports it with the first request
+        return constraint_problem(StructuredOutputsParams(json=schema))
+    except ImportError:  # llguidance missing: the engine reports it with the first request
         return None
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(schema)
-    except ValueError as e:
-        return " ".join(str(e).split()) or "it does not compile"
-    return " ".join(LLMatcher.validate_grammar(grammar).split()) or None
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
