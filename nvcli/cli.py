@@ -88,6 +88,7 @@ def generate(
     chat_template_kwargs: Annotated[Optional[str], typer.Option(metavar="JSON", help='Extra chat template variables, e.g. \'{"enable_thinking": false}\'.', rich_help_panel=SAMPLING)] = None,
     no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Same as --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3).", rich_help_panel=SAMPLING)] = False,
     json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="PATH", help="File holding a JSON schema: every output must match it (a line's own response_format, structured_outputs or guided_* field wins).", rich_help_panel=SAMPLING)] = None,
+    tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="How chat lines with tools and tool_choice \"auto\" find the calls in the text: auto (from the chat template: hermes for <tool_call> templates such as Qwen's, llama3_json for Llama 3's) | hermes | llama3_json (vLLM's parsers of those names).", rich_help_panel=JOB)] = "auto",
     unordered: Annotated[bool, typer.Option("--unordered", help="Write lines as they finish instead of in input order.", rich_help_panel=JOB)] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already answered in OUTPUT (repairing a torn last line) and append the rest.", rich_help_panel=JOB)] = False,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
@@ -96,7 +97,7 @@ def generate(
 ) -> None:
     """Generate a completion for every line of INPUT; write one JSON line per input line.
 
-    Input lines: {"prompt": ...}, {"messages": [...]}, {"prompt_token_ids": [...]}, or OpenAI Batch requests ({"custom_id", "url": "/v1/chat/completions", "body": {...}}), each with an optional "id" and per-line sampling fields (response_format, structured_outputs or guided_* constrain the output). Blank lines are skipped.
+    Input lines: {"prompt": ...}, {"messages": [...]}, {"prompt_token_ids": [...]}, or OpenAI Batch requests ({"custom_id", "url": "/v1/chat/completions", "body": {...}}), each with an optional "id" and per-line sampling fields (response_format, structured_outputs or guided_* constrain the output; chat lines may offer tools). Blank lines are skipped.
 
     Exit code: 0 every line succeeded, 1 some lines failed (they get error lines), 2 usage error, 130 interrupted by Ctrl-C, 143 by SIGTERM (both finish the lines in flight first; rerun with --resume to finish).
     """
@@ -147,6 +148,7 @@ def generate(
         quiet=quiet,
         max_in_flight=max_in_flight,
         json_schema=json_schema,
+        tool_call_parser=tool_call_parser,
     )
     raise typer.Exit(run_generate(args))
 

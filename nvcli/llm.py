@@ -81,13 +81,27 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.chat: each conversation rendered with the model's chat template (RequestOutput.prompt is the
-        rendered text), then generated as generate() would."""
+        """vLLM's LLM.chat: each conversation rendered with the model's chat template, or `chat_template` (Jinja
+        text), offering `tools` (OpenAI function objects) to the template; RequestOutput.prompt is the rendered text.
+        Then generated as generate() would. As vLLM does, a null content renders as "" and an assistant tool call's
+        JSON `arguments` text as the value it holds."""
+        from nvcli.jobs import tool_calls
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools and not tool_calls.renders_tools(tool_calls.template_text(self.tokenizer, kwargs)):
+            raise ValueError("this model's chat template does not render tools: leave tools out, or pass a "
+                             "chat_template that takes them")
         texts = [
-            self.engine.render_chat_text(conv, chat_template_kwargs, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
-                                         continue_final_message=continue_final_message)
+            self.engine.render_chat_text(
+                [tool_calls.template_message(m, f"messages[{i}]") for i, m in enumerate(conv)],  # type: ignore[arg-type]
+                kwargs or None, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools or None)
             for conv in conversations
         ]
         token_lists: list[str | list[int]] = list(self.engine.encode_batch(texts, add_special_tokens=False))  # one call

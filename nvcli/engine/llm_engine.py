@@ -164,15 +164,17 @@ class LLMEngine:
         return self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids if texts else []
 
     def render_chat_text(self, messages: list[dict], chat_template_kwargs: dict | None = None,
-                         add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-        """The chat template applied to `messages`, with the assistant's turn opened (or, with
-        `continue_final_message`, the last message left open to be continued); not tokenized."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         tools: list[dict] | None = None) -> str:
+        """The chat template applied to `messages` (and the `tools` offered, OpenAI function objects), with the
+        assistant's turn opened (or, with `continue_final_message`, the last message left open to be continued); not
+        tokenized. A `chat_template` in `chat_template_kwargs` replaces the tokenizer's."""
+        if getattr(self.tokenizer, "chat_template", None) is None and not (chat_template_kwargs or {}).get("chat_template"):
             raise ValueError("this model's tokenizer has no chat template; send {'prompt': ...} instead of messages")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {})
         )
 

@@ -31,6 +31,7 @@ from nvcli.jobs.runner import (
     LineCounter,
     run_job,
 )
+from nvcli.jobs.tool_calls import PARSER_CHOICES
 from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -52,6 +53,7 @@ class GenerateArgs:
     quiet: bool = False
     max_in_flight: int | None = None
     json_schema: str | None = None  # a JSON schema file: the output constraint of lines that set none
+    tool_call_parser: str = "auto"  # how tool_choice "auto" finds tool calls in the text (tool_calls.PARSER_CHOICES)
 
 
 # The model's generation_config.json may recommend these (vLLM's `--generation-config auto`).
@@ -103,6 +105,9 @@ def _generate(args: GenerateArgs) -> int:
         EngineConfig(**args.engine)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    if args.tool_call_parser not in PARSER_CHOICES:
+        raise UsageError(f"--tool-call-parser: must be one of {', '.join(PARSER_CHOICES)} "
+                         f"(got {args.tool_call_parser!r})")
     structured_outputs = _json_schema(args.json_schema)
     done: dict[str, bool] = {}
     if args.resume and out_path is not None:
@@ -131,6 +136,7 @@ def _generate(args: GenerateArgs) -> int:
             chat_template_kwargs=dict(args.chat_template_kwargs),
             return_token_ids=args.return_token_ids,
             structured_outputs=structured_outputs,
+            tool_call_parser=args.tool_call_parser,
         )
         max_num_seqs = int(args.engine.get("max_num_seqs") or EngineConfig.__dataclass_fields__["max_num_seqs"].default)
         opts = JobOptions(

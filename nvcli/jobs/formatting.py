@@ -10,6 +10,10 @@ OpenAI:  {"id", "custom_id", "response": {"status_code", "request_id", "body"}, 
          {token_id: {"logprob", "rank", "decoded_token"}} per prompt token) sits in each completion choice, and
          at the top of a chat.completion body.
 Errors:  {"id", "error": {"type", "message"}} for native lines.
+Tools:   a line that offers tools (tool_calls.py) answers with the calls the completion made: a chat message gets
+         "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}] ([] when none; content is
+         the text before the calls, vLLM's), a native completion keeps its raw "text" and adds "tool_calls";
+         finish_reason is "tool_calls" when calls were made (as vLLM answers). Lines without tools are unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
+from nvcli.jobs.tool_calls import extract
 from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -60,11 +65,17 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
     for comp in out.outputs:
         want_lp = k is not None and comp.logprobs is not None
         if req.shape == CHAT:
+            message: dict[str, Any] = {"role": "assistant", "content": comp.text}
+            finish_reason = comp.finish_reason
+            if req.tools is not None:
+                called = extract(req.tools, comp.text, finish_reason)
+                message = {"role": "assistant", "content": called.content, "tool_calls": called.calls}
+                finish_reason = called.finish_reason
             choice: dict[str, Any] = {
                 "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
+                "message": message,
                 "logprobs": _chat_logprobs(comp.token_ids, comp.logprobs, k, ctx) if want_lp else None,  # type: ignore[arg-type]
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish_reason,
             }
         else:
             choice = _completion_choice(req, out, comp, ctx)
@@ -88,8 +99,12 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
 
 
 def _native_completion(req: Request, comp: CompletionOutput, ctx: FormatContext) -> dict[str, Any]:
-    """A native line's fields for one completion: text, finish_reason, and token_ids / logprobs if asked for."""
+    """A native line's fields for one completion: text, finish_reason, the tool calls of a line that offers tools,
+    and token_ids / logprobs if asked for."""
     out: dict[str, Any] = {"text": comp.text, "finish_reason": comp.finish_reason}
+    if req.tools is not None:
+        called = extract(req.tools, comp.text, comp.finish_reason)
+        out["finish_reason"], out["tool_calls"] = called.finish_reason, called.calls
     if req.return_token_ids:
         out["token_ids"] = list(comp.token_ids)
     k = req.sampling_params.logprobs

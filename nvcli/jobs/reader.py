@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from nvcli.jobs import tool_calls
 from nvcli.jobs.formatting import error_line
 from nvcli.jobs.requests import (
     DUPLICATE_ID,
@@ -154,11 +155,27 @@ class InputReader(threading.Thread):
                 plain[i] = item.prompt
                 continue
             try:
-                rendered[i] = self.engine.render_chat_text(item.messages, item.chat_template_kwargs or None)
+                if item.tools is None:
+                    rendered[i] = self.engine.render_chat_text(item.messages, item.chat_template_kwargs or None)
+                else:
+                    rendered[i] = self._render_with_tools(item)
+            except _Unservable as e:
+                items[i] = _reject(item, INVALID_REQUEST, str(e))
             except Exception as e:  # noqa: BLE001 - a template error belongs to this line only
                 items[i] = _reject(item, INVALID_REQUEST, f"could not render the chat template: {e}")
         self._encode_into(items, plain, add_special_tokens=True)
         self._encode_into(items, rendered, add_special_tokens=False)
+
+    def _render_with_tools(self, req: Request) -> str:
+        """A chat line that offers tools, rendered with them; its tool_choice "auto" gets the job's parser (the
+        one --tool-call-parser names, or the one its chat template's format calls for)."""
+        assert req.tools is not None and req.messages is not None
+        template = tool_calls.template_text(getattr(self.engine, "tokenizer", None), req.chat_template_kwargs)
+        req.tools.parser = tool_calls.resolve_parser(self.defaults.tool_call_parser, template)
+        problem = tool_calls.serving_problem(req.tools, template)
+        if problem is not None:
+            raise _Unservable(problem)
+        return self.engine.render_chat_text(req.messages, req.chat_template_kwargs or None, tools=req.tools.tools)
 
     def _encode_into(self, items: list[Request | LineError], texts: dict[int, str], add_special_tokens: bool) -> None:
         """items[i].prompt_token_ids = the ids of texts[i], every text in one tokenizer call; when that call fails,
@@ -226,6 +243,10 @@ class InputReader(threading.Thread):
             self.counts.outputs += 1
             self.events.put(("submitted", req.ordinal))
         return None
+
+
+class _Unservable(Exception):
+    """A line the engine could render but nv cannot answer as asked (its message is the line's error)."""
 
 
 def _reject(req: Request, kind: str, message: str) -> LineError:

@@ -11,6 +11,11 @@ A line may constrain its output (structured outputs, vLLM's and OpenAI's fields)
 or vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; one constraint per line. A line
 without one takes the job's (`--json-schema`), if any.
 
+A chat line (`messages`, native or /v1/chat/completions) may offer functions: `tools`, `tool_choice`,
+`parallel_tool_calls` (tool_calls.py validates them); tool_choice "required" or a named function is the line's
+constraint, and then it may set no other. Assistant tool-call turns and tool results are taken as chat templates
+want them (tool_calls.template_message).
+
 A line's id is its `id`, else its `custom_id`, else its 0-based line number. A line whose id cannot be read (not
 JSON, not an object, an id of another type) is answered with `"id": null` and its line number: it must not take an id
 that another line may own. Per-line sampling fields override the command-line defaults. Nothing here touches the engine: chat rendering and
@@ -27,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs import jsonio
+from nvcli.jobs.jsonio import json_type as _json_type
+from nvcli.jobs.tool_calls import ToolCallError, ToolSpec, parse_tools, template_message
 from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 from nvcli.token_ids import valid_token_ids
 
@@ -68,17 +75,18 @@ SAMPLING_FIELDS = (
 # a logit_bias key: ASCII digits (str.isdigit takes "²"), few enough for int() (it refuses over 4300)
 _TOKEN_ID = re.compile(r"[0-9]{1,32}")
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
-_NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids")
+_NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids",
+               "tools", "tool_choice", "parallel_tool_calls")
 # Body fields of OpenAI requests that we accept and ignore (no effect on generation).
-_OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls")
+_OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier")
 # OpenAI sampling knobs we do not implement: accepted only at their neutral values (None, the first, is "left out";
 # clients often send the others explicitly).
 _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
 }
+# Tool calling (tool_calls.py) is a chat feature: a /v1/completions body may carry its fields at "no tools" only.
+_COMPLETION_TOOLS: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choice": (None, "none")}
 # Structured outputs (native lines and OpenAI bodies alike, as vLLM's server takes them). StructuredOutputsParams'
 # constraint fields, vLLM's older guided_* names for them, and every field a line may constrain its output with.
 _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
@@ -106,6 +114,7 @@ class Defaults:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     return_token_ids: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    tool_call_parser: str = "auto"  # --tool-call-parser: how tool_choice "auto" reads calls from the text
 
 
 @dataclass
@@ -126,6 +135,7 @@ class Request:
     ordinal: int = -1  # position among output lines, assigned by the reader
     echo: bool = False  # /v1/completions: the prompt leads the text (and, with logprobs, the logprobs)
     echo_prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not returned (vLLM's)
+    tools: ToolSpec | None = None  # the functions a chat line offers, and its tool_choice
 
 
 @dataclass
@@ -224,8 +234,13 @@ def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, w
         overrides["logprobs"] = 0
     elif overrides.get("logprobs") is False:
         overrides["logprobs"] = None
-    _constrain(overrides, obj, defaults, "", warn)
+    tools = _tools(obj, "")
+    if tools is not None and given[0] != "messages":
+        raise _Invalid(f"tools need \"messages\": a {given[0]} line cannot call tools (send the conversation as "
+                       "messages, rendered with the model's chat template)")
+    _constrain(overrides, obj, defaults, "", warn, tools)
     req = Request(line_no, rid, id_key(rid), NATIVE, _sampling(defaults, overrides))
+    req.tools = tools
     req.return_token_ids = _bool(obj, "return_token_ids", defaults.return_token_ids)
     _fill_prompt(req, obj, given[0], defaults)
     return req
@@ -256,7 +271,7 @@ def _parse_openai_body(
         "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs",
     )
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(_STRUCTURED_FIELDS)
-    known |= {"return_token_ids", "logprobs", "echo"}
+    known |= {"return_token_ids", "logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
     if shape == CHAT:
         known |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
     else:
@@ -266,8 +281,16 @@ def _parse_openai_body(
         value = body.get(name)
         if value is not None and not any(_same_json(value, v) for v in neutral):
             raise _Invalid(f"body.{name}={value!r} is not supported by nv (leave it out)")
+    tools = None
+    if shape == CHAT:
+        tools = _tools(body, "body.")
+    else:
+        for name, neutral in _COMPLETION_TOOLS.items():
+            value = body.get(name)
+            if not any(_same_json(value, v) for v in neutral):
+                raise _Invalid(f"body.{name}={value!r}: tool calling is served on /v1/chat/completions only")
     overrides = {k: body[k] for k in common if k in body and body[k] is not None}
-    _constrain(overrides, body, defaults, "body.", warn)
+    _constrain(overrides, body, defaults, "body.", warn, tools)
     echo = _bool(body, "echo", False, prefix="body.")
     if shape == CHAT:
         if echo:
@@ -282,6 +305,7 @@ def _parse_openai_body(
         if lp:
             overrides["logprobs"] = 0 if top is None else top
         req = Request(line_no, rid, id_key(rid), CHAT, _sampling(defaults, overrides, prefix="body."))
+        req.tools = tools
         _fill_prompt(req, body, "messages", defaults, prefix="body.")
     else:
         if body.get("logprobs") is not None:
@@ -308,18 +332,35 @@ def _parse_openai_body(
     return req
 
 
-def _constrain(overrides: dict[str, Any], obj: dict, defaults: Defaults, prefix: str, warn: Callable | None) -> None:
-    """Put the line's output constraint, or the job's, into the sampling overrides."""
-    params = _structured_outputs(obj, defaults, prefix, warn)
+def _tools(obj: dict, prefix: str) -> ToolSpec | None:
+    try:
+        return parse_tools(obj, prefix)
+    except ToolCallError as e:
+        raise _Invalid(str(e)) from None
+
+
+def _constrain(overrides: dict[str, Any], obj: dict, defaults: Defaults, prefix: str, warn: Callable | None,
+               tools: ToolSpec | None = None) -> None:
+    """Put the line's output constraint into the sampling overrides: that of its tool_choice ("required" or a named
+    function), else the one it sets itself, else the job's."""
+    schema = tools.schema() if tools is not None else None
+    if schema is None:
+        params = _structured_outputs(obj, defaults.structured_outputs, prefix, warn)
+    else:
+        choice = tools.choice if tools.name is None else f"naming {tools.name!r}"  # type: ignore[union-attr]
+        params = _structured_outputs(obj, StructuredOutputsParams(json=schema), prefix, warn,
+                                     exclusive=f"{prefix}tool_choice {choice}")
     if params is not None:
         overrides["structured_outputs"] = params
 
 
 def _structured_outputs(
-    obj: dict, defaults: Defaults, prefix: str, warn: Callable | None
+    obj: dict, default: StructuredOutputsParams | None, prefix: str, warn: Callable | None, exclusive: str = ""
 ) -> StructuredOutputsParams | None:
     """The constraint a line sets with response_format, structured_outputs or a guided_* field (at most one of them),
-    else the job's default (`--json-schema`), else None. vLLM's semantics; its checks are StructuredOutputsParams'."""
+    else `default` (the job's `--json-schema`, or the schema of the line's tool_choice: `exclusive` names that, which
+    then admits no constraint of the line's own), else None. vLLM's semantics; its checks are
+    StructuredOutputsParams'."""
     found: list[tuple[str, str, Any]] = []  # (the line's field, StructuredOutputsParams' field, value)
     compact: bool | None = None  # disable_any_whitespace
     fmt = obj.get("response_format")
@@ -355,16 +396,19 @@ def _structured_outputs(
     backend = obj.get("guided_decoding_backend")
     if backend is not None and not isinstance(backend, str):  # any backend name is served by llguidance
         raise _Invalid(f"{prefix}guided_decoding_backend must be a string, got {_json_type(backend)}")
+    if found and exclusive:
+        raise _Invalid(f"give one output constraint per line (got 2: {exclusive} constrains the output to tool calls, "
+                       f"and {', '.join(name for name, _, _ in found)})")
     if len(found) > 1:
         raise _Invalid(f"give one output constraint per line (got {len(found)}: "
                        + ", ".join(name for name, _, _ in found) + ")")
     if not found:
         if not compact:
-            return defaults.structured_outputs
-        if defaults.structured_outputs is None:
+            return default
+        if default is None:
             raise _Invalid(f"{prefix}structured_outputs.disable_any_whitespace needs a constraint: set one of "
                            "json, json_object, regex, choice, grammar")
-        return dataclasses.replace(defaults.structured_outputs, disable_any_whitespace=True)
+        return dataclasses.replace(default, disable_any_whitespace=True)
     name, key, value = found[0]
     if not isinstance(value, bool) if key == "json_object" else isinstance(value, (bool, int, float)):
         raise _Invalid(f"{name}: must be {_CONSTRAINT_TYPES[key]} (got {value!r})")
@@ -443,7 +487,12 @@ def _messages(value: Any, prefix: str) -> list[dict[str, Any]]:
             m = {**m, "content": "\n".join(texts)}
         elif content is not None and not isinstance(content, str):
             raise _Invalid(f"{name}[{i}].content must be a string or a list of text parts, got {_json_type(content)}")
-        out.append(m)
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise _Invalid(f"{name}[{i}].tool_call_id must be a string, got {_json_type(m['tool_call_id'])}")
+        try:
+            out.append(template_message(m, f"{name}[{i}]"))
+        except ToolCallError as e:
+            raise _Invalid(str(e)) from None
     return out
 
 
@@ -503,19 +552,3 @@ def _valid_id(v: Any) -> bool:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return f"a number ({v})"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "a list"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
