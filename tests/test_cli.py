@@ -279,6 +279,52 @@ def test_a_constraint_nv_cannot_serve_is_its_lines_error(model):
     assert two["error"]["message"] == "give one output constraint per line (got 2: guided_regex, guided_choice)"
 
 
+def test_tool_choice_required_and_named_give_parseable_calls_from_a_random_model(model):
+    """The constraint of tool_choice "required" and of a named function gives calls of the tools' shape even from a
+    random model (compact JSON, so it cannot wander off into whitespace); "auto" serves the text it gets, reading it
+    with the hermes parser that Qwen3's template calls for."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+    now = {"type": "function", "function": {"name": "now", "description": "The time"}}
+    compact = {"disable_any_whitespace": True}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    lines = [
+        {"custom_id": "required", "url": "/v1/chat/completions", "method": "POST", "body": {
+            "messages": messages, "tools": [weather, now], "tool_choice": "required", "structured_outputs": compact}},
+        {"custom_id": "named", "url": "/v1/chat/completions", "method": "POST", "body": {
+            "messages": messages, "tools": [weather, now], "structured_outputs": compact,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}},
+        {"id": "native", "messages": messages, "tools": [weather], "tool_choice": "required",
+         "parallel_tool_calls": False, "structured_outputs": compact},
+        {"id": "auto", "messages": messages, "tools": [weather, now], "max_tokens": 8},
+    ]
+    r = nv(model, "-", "-q", "--no-thinking", "--max-tokens", 60, input="".join(json.dumps(x) + "\n" for x in lines))
+    assert r.exit_code == 0, r.stderr
+    required, named, native, auto = jsonl(r.stdout)
+
+    def check(call: dict) -> str:
+        assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+        name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+        if name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f") and len(args["city"]) <= 6
+        else:
+            assert name == "now" and args == {}
+        return name
+
+    for line in (required, named):
+        choice = line["response"]["body"]["choices"][0]
+        assert choice["message"]["content"] == "" and choice["message"]["tool_calls"], choice
+        names = [check(c) for c in choice["message"]["tool_calls"]]
+        if line is named:
+            assert names == ["get_weather"] and choice["finish_reason"] == "stop"
+        else:
+            assert choice["finish_reason"] == "tool_calls"
+    assert native["finish_reason"] == "tool_calls" and [check(c) for c in native["tool_calls"]] == ["get_weather"]
+    assert json.loads(native["text"])[0]["name"] == "get_weather"  # the raw text is the constrained array
+    assert auto["usage"]["completion_tokens"] == 8 and isinstance(auto["tool_calls"], list)
+
+
 def test_ordered_and_unordered_agree_by_id(model, tmp_path):
     src = write(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"Item {i}:", "max_tokens": 1 + (7 * i) % 9}
                                         for i in range(16)])

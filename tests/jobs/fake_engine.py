@@ -3,11 +3,13 @@
 Tokens are characters (id = code point); each step every running request generates one token,
 a deterministic function of its prompt, so outputs are checkable; requests finish at
 max_tokens, or on the stop token 0 if a prompt contains "!". A running request count above
-max_num_seqs waits, so completion order differs from input order.
+max_num_seqs waits, so completion order differs from input order. `replies` scripts answers: a
+prompt that contains one of its keys generates that key's text, then stops (a model's tool call).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import deque
@@ -18,6 +20,8 @@ from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
 class FakeTokenizer:
     name_or_path = ""
+    # what tool calling looks for in a template: it renders tools, in Hermes' <tool_call> format
+    chat_template = "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %} ... <tool_call>"
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
@@ -43,13 +47,15 @@ class FakeStats:
 
 
 class _Req:
-    def __init__(self, rid, prompt, ids, sp):
+    def __init__(self, rid, prompt, ids, sp, script=None):
         self.rid, self.prompt, self.ids, self.sp = rid, prompt, ids, sp
         self.out: list[int] = []
+        self.script: list[int] | None = script  # scripted tokens, then the stop token 0
 
 
 class FakeEngine:
-    def __init__(self, max_model_len: int = 200, max_num_seqs: int = 4, step_delay: float = 0.0) -> None:
+    def __init__(self, max_model_len: int = 200, max_num_seqs: int = 4, step_delay: float = 0.0,
+                 replies: dict[str, str] | None = None) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -64,11 +70,18 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.shut = False
         self.encode_batches: list[int] = []  # texts per encode_batch call
+        self.replies = dict(replies or {})
+        self.rendered: list[str] = []  # every chat rendered, in order
 
-    def render_chat_text(self, messages, chat_template_kwargs=None):
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def render_chat_text(self, messages, chat_template_kwargs=None, tools=None):
+        text = "".join(f"<{m['role']}>{m['content']}" + "".join(f"<call>{json.dumps(c['function'])}</call>"
+                                                             for c in m.get("tool_calls") or ())
+                       for m in messages) + "<assistant>"
+        if tools:
+            text = f"<tools>{json.dumps(tools)}</tools>" + text
         if chat_template_kwargs and chat_template_kwargs.get("enable_thinking") is False:
             text += "<nothink>"
+        self.rendered.append(text)
         return text
 
     def encode_batch(self, texts, add_special_tokens=True):
@@ -82,8 +95,10 @@ class FakeEngine:
             raise ValueError("the prompt is empty")
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        decoded = self.tokenizer.decode(ids)
+        script = next((self.tokenizer.encode(reply) + [0] for key, reply in self.replies.items() if key in decoded), None)
         with self.lock:
-            self.waiting.append(_Req(request_id, prompt_text, ids, sampling_params))
+            self.waiting.append(_Req(request_id, prompt_text, ids, sampling_params, script))
             self.added.append(request_id)
             self.sampling_seen.append(sampling_params)
             self.max_unfinished_seen = max(self.max_unfinished_seen, len(self.waiting) + len(self.running))
@@ -112,6 +127,8 @@ class FakeEngine:
                 tok = 97 + (sum(r.ids) + 7 * len(r.out)) % 26
                 if "!" in (r.prompt or "") and len(r.out) == 2:
                     tok = 0
+                if r.script is not None:
+                    tok = r.script[len(r.out)]
                 r.out.append(tok)
                 self.st.generation_tokens += 1
                 limit = r.sp.max_tokens if r.sp.max_tokens is not None else self.max_model_len - len(r.ids)

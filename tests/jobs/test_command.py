@@ -111,6 +111,8 @@ def test_bad_lines_exit_1_with_summary(tmp_path, engines):
         (["IN", "--no-such-flag"], "No such option"),
         (["IN", "-o", "OUTDIR/nodir/out.jsonl"], "does not exist"),
         (["IN", "-o", "IN"], "the output file is the input file"),
+        (["IN", "--tool-call-parser", "mistral"],
+         "--tool-call-parser: must be one of auto, hermes, llama3_json (got 'mistral')"),
     ],
 )
 def test_usage_errors_exit_2(tmp_path, engines, args, words):
@@ -156,7 +158,7 @@ def test_help_lists_vllm_flags():
                  "--kv-cache-dtype", "--block-size", "--load-format", "--device", "--num-kvcache-blocks",
                  "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p", "--stop", "--ignore-eos",
                  "--logprobs", "--chat-template-kwargs", "--no-thinking", "--json-schema", "--unordered", "--resume",
-                 "--quiet"):
+                 "--quiet", "--tool-call-parser"):
         assert flag in r.stdout, flag
 
 
@@ -319,3 +321,22 @@ def test_a_bad_json_schema_file_stops_the_job_at_start_up(tmp_path, engines, con
     assert r.exit_code == 2, r.output
     assert words.replace("PATH", str(path)) in r.output and "Traceback" not in r.output, r.output
     assert engines == []  # checked before the model loads
+
+
+def test_tool_call_parser_flag_reaches_the_job(tmp_path, monkeypatch):
+    """--tool-call-parser names the parser of tool_choice "auto" lines: here a model whose template shows no
+    tool-call format nv knows, so without the flag the line is refused, with it the call is found."""
+    def make(config):
+        e = FakeEngine(max_model_len=4000, replies={"weather": '{"name": "now", "parameters": {}}'})
+        e.tokenizer.chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}{{ messages }}"
+        return e
+
+    monkeypatch.setattr("nvcli.jobs.command.make_engine", make)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "t", "messages": [{"role": "user", "content": "weather?"}],
+                                               "tools": [{"type": "function", "function": {"name": "now"}}]}])
+    r = nv(src, "--max-tokens", 100, "-q")
+    assert r.exit_code == 1 and "pass --tool-call-parser" in json.loads(r.stdout)["error"]["message"], r.output
+    r = nv(src, "--max-tokens", 100, "-q", "--tool-call-parser", "llama3_json")
+    assert r.exit_code == 0, r.output
+    line = json.loads(r.stdout)
+    assert line["finish_reason"] == "tool_calls" and line["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}

@@ -365,3 +365,139 @@ def test_the_job_schema_constrains_every_line_that_sets_no_constraint_of_its_own
         assert isinstance(r, LineError) and "one output constraint" in r.message
     assert job == SO(json={"type": "array"})  # the job's own stays as it was
     assert constraint_of("native", {}) is None  # no --json-schema: no constraint
+
+
+# -- tool calling (nvcli/jobs/tool_calls.py) ----------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+CHAT_SHAPES = ("native", "chat")
+
+
+def tool_line(shape: str, fields: dict, messages: list | None = None) -> dict:
+    """A chat line of `shape` (native messages or /v1/chat/completions) with `fields` where that shape takes them."""
+    if shape == "native":
+        return {"id": "a", "messages": messages or USER, **fields}
+    return {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": messages or USER, **fields}}
+
+
+@pytest.mark.parametrize("shape", CHAT_SHAPES)
+def test_tools_reach_the_request_in_both_chat_shapes(shape):
+    from nvcli.jobs.tool_calls import AUTO, NAMED, REQUIRED, named_schema, required_schema
+
+    seen: list[str] = []
+    r = parse(tool_line(shape, {"tools": [WEATHER, NOW], "parallel_tool_calls": True}), warn=seen.append)
+    assert isinstance(r, Request) and seen == []
+    assert (r.tools.tools, r.tools.choice, r.tools.parallel) == ([WEATHER, NOW], AUTO, True)
+    assert r.sampling_params.structured_outputs is None  # auto: the model answers freely
+    r = parse(tool_line(shape, {"tools": [WEATHER, NOW], "tool_choice": "required", "parallel_tool_calls": False}))
+    assert r.tools.choice == REQUIRED
+    assert r.sampling_params.structured_outputs == SO(json=required_schema([WEATHER, NOW], parallel=False))
+    r = parse(tool_line(shape, {"tools": [WEATHER, NOW], "n": 2,
+                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))
+    assert (r.tools.choice, r.tools.name, r.sampling_params.n) == (NAMED, "get_weather", 2)
+    assert r.sampling_params.structured_outputs == SO(json=named_schema([WEATHER], "get_weather"))
+    for no_tools in ({}, {"tools": []}, {"tools": None, "tool_choice": "none"}, {"tools": [], "tool_choice": "none"}):
+        r = parse(tool_line(shape, no_tools))
+        assert isinstance(r, Request) and r.tools is None, no_tools
+
+
+@pytest.mark.parametrize("shape", CHAT_SHAPES)
+def test_a_tool_choice_constraint_replaces_the_jobs_and_admits_no_other(shape):
+    """tool_choice "required" or named: that schema is the line's constraint, over --json-schema; a line that also
+    sets its own is the line's error (one constraint per line); disable_any_whitespace alone keeps the tool calls
+    compact. "none" and "auto" leave the constraints as they are."""
+    from nvcli.jobs.tool_calls import named_schema
+
+    job = SO(json={"type": "array"})
+    defaults = Defaults(sampling={"max_tokens": None}, structured_outputs=job)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    prefix = "" if shape == "native" else "body."
+
+    def constraint(fields):
+        r = parse(tool_line(shape, {"tools": [WEATHER], **fields}), defaults=defaults)
+        assert isinstance(r, Request), r
+        return r.sampling_params.structured_outputs
+
+    assert constraint({"tool_choice": named}) == SO(json=named_schema([WEATHER], "get_weather"))
+    assert constraint({"tool_choice": named, "structured_outputs": {"disable_any_whitespace": True}}) == SO(
+        json=named_schema([WEATHER], "get_weather"), disable_any_whitespace=True)
+    assert constraint({"tool_choice": named, "response_format": {"type": "text"}}) == SO(
+        json=named_schema([WEATHER], "get_weather"))
+    assert constraint({"tool_choice": "auto"}) == job
+    assert constraint({"tool_choice": "none", "guided_regex": "a+"}) == SO(regex="a+")
+    assert constraint({"tool_choice": "auto", "response_format": {"type": "json_object"}}) == SO(json_object=True)
+    for own, name in (({"response_format": {"type": "json_object"}}, "response_format"),
+                      ({"structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
+                      ({"guided_json": SCHEMA}, "guided_json")):
+        for choice, said in (("required", "required"), (named, "naming 'get_weather'")):
+            r = parse(tool_line(shape, {"tools": [WEATHER], "tool_choice": choice, **own}), defaults=defaults)
+            assert isinstance(r, LineError) and r.kind == INVALID_REQUEST, r
+            assert r.message == (f"give one output constraint per line (got 2: {prefix}tool_choice {said} constrains "
+                                 f"the output to tool calls, and {prefix}{name})")
+
+
+@pytest.mark.parametrize("shape", CHAT_SHAPES)
+@pytest.mark.parametrize("fields, message", [  # {p}: where the line's fields are ("" or "body.")
+    ({"tools": "get_weather"},
+     '{p}tools must be a list of {{"type": "function", "function": {{...}}}} objects, got a string'),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": ""}}]},
+     "{p}tools[1].function.name must be a non-empty string"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "{p}tools[0].function.parameters must be a JSON schema (an object), got a list"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"},
+     '{p}tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+     "got 'sometimes'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "now"}}},
+     "{p}tool_choice.function.name 'now' is not one of {p}tools (get_weather)"),
+    ({"tool_choice": "required"},
+     "{p}tool_choice='required' needs tools to choose from: give {p}tools (a non-empty list)"),
+    ({"tools": [WEATHER], "parallel_tool_calls": 0}, "{p}parallel_tool_calls must be true or false, got a number (0)"),
+])
+def test_bad_tool_fields_are_the_lines_error_naming_the_field(shape, fields, message):
+    r = parse(tool_line(shape, fields))
+    assert isinstance(r, LineError) and r.kind == INVALID_REQUEST and r.id == "a", r
+    assert r.message == message.format(p="" if shape == "native" else "body.")
+
+
+@pytest.mark.parametrize("shape", CHAT_SHAPES)
+def test_tool_turns_in_the_conversation(shape):
+    """An assistant turn with tool calls (content null, arguments as JSON text) and the tool's result are taken as
+    vLLM renders them; a bad one is the line's error, naming where it is."""
+    prefix = "" if shape == "native" else "body."
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    convo = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = parse(tool_line(shape, {"tools": [WEATHER]}, convo))
+    assert isinstance(r, Request), r
+    assert r.messages[1] == {"role": "assistant", "content": "",
+                             "tool_calls": [{**call, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert r.messages[2] == convo[2]
+    r = parse(tool_line(shape, {}, convo))  # a history with tool turns needs no tools to continue it
+    assert isinstance(r, Request) and r.tools is None and r.messages[1]["content"] == ""
+    bad = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        call, {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{city: Paris}"}}]}]
+    r = parse(tool_line(shape, {"tools": [WEATHER]}, bad))
+    assert isinstance(r, LineError), r
+    assert r.message.startswith(f"{prefix}messages[1].tool_calls[1].function.arguments is not valid JSON")
+    r = parse(tool_line(shape, {}, [*USER, {"role": "tool", "tool_call_id": 7, "content": "x"}]))
+    assert isinstance(r, LineError) and r.message == f"{prefix}messages[1].tool_call_id must be a string, got a number (7)"
+
+
+@pytest.mark.parametrize("key, value", [("prompt", "Weather?"), ("prompt_token_ids", [1, 2, 3])])
+def test_a_native_prompt_line_cannot_offer_tools(key, value):
+    r = parse({"id": "a", key: value, "tools": [WEATHER], "tool_choice": "none"})
+    assert isinstance(r, LineError) and r.kind == INVALID_REQUEST
+    assert r.message.startswith(f'tools need "messages": a {key} line cannot call tools')
+    assert isinstance(parse({"id": "a", key: value, "tools": [], "tool_choice": "none"}), Request)
+
+
+def test_completions_take_no_tools():
+    for fields in ({"tools": [WEATHER]}, {"tool_choice": "auto"}):
+        r = parse({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", **fields}})
+        assert isinstance(r, LineError) and "tool calling is served on /v1/chat/completions only" in r.message, r
+    r = parse({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+               "body": {"prompt": "x", "tools": [], "tool_choice": "none", "parallel_tool_calls": True}})
+    assert isinstance(r, Request) and r.tools is None

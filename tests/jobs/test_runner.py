@@ -12,6 +12,8 @@ from fake_engine import FakeEngine
 
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.runner import EXIT_LINE_ERRORS, EXIT_OK, EXIT_OUTPUT_CLOSED, JobOptions, run_job
+from nvcli.jobs.tool_calls import required_schema
+from nvcli.sampling_params import StructuredOutputsParams
 
 
 def jsonl(*objs) -> bytes:
@@ -303,3 +305,180 @@ def test_a_line_with_penalties_is_served_with_them(tiny_model_dir):
     penalized, plain = llm.generate([ids, ids], [SamplingParams(frequency_penalty=0.5, **greedy), SamplingParams(**greedy)])
     assert f["token_ids"] == penalized.outputs[0].token_ids != plain.outputs[0].token_ids
     assert p["token_ids"] == plain.outputs[0].token_ids
+
+
+# -- tool calling --------------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+SO = StructuredOutputsParams
+QWEN_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>')
+REPLIES = {"Q-auto": QWEN_CALLS, "Q-text": "It is sunny.", "Q-required": '[{"name": "now", "parameters": {}}]',
+           "Q-named": '{"city": "Oslo"}', "Q-bad": '<tool_call>\n{"name": "now", "arguments": {}\n</tool_call>',
+           "Q-llama": '{"name": "get_weather", "parameters": {"city": "Rome"}}'}
+
+
+def chat(cid: str, question: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": question}], "tools": [WEATHER, NOW], **body}}
+
+
+def message(line: dict) -> tuple[dict, str]:
+    choice = line["response"]["body"]["choices"][0]
+    return choice["message"], choice["finish_reason"]
+
+
+def names_and_args(calls: list[dict]) -> list[tuple[str, dict]]:
+    assert len({c["id"] for c in calls}) == len(calls) and all(c["id"].startswith("chatcmpl-tool-") for c in calls)
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_tool_calls_end_to_end_through_the_fake_engine():
+    """Every tool_choice in both chat shapes, on scripted model answers: the tools reach the chat template, the
+    constraint of "required" and named reaches the engine, and each answer carries the calls vLLM would find."""
+    engine = FakeEngine(max_model_len=4000, replies=REPLIES)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    data = jsonl(
+        chat("auto", "Q-auto"),
+        chat("text", "Q-text", tool_choice="auto"),
+        chat("required", "Q-required", tool_choice="required"),
+        chat("named", "Q-named", tool_choice=named),
+        chat("none", "Q-auto", tool_choice="none"),
+        chat("bad", "Q-bad"),
+        chat("single", "Q-auto", parallel_tool_calls=False),
+        {"id": "native", "messages": [{"role": "user", "content": "Q-auto"}], "tools": [WEATHER]},
+        {"id": "native-text", "messages": [{"role": "user", "content": "Q-text"}], "tools": [WEATHER]},
+        {"id": "prompt", "prompt": "Q-auto", "tools": [WEATHER]},
+        {"id": "plain", "messages": [{"role": "user", "content": "Q-auto"}]},
+    )
+    result, lines = run(engine, data, defaults=Defaults(sampling={"max_tokens": 500}))
+    auto, text, required, named_, none, bad, single, native, native_text, prompt, plain = lines
+
+    msg, finish = message(auto)
+    assert (msg["role"], msg["content"], finish) == ("assistant", "I will look both up.\n", "tool_calls")
+    assert names_and_args(msg["tool_calls"]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Zürich"})]
+    assert list(msg) == ["role", "content", "tool_calls"]
+    assert message(text) == ({"role": "assistant", "content": "It is sunny.", "tool_calls": []}, "stop")
+    msg, finish = message(required)
+    assert (msg["content"], names_and_args(msg["tool_calls"]), finish) == ("", [("now", {})], "tool_calls")
+    msg, finish = message(named_)
+    assert (msg["content"], finish) == ("", "stop")
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert message(none) == ({"role": "assistant", "content": QWEN_CALLS, "tool_calls": []}, "stop")
+    assert message(bad) == ({"role": "assistant", "content": REPLIES["Q-bad"], "tool_calls": []}, "stop")
+    msg, finish = message(single)
+    assert names_and_args(msg["tool_calls"]) == [("get_weather", {"city": "Paris"})] and finish == "tool_calls"
+    assert (native["text"], native["finish_reason"]) == (QWEN_CALLS, "tool_calls")
+    assert names_and_args(native["tool_calls"]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Zürich"})]
+    assert (native_text["text"], native_text["finish_reason"], native_text["tool_calls"]) == ("It is sunny.", "stop", [])
+    assert prompt["error"]["type"] == "invalid_request" and "tools need \"messages\"" in prompt["error"]["message"]
+    assert (plain["text"], plain["finish_reason"]) == (QWEN_CALLS, "stop") and "tool_calls" not in plain
+    assert result.exit_code == EXIT_LINE_ERRORS and result.failed == 1
+
+    # what reached the engine: the tools in every prompt that offers them (none included), the constraints
+    tools_json = json.dumps([WEATHER, NOW])
+    assert sum(tools_json in t for t in engine.rendered) == 7
+    assert not any("<tools>" in t for t in engine.rendered[-1:])  # the plain line
+    constraints = [sp.structured_outputs for sp in engine.sampling_seen]  # in input order; the prompt line is not
+    assert constraints == [None, None, SO(json=required_schema([WEATHER, NOW])),
+                           SO(json=WEATHER["function"]["parameters"]), None, None, None, None, None, None]
+
+
+def test_an_assistant_tool_call_turn_and_a_tool_result_reach_the_template_parsed():
+    engine = FakeEngine(max_model_len=4000, replies={"sunny": "It is sunny in Paris."})
+    convo = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    _, (line,) = run(engine, jsonl(chat("turns", "x", messages=convo)), defaults=Defaults(sampling={"max_tokens": 500}))
+    assert message(line) == ({"role": "assistant", "content": "It is sunny in Paris.", "tool_calls": []}, "stop")
+    assert engine.rendered[0].endswith('<user>Weather in Paris?<assistant><call>{"name": "get_weather", "arguments": '
+                                       '{"city": "Paris"}}</call><tool>sunny<assistant>')
+
+
+def test_the_parser_comes_from_the_flag_or_the_template_and_a_template_without_tools_refuses_them():
+    llama = FakeEngine(max_model_len=4000, replies=REPLIES)
+    llama.tokenizer.chat_template = "{% if tools %}{{ tools }}{% endif %}<|python_tag|>"
+    data = jsonl(chat("llama", "Q-llama"))
+    _, (line,) = run(llama, data, defaults=Defaults(sampling={"max_tokens": 500}))
+    msg, finish = message(line)
+    assert (msg["content"], names_and_args(msg["tool_calls"]), finish) == (None, [("get_weather", {"city": "Rome"})],
+                                                                          "tool_calls")
+    # the flag wins over the template: hermes finds no <tool_call> in Llama's JSON
+    _, (line,) = run(llama, data, defaults=Defaults(sampling={"max_tokens": 500}, tool_call_parser="hermes"))
+    assert message(line) == ({"role": "assistant", "content": REPLIES["Q-llama"], "tool_calls": []}, "stop")
+
+    unknown = FakeEngine(max_model_len=4000, replies=REPLIES)
+    unknown.tokenizer.chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}"
+    data = jsonl(chat("auto", "Q-auto"), chat("required", "Q-required", tool_choice="required"))
+    _, (auto, required) = run(unknown, data, defaults=Defaults(sampling={"max_tokens": 500}))
+    error = auto["response"]["body"]["error"]
+    assert auto["response"]["status_code"] == 400 and "pass --tool-call-parser hermes or llama3_json" in error["message"]
+    assert message(required)[1] == "tool_calls"  # no parser needed: the constraint gives the shape
+    _, (auto, _) = run(unknown, data, defaults=Defaults(sampling={"max_tokens": 500}, tool_call_parser="hermes"))
+    assert message(auto)[1] == "tool_calls"
+
+    blind = FakeEngine(max_model_len=4000, replies=REPLIES)
+    blind.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    _, (auto, required) = run(blind, data, defaults=Defaults(sampling={"max_tokens": 500}))
+    for line in (auto, required):
+        assert line["response"]["body"]["error"]["message"].startswith("this model's chat template does not render tools")
+    assert blind.rendered == []
+
+
+def test_n_completions_are_each_read_for_calls():
+    from nvcli.jobs.formatting import FormatContext, result_line
+    from nvcli.jobs.requests import parse_line
+    from nvcli.outputs import CompletionOutput, RequestOutput
+
+    out = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1, 2], finished=True, outputs=[
+        CompletionOutput(0, QWEN_CALLS, [5] * 7, "stop", None, None),
+        CompletionOutput(1, "It is sunny.", [6] * 3, "stop", None, None),
+        CompletionOutput(2, '<tool_call>\n{"name": "now", "arguments": {}}', [7] * 4, "length", None, None)])
+    for line in (chat("n", "x", n=3), {"id": "n", "messages": [{"role": "user", "content": "x"}], "tools": [NOW], "n": 3}):
+        req = parse_line(json.dumps(line), 0, Defaults())
+        req.tools.parser = "hermes"
+        got = result_line(req, out, FormatContext("m"))
+        outs = got["response"]["body"]["choices"] if "response" in got else got["outputs"]
+        calls = [names_and_args(o["message"]["tool_calls"] if "message" in o else o["tool_calls"]) for o in outs]
+        assert calls == [[("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Zürich"})], [], [("now", {})]]
+        assert [o["finish_reason"] for o in outs] == ["tool_calls", "stop", "tool_calls"]
+        ids = [c["id"] for o in outs for c in (o["message"]["tool_calls"] if "message" in o else o["tool_calls"])]
+        assert len(set(ids)) == 3
+
+
+# Lines without tools, answered by the code before tool calling existed (commit 6edee32, this job on the fake engine);
+# ids, request ids and the creation time vary by run and are normalized.
+BEFORE_TOOLS = [
+    '{"id":"n1","text":"gnub","finish_reason":"length","token_ids":[103,110,117,98],"logprobs":[{"token_id":103,"token":"g","logprob":-0.5,"top_logprobs":[{"token_id":103,"token":"g","logprob":-0.5}]},{"token_id":110,"token":"n","logprob":-0.5,"top_logprobs":[{"token_id":110,"token":"n","logprob":-0.5}]},{"token_id":117,"token":"u","logprob":-0.5,"top_logprobs":[{"token_id":117,"token":"u","logprob":-0.5}]},{"token_id":98,"token":"b","logprob":-0.5,"top_logprobs":[{"token_id":98,"token":"b","logprob":-0.5}]}],"usage":{"prompt_tokens":5,"completion_tokens":4}}',
+    '{"id":"n2","text":"ipw","finish_reason":"length","usage":{"prompt_tokens":42,"completion_tokens":3}}',
+    '{"id":"c1","custom_id":"c1","response":{"status_code":200,"request_id":"nv-batch-X","body":{"id":"chatcmpl-X","object":"chat.completion","created":0,"model":"model","choices":[{"index":0,"message":{"role":"assistant","content":"ipwdk"},"logprobs":{"content":[{"token":"i","logprob":-0.5,"bytes":[105],"top_logprobs":[{"token":"i","logprob":-0.5,"bytes":[105]}]},{"token":"p","logprob":-0.5,"bytes":[112],"top_logprobs":[{"token":"p","logprob":-0.5,"bytes":[112]}]},{"token":"w","logprob":-0.5,"bytes":[119],"top_logprobs":[{"token":"w","logprob":-0.5,"bytes":[119]}]},{"token":"d","logprob":-0.5,"bytes":[100],"top_logprobs":[{"token":"d","logprob":-0.5,"bytes":[100]}]},{"token":"k","logprob":-0.5,"bytes":[107],"top_logprobs":[{"token":"k","logprob":-0.5,"bytes":[107]}]}]},"finish_reason":"length"}],"usage":{"prompt_tokens":42,"completion_tokens":5,"total_tokens":47}}},"error":null}',
+    '{"id":"c2","custom_id":"c2","response":{"status_code":200,"request_id":"nv-batch-X","body":{"id":"cmpl-X","object":"text_completion","created":0,"model":"model","choices":[{"index":0,"text":"abcipw","logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}},"error":null}',
+    '{"id":"s","text":"ta","finish_reason":"stop","usage":{"prompt_tokens":5,"completion_tokens":3}}',
+    '{"id":"bad","error":{"type":"invalid_request","message":"prompt must be a string, got a number (3)","line":6}}',
+]
+
+
+def test_lines_without_tools_are_answered_byte_for_byte_as_before():
+    """Tool calling adds nothing to a line that offers no tools (tool_choice "none" and an empty list included)."""
+    import re
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    data = jsonl(
+        {"id": "n1", "prompt": "Hello", "max_tokens": 4, "logprobs": 1, "return_token_ids": True},
+        {"id": "n2", "messages": msgs, "max_tokens": 3, "tool_choice": "none", "tools": []},
+        {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": msgs, "max_tokens": 5, "logprobs": True, "top_logprobs": 1,
+                  "tool_choice": "none", "response_format": {"type": "json_object"}}},
+        {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "abc", "max_tokens": 3, "echo": True}},
+        {"id": "s", "prompt": "stop!"},
+        {"id": "bad", "prompt": 3},
+    )
+    dst = io.BytesIO()
+    run_job(FakeEngine(), io.BytesIO(data), dst,
+            JobOptions(defaults=Defaults(sampling={"max_tokens": None}), handle_sigint=False))
+    out = re.sub(r'"(nv-batch|chatcmpl|cmpl)-[0-9a-f]{32}"', r'"\1-X"', dst.getvalue().decode())
+    out = re.sub(r'"created":\d+', '"created":0', out)
+    assert out.splitlines() == BEFORE_TOOLS

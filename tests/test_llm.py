@@ -1,0 +1,49 @@
+"""nvcli/llm.py: LLM.chat's vLLM options for tool calling, `tools` and `chat_template` (a tiny random Qwen3 on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvcli import LLM, SamplingParams
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+def test_chat_offers_tools_and_takes_an_openai_tool_call_turn(llm):
+    """As vLLM's LLM.chat: the tools go to the template, an assistant turn's null content renders as "" and its
+    arguments' JSON text as the object it holds."""
+    convo = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    out = llm.chat(convo, GREEDY, chat_template_kwargs={"enable_thinking": False}, tools=[WEATHER])[0]
+    parsed = [convo[0], {**convo[1], "content": "", "tool_calls": [
+        {**convo[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, convo[2]]
+    assert out.prompt == llm.tokenizer.apply_chat_template(parsed, tools=[WEATHER], tokenize=False,
+                                                           add_generation_prompt=True, enable_thinking=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in out.prompt
+    assert '"name": "get_weather"' in out.prompt.split("\n</tools>")[0]
+    assert convo[1]["content"] is None  # the caller's messages are left as they were
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_chat_template_replaces_the_models(llm):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if tools %}{{ tools | length }} tools{% endif %}"
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=template, tools=[WEATHER])[0]
+    assert out.prompt == "[user] hi\n1 tools"
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=template)[0]
+    assert out.prompt == "[user] hi\n"
+
+
+def test_tools_with_a_template_that_cannot_render_them_are_refused(llm):
+    with pytest.raises(ValueError, match="does not render tools"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template="{{ messages[0].content }}", tools=[WEATHER])
