@@ -105,6 +105,19 @@ def engine_job(engine: Any, prompts: list[list[int]], max_tokens: int, prompt_lo
     return dt, tokens / dt
 
 
+def kernel_profile(engine: Any, prompts: list[list[int]], max_tokens: int, prompt_logprobs: int | None, top: int
+                   ) -> None:
+    """One engine job under torch.profiler: the device's costliest kernels, and its busy time against the wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall, _ = engine_job(engine, prompts, max_tokens, prompt_logprobs)
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+    print(f"under the profiler: wall {wall:.2f} s, device busy {busy:.2f} s (kernels and copies, summed)")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))
+
+
 def step_counters(engine: Any) -> tuple[int, float, float, float]:
     return engine.num_steps, engine.schedule_s, engine.execute_s, engine.postprocess_s
 
@@ -127,12 +140,17 @@ def main() -> None:
     ap.add_argument("--reader-only", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
-                    help="score every prompt token (a perplexity job); the engine kind alone times it")
+    ap.add_argument("--prompt-logprobs", default="none", metavar="K[,K...]",
+                    help="score every prompt token (a perplexity job) with K alternatives, 'none' for no scoring; "
+                         "a list runs the engine kind once per K; the engine kind alone times it")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
-                    help="after the timed repeats, run the engine kind once more under cProfile and print its N "
-                         "costliest functions")
+                    help="after the timed repeats, run the engine kind once more (the last K) under cProfile and "
+                         "print its N costliest functions")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                    help="after the timed repeats, run the engine kind once more (the last K) under torch.profiler "
+                         "and print its N costliest device kernels and the device's busy time")
     args = ap.parse_args()
+    score = [None if k == "none" else int(k) for k in args.prompt_logprobs.split(",")]
     if args.reader_only and "engine" in args.kinds.split(","):
         ap.error("--reader-only times the reader, which the engine kind skips: leave it out of --kinds")
 
@@ -144,6 +162,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     kinds = args.kinds.split(",")
     lines = make_lines(tokenizer, args.lines, args.prompt_tokens, seed=0)
+    if "engine" in kinds and len(score) > 1:  # one engine row per K
+        at = kinds.index("engine")
+        kinds[at : at + 1] = [f"engine k={k}" for k in score]
     rows: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}
 
     if args.reader_only:
@@ -169,8 +190,9 @@ def main() -> None:
     prompt_ids = [json.loads(line)["prompt_token_ids"] for line in lines["ids"]]
     for _ in range(args.repeats):
         for k in kinds:
-            if k == "engine":
-                rows[k].append(engine_job(engine, prompt_ids, args.max_tokens, args.prompt_logprobs))
+            if k.startswith("engine"):
+                k_score = score[0] if k == "engine" else (None if k.endswith("None") else int(k.split("=")[1]))
+                rows[k].append(engine_job(engine, prompt_ids, args.max_tokens, k_score))
                 continue
             sink = io.BytesIO()
             before = step_counters(engine)
@@ -184,10 +206,12 @@ def main() -> None:
         import pstats
 
         prof = cProfile.Profile()
-        prof.runcall(engine_job, engine, prompt_ids, args.max_tokens)
+        prof.runcall(engine_job, engine, prompt_ids, args.max_tokens, score[-1])
         stats = pstats.Stats(prof)
         stats.sort_stats("tottime").print_stats(args.cprofile)
         stats.sort_stats("cumulative").print_stats(args.cprofile)
+    if args.kernel_profile:
+        kernel_profile(engine, prompt_ids, args.max_tokens, score[-1], args.kernel_profile)
     print(f"\nwhole jobs, {args.lines} lines of ~{args.prompt_tokens} prompt + {args.max_tokens} output tokens, "
           f"kv {args.kv_cache_dtype} (median of {args.repeats}):")
     print(f"| input | s | prompt tok/s | vs {kinds[0]} |\n| --- | --- | --- | --- |")

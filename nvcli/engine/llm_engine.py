@@ -20,7 +20,7 @@ from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
-from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
+from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
 
@@ -229,6 +229,8 @@ class LLMEngine:
                 seq.grammar = compiler.new_state(grammar)
         if sampling_params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
             seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
+            seqs[0].prompt_logprobs = FlatLogprobs()
+            seqs[0].prompt_logprobs.append_empty()  # the first prompt token: nothing predicts it
         # siblings wait for the first completion's prompt blocks only where the cache can share a full block
         hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
         request = _Request(seqs, text, seqs[1:] if hold else [], [None] * len(seqs))
@@ -328,8 +330,11 @@ class LLMEngine:
         self.execute_s += t2 - t1
         finished: list[Sequence] = []
         batch = handle.batch
-        for (i, _, _), entries in zip(batch.prompt_logit_spans, result.prompt_logprobs):
-            batch.seqs[i].prompt_logprobs.extend(entries)
+        if result.prompt_logprobs is not None:
+            row = 0
+            for i, lo, hi in batch.prompt_logit_spans:
+                batch.seqs[i].prompt_logprobs.extend_from(result.prompt_logprobs, row, row + hi - lo)  # type: ignore[union-attr]
+                row += hi - lo
         logprobs = result.logprobs
         rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
         produced = self.scheduler.postprocess(batch, result.tokens)
@@ -413,8 +418,9 @@ class LLMEngine:
         first = request.seqs[0]
         prompt_logprobs = None
         if sp.prompt_logprobs is not None:
-            self._decode_logprob_tokens(first.prompt_logprobs)
-            prompt_logprobs = [None, *first.prompt_logprobs]
+            prompt_logprobs = first.prompt_logprobs  # its first position is empty: nothing predicts the first token
+            assert prompt_logprobs is not None
+            prompt_logprobs.decoded_tokens = self._token_texts_of(prompt_logprobs.token_ids)
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
             outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
@@ -422,15 +428,18 @@ class LLMEngine:
         )
 
     def _decode_logprob_tokens(self, entries: list[dict[int, Logprob]]) -> None:
-        """Fill each Logprob's decoded_token: every token decoded on its own (vLLM's), once per token id (a scoring
-        job meets the same ids millions of times)."""
-        texts = self._token_texts
+        """Fill each Logprob's decoded_token (see `_token_texts_of`)."""
         for entry in entries:
-            for tid, lp in entry.items():
-                text = texts.get(tid)
-                if text is None:
-                    text = texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+            for lp, text in zip(entry.values(), self._token_texts_of(list(entry))):
                 lp.decoded_token = text
+
+    def _token_texts_of(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded on its own (vLLM's), once per token id: a scoring job meets the same ids millions of
+        times."""
+        texts = self._token_texts
+        for tid in set(token_ids).difference(texts):
+            texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return [texts[tid] for tid in token_ids]
 
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:

@@ -30,7 +30,7 @@ from nvcli.kernels.kv_layout import allocate_kv_cache
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
-from nvcli.outputs import Logprob
+from nvcli.outputs import FlatLogprobs, Logprob
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ class StepResult:
 
     tokens: list[int]  # per batch row
     logprobs: list[dict[int, Logprob] | None]  # per batch row; None where not asked for
-    prompt_logprobs: list[list[dict[int, Logprob]]]  # per entry of the batch's prompt_logit_spans
+    prompt_logprobs: FlatLogprobs | None  # the rows of the batch's prompt_logit_spans, one after another
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -552,14 +552,19 @@ class ModelRunner:
                     sample(penalized, SamplingBatch.build([SamplingParams(temperature=0.7)], [0], logits.shape[1],
                                                           self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))
-                    token_logprobs([logits], one, 1, self.device)  # logprobs and prompt_logprobs (one variant)
                     from nvcli.kernels.token_bitmask import apply_token_bitmask_
 
                     # structured outputs' mask (kernels/token_bitmask.py), on the model-dtype logits it writes in a job
                     words = -(-logits.shape[1] // 32)
                     apply_token_bitmask_(logits, one, torch.full((1, words), -1, dtype=torch.int32, device=self.device))
             else:
-                self.model.compute_logits(*final)
+                logits = self.model.compute_logits(*final)
+            if self.rank == 0 and rows == 1:  # logprobs and prompt_logprobs: each top-k width, in the dry pass too
+                from nvcli.kernels.token_logprobs import TOP_WIDTHS
+
+                one = torch.zeros(1, dtype=torch.int64, device=self.device)
+                for k in TOP_WIDTHS:
+                    token_logprobs([logits], one, min(k, logits.shape[1]), self.device)
         torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ forward
@@ -725,14 +730,11 @@ class ModelRunner:
         tokens = handle.tokens_host.tolist()
         logprobs = ([None] * len(tokens) if handle.logits is None
                     else gather_logprobs(handle.logits, handle.tokens, handle.sampling))
-        prompt_logprobs = []
+        prompt_logprobs = None
         if handle.prompt_logprobs is not None:
             spans = handle.batch.prompt_logit_spans
-            entries = handle.prompt_logprobs.entries(
+            prompt_logprobs = handle.prompt_logprobs.flat(
                 [handle.batch.seqs[i].sampling_params.prompt_logprobs or 0 for i, lo, hi in spans for _ in range(lo, hi)])
-            for _, lo, hi in spans:
-                prompt_logprobs.append(entries[: hi - lo])
-                entries = entries[hi - lo :]
         return StepResult(tokens, logprobs, prompt_logprobs)
 
     # ------------------------------------------------------------------ CUDA graphs

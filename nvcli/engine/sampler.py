@@ -30,7 +30,7 @@ import torch
 from nvcli.engine.penalties import PenaltyBatch, apply_penalties
 from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
-from nvcli.outputs import Logprob
+from nvcli.outputs import FlatLogprobs, Logprob
 
 _MASK = float("-inf")
 
@@ -197,26 +197,35 @@ class TokenLogprobs:
     def entries(self, ks: list[int]) -> list[dict[int, Logprob]]:
         """Per row: {token: Logprob} with the given token first, then its row's top ks[row] (vLLM's layout; the
         given token keeps its own rank where it is among them)."""
+        return list(self.flat(ks))  # type: ignore[arg-type]
+
+    def flat(self, ks: list[int]) -> FlatLogprobs:
+        """`entries` as flat columns: no per-token objects (a scoring job has millions of rows)."""
         n = len(ks)  # rows past it: padding
-        token_ids, chosen, ranks = self.token_ids[:n].tolist(), self.chosen[:n].tolist(), self.ranks[:n].tolist()
+        token_ids = self.token_ids[:n].cpu().numpy()  # [n]
+        chosen, ranks = self.chosen[:n].cpu().numpy(), self.ranks[:n].cpu().numpy()
         if not any(ks):
-            return [{t: Logprob(c, r)} for t, c, r in zip(token_ids, chosen, ranks)]
-        top_values, top_ids = self.top_values[:n].tolist(), self.top_ids[:n].tolist()
-        out = []
-        for row, k in enumerate(ks):
-            entry = {token_ids[row]: Logprob(chosen[row], ranks[row])}
-            for r, (t, v) in enumerate(zip(top_ids[row][:k], top_values[row][:k]), start=1):
-                entry.setdefault(t, Logprob(v, r))
-            out.append(entry)
-        return out
+            return FlatLogprobs(list(range(n + 1)), token_ids.tolist(), chosen.tolist(), ranks.tolist())
+        width = self.top_ids.shape[1]
+        top_ids, top_values = self.top_ids[:n].cpu().numpy(), self.top_values[:n].cpu().numpy()  # [n, width]
+        # [n, 1 + width]: the given token, then the top ones; a top token equal to the given one is left out
+        keep = np.concatenate([np.ones((n, 1), dtype=bool), (np.arange(width) < np.asarray(ks)[:, None])
+                               & (top_ids != token_ids[:, None])], axis=1)
+        ids = np.concatenate([token_ids[:, None], top_ids], axis=1)
+        values = np.concatenate([chosen[:, None], top_values], axis=1)
+        all_ranks = np.concatenate([ranks[:, None].astype(np.int64),
+                                    np.broadcast_to(np.arange(1, width + 1), (n, width))], axis=1)
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(keep.sum(axis=1), out=starts[1:])
+        return FlatLogprobs(starts.tolist(), ids[keep].tolist(), values[keep].tolist(), all_ranks[keep].tolist())
 
 
 def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor | list[int], k: int,
                    device: torch.device) -> TokenLogprobs:
     """Log-softmax of each row's logits at `token_ids` [rows], the rank there (vLLM's: 1 + tokens strictly more
     likely) and the row's top k, for rows that come as chunks of logits [chunk, vocab] in order. On the GPU one kernel
-    reads each chunk once (kernels/token_logprobs.py), plus top-k where k > 0: a scoring job runs this over every
-    prompt token."""
+    reads each chunk once (kernels/token_logprobs.py), top-k included: a scoring job runs this over every prompt
+    token."""
     if not isinstance(token_ids, torch.Tensor):
         token_ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
     parts: list[tuple[torch.Tensor, ...]] = []
@@ -226,18 +235,15 @@ def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor
         if use_triton(chunk):
             from nvcli.kernels.token_logprobs import logprob_and_rank_triton
 
-            chosen, ranks, lse = logprob_and_rank_triton(chunk, targets)
+            chosen, ranks, _, top_values, top_ids = logprob_and_rank_triton(chunk, targets, k)
         else:
             x = chunk.float()  # [chunk, vocab]
             lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [chunk, 1]
             target = x.gather(1, targets.unsqueeze(1))  # [chunk, 1]
             chosen = (target - lse).squeeze(1)
             ranks = (x > target).sum(dim=-1, dtype=torch.int32) + 1  # int32: an int64 count costs 3x on the CPU
-        if k:
-            top_values, top_ids = chunk.topk(k, dim=-1)  # [chunk, k]
-            top_values = top_values.float() - lse
-        else:
-            top_values, top_ids = lse.new_empty(chunk.shape[0], 0), token_ids.new_empty(chunk.shape[0], 0)
+            top_values, top_ids = x.topk(k, dim=-1)  # [chunk, k]
+            top_values = top_values - lse
         parts.append((chosen, ranks, top_values, top_ids))
         a += chunk.shape[0]
     chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))

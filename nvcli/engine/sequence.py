@@ -6,7 +6,7 @@ import itertools
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from nvcli.outputs import Logprob
+from nvcli.outputs import FlatLogprobs, Logprob
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Sequence:
         # (preemption) or a later chunk does not ask for them twice.
         self.num_prompt_logprobs_wanted = 0
         self.num_prompt_logprobs_scheduled = 0
-        self.prompt_logprobs: list[dict[int, Logprob]] = []
+        self.prompt_logprobs: FlatLogprobs | None = None  # set where asked for: by the completion that computes them
         # token ids the sampler must not draw while the output is shorter than min_tokens (EOS and stop ids)
         self.min_tokens_banned: tuple[int, ...] = ()
         self.grammar: GrammarState | None = None  # structured outputs: the matcher of this completion's tokens

@@ -18,6 +18,34 @@ _BLOCK = 2048
 _SLICE = 8 * _BLOCK  # vocabulary columns per program: 10 slices per row for a 151,936-token vocabulary
 
 
+_MIN_KEY: tl.constexpr = tl.constexpr(-(1 << 63))  # below every real logit's key: masked columns never enter a top-k
+
+
+# The kernel's top-k widths (a constexpr: each is a variant, compiled at start-up). logprobs and prompt_logprobs
+# take up to 20 alternatives; one (lm-eval-harness's greedy check) is a max, not a sorting network.
+TOP_WIDTHS = (0, 1, 8, 32)
+
+
+def top_width(k: int) -> int:
+    """The narrowest width that holds k alternatives."""
+    return next(w for w in TOP_WIDTHS if w >= k)
+
+
+@triton.jit
+def _read_block(base, cols, vocab, target, m, s, above):
+    """One block of a row: the running max, sum of exp(x - max) and count above the target take it in."""
+    mask = cols < vocab
+    x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    m_new = tl.maximum(m, x)
+    s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
+    above += (x > target).to(tl.int32)
+    # a key orders as its logit, then its column: the float's bits made to sort as signed integers, above the
+    # column (every logit is exact in float32); masked columns sort below every real one
+    bits = x.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
+    return m_new, s, above, tl.where(mask, key, _MIN_KEY)
+
+
 # targets_ptr is a slice of a longer tensor at a row offset: its alignment would make a variant of its own
 @triton.jit(do_not_specialize=["targets_ptr"])
 def _logprob_partials_kernel(
@@ -26,11 +54,13 @@ def _logprob_partials_kernel(
     max_ptr,  # [rows, slices] float32
     sum_ptr,  # [rows, slices] float32: sum of exp(x - max) over the slice
     count_ptr,  # [rows, slices] int32: logits of the slice above the target's
+    top_ptr,  # [rows, slices, TOPK] int64: the slice's TOPK largest logits as keys (unused when TOPK is 0)
     stride_logits,
     vocab,
     slices,
     BLOCK: tl.constexpr,
     SLICE: tl.constexpr,
+    TOPK: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
@@ -39,35 +69,56 @@ def _logprob_partials_kernel(
     m = tl.full([BLOCK], -1e30, tl.float32)  # finite: a slice of -inf (padding) must not give exp(-inf + inf)
     s = tl.zeros([BLOCK], tl.float32)
     above = tl.zeros([BLOCK], tl.int32)
-    for i in tl.static_range(SLICE // BLOCK):
-        cols = part * SLICE + i * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
-        m = m_new
-        above += (x > target).to(tl.int32)
-    m_all = tl.max(m, axis=0)
     out = row * slices + part
+    if TOPK <= 1:  # unrolled: the blocks' loads in flight together
+        best = _MIN_KEY
+        for i in tl.static_range(SLICE // BLOCK):
+            m, s, above, key = _read_block(base, part * SLICE + i * BLOCK + tl.arange(0, BLOCK), vocab, target, m, s,
+                                           above)
+            if TOPK == 1:
+                best = tl.maximum(best, tl.max(key, axis=0))
+        if TOPK == 1:
+            tl.store(top_ptr + out, best)
+    else:  # a loop: one sorting network in the code, not one per block (compile time)
+        best = tl.full([TOPK], _MIN_KEY, tl.int64)
+        for i in range(SLICE // BLOCK):
+            m, s, above, key = _read_block(base, part * SLICE + i * BLOCK + tl.arange(0, BLOCK), vocab, target, m, s,
+                                           above)
+            best = tl.topk(tl.reshape(tl.join(best, tl.topk(key, TOPK)), [2 * TOPK]), TOPK)
+        tl.store(top_ptr + out.to(tl.int64) * TOPK + tl.arange(0, TOPK), best)
+    m_all = tl.max(m, axis=0)
     tl.store(max_ptr + out, m_all)
     tl.store(sum_ptr + out, tl.sum(s * tl.exp(m - m_all), axis=0))
     tl.store(count_ptr + out, tl.sum(above, axis=0))
 
 
-def logprob_and_rank_triton(logits: torch.Tensor, targets: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _key_values(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's keys -> (logits float32, columns int64)."""
+    ordered = (keys >> 32).to(torch.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    return bits.view(torch.float32), keys & 0xFFFFFFFF
+
+
+def logprob_and_rank_triton(logits: torch.Tensor, targets: torch.Tensor, k: int = 0
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (row-contiguous), targets [rows] int64 -> (log-softmax at the targets [rows] float32,
-    rank [rows] int32: 1 + logits strictly above the target's, log-sum-exp [rows, 1] float32)."""
+    rank [rows] int32: 1 + logits strictly above the target's, log-sum-exp [rows, 1] float32, and each row's k most
+    likely tokens: their log-softmax [rows, k] float32 and ids [rows, k] int64, in descending order; of equal logits
+    the higher id comes first)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel reads each row as one contiguous run"
+    assert k <= vocab, f"{k} top tokens of a {vocab}-token vocabulary"
     slices = triton.cdiv(vocab, _SLICE)
+    width = top_width(k)
     maxes = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxes)
     counts = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
+    tops = torch.empty((rows, slices * width), dtype=torch.int64, device=logits.device)
     if rows:
-        _logprob_partials_kernel[(rows, slices)](logits, targets, maxes, sums, counts, logits.stride(0), vocab, slices,
-                                                 BLOCK=_BLOCK, SLICE=_SLICE)
+        _logprob_partials_kernel[(rows, slices)](logits, targets, maxes, sums, counts, tops, logits.stride(0), vocab,
+                                                 slices, BLOCK=_BLOCK, SLICE=_SLICE, TOPK=width)
     top = maxes.max(dim=1, keepdim=True).values  # [rows, 1]
     lse = top + (sums * torch.exp(maxes - top)).sum(dim=1, keepdim=True).log()  # [rows, 1]
     chosen = logits.gather(1, targets.unsqueeze(1)).float() - lse  # [rows, 1]
-    return chosen.squeeze(1), counts.sum(dim=1, dtype=torch.int32) + 1, lse
+    top_values, top_ids = _key_values(tops.topk(k, dim=1).values if k else tops[:, :0])  # [rows, k] each
+    return chosen.squeeze(1), counts.sum(dim=1, dtype=torch.int32) + 1, lse, top_values - lse, top_ids

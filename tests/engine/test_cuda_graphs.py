@@ -231,6 +231,9 @@ prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(350, 450))] for _
 params = [SamplingParams(temperature=0.7, seed=i, max_tokens=rng.randint(4, 60), ignore_eos=True) for i in range(60)]
 for i in range(0, 60, 10):  # structured outputs: their token mask (kernels/token_bitmask.py) on the bf16 logits
     params[i].structured_outputs = StructuredOutputsParams(json_object=True)
+for i, k in zip(range(3, 60, 10), (0, 1, 5, 20, None, None)):  # scoring: each top-k width of kernels/token_logprobs.py
+    params[i].prompt_logprobs = k
+    params[i + 1].logprobs = k
 llm.generate(prompts, params)
 llm.shutdown()
 print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" for fn, key in compiled],
@@ -243,7 +246,8 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     for a compile (seconds each). The job here takes eager steps of more than the mixed graphs' 8,192 tokens with
     running decodes beside new prompts (the DESIGN workload's prompt phase): decode attention over long tables
     (KV split, merged in the kernel) and prefill attention on metadata offset by the decode-row count. Both were
-    compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24)."""
+    compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24). Some requests are
+    constrained, some score their prompts or ask for logprobs, with every top-k width."""
     import json
     import subprocess
     import sys

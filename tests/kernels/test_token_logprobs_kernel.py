@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from nvcli.kernels.token_logprobs import _SLICE, logprob_and_rank_triton
+from nvcli.kernels.token_logprobs import _SLICE, logprob_and_rank_triton, top_width
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,7 +26,7 @@ def test_logprob_and_rank_equal_a_float64_log_softmax(dtype: torch.dtype, vocab:
     ref = torch.log_softmax(logits.double(), dim=-1)
     want = ref.gather(1, targets.unsqueeze(1)).squeeze(1)
     want_rank = (logits.float() > logits.float().gather(1, targets.unsqueeze(1))).sum(dim=1) + 1
-    chosen, ranks, lse = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE))
+    chosen, ranks, lse, _, _ = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE))
     assert chosen.dtype == torch.float32 and ranks.dtype == torch.int32 and lse.shape == (6, 1)
     assert torch.allclose(chosen.cpu().double(), want, atol=1e-4, rtol=0), (chosen.cpu().double() - want).abs().max()
     assert torch.equal(ranks.cpu().long(), want_rank)
@@ -40,11 +40,47 @@ def test_rows_of_a_wider_tensor_and_no_rows() -> None:
     wide = torch.randn(3, 5100, generator=gen)
     logits = wide[:, :5000]
     targets = torch.tensor([4, 4999, 0])
-    chosen, ranks, _ = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE))
+    chosen, ranks, *_ = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE), 3)
     ref = torch.log_softmax(logits.double(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
     assert torch.allclose(chosen.cpu().double(), ref, atol=1e-4, rtol=0)
     empty = logprob_and_rank_triton(torch.zeros(0, 5000, device=DEVICE), torch.zeros(0, dtype=torch.int64, device=DEVICE))
-    assert [t.shape[0] for t in empty] == [0, 0, 0]
+    assert [t.shape[0] for t in empty] == [0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), (5, torch.bfloat16)])
+def test_top_k_equals_torch_topk_with_ties_broken_by_the_higher_id(k: int, dtype: torch.dtype) -> None:
+    """prompt_logprobs=k / logprobs=k: each row's k most likely tokens come from the same read of the logits as the
+    logprob (a torch.topk pass over a scoring job's logits took more time than the job)."""
+    vocab = _SLICE + 123  # two slices, the last one short
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, vocab, generator=gen) * 4).to(dtype)  # [rows, vocab]
+    logits[1, vocab - 1] = 50.0  # the top token in the short last slice
+    logits[1, 3] = 49.0
+    logits[2] = 1.0  # every token ties: the highest ids
+    logits[3] = float("-inf")  # a constrained row: three tokens allowed, the rest read -inf
+    logits[3, [10, _SLICE + 7, vocab - 2]] = torch.tensor([2.0, 3.0, 1.0], dtype=dtype)
+    targets = torch.tensor([0, 3, 5, 10])
+    _, _, lse, values, ids = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE), k)
+    values, ids = values.cpu(), ids.cpu()
+    assert values.shape == ids.shape == (4, k) and values.dtype == torch.float32 and ids.dtype == torch.int64
+    ref = torch.log_softmax(logits.double(), dim=-1)  # [rows, vocab]
+    for row in (0, 1):
+        want = ref[row].topk(k)
+        assert torch.allclose(values[row].double(), want.values, atol=1e-4, rtol=0), row
+        assert torch.equal(ref[row, ids[row]], ref[row].gather(0, ids[row])) and len(set(ids[row].tolist())) == k
+        assert torch.allclose(ref[row, ids[row]], want.values, atol=1e-6, rtol=0)  # each id holds its value
+        for a, b in zip(ids[row].tolist(), ids[row, 1:].tolist()):  # equal logits (bf16 has many): higher id first
+            assert logits[row, a] > logits[row, b] or (logits[row, a] == logits[row, b] and a > b)
+    assert ids[1, 0].item() == vocab - 1 and (k == 1 or ids[1, 1].item() == 3)
+    assert ids[2].tolist() == list(range(vocab - 1, vocab - 1 - k, -1))
+    allowed = [_SLICE + 7, 10, vocab - 2][:k]
+    assert ids[3, : len(allowed)].tolist() == allowed
+    assert bool((ids[3, 3:] < vocab).all()) and bool(torch.isinf(values[3, 3:]).all())  # real ids, never padding
+    assert bool(torch.isfinite(lse).all())
+
+
+def test_top_width_is_the_narrowest_variant_that_holds_k() -> None:
+    assert [top_width(k) for k in (0, 1, 2, 3, 5, 8, 9, 20, 32)] == [0, 1, 8, 8, 8, 8, 32, 32, 32]
 
 
 SCRIPT = textwrap.dedent("""
@@ -56,12 +92,14 @@ SCRIPT = textwrap.dedent("""
 
     kernel = m._logprob_partials_kernel
     for logits in ("*bf16", "*fp32"):
-        types = {"logits_ptr": logits, "targets_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-                 "count_ptr": "*i32", "stride_logits": "i32", "vocab": "i32", "slices": "i32",
-                 "BLOCK": "constexpr", "SLICE": "constexpr"}
-        sig = {n: types[n] for n in kernel.arg_names}
-        consts = {(kernel.arg_names.index("BLOCK"),): m._BLOCK, (kernel.arg_names.index("SLICE"),): m._SLICE}
-        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        for width in m.TOP_WIDTHS:
+            types = {"logits_ptr": logits, "targets_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                     "count_ptr": "*i32", "top_ptr": "*i64", "stride_logits": "i32", "vocab": "i32", "slices": "i32",
+                     "BLOCK": "constexpr", "SLICE": "constexpr", "TOPK": "constexpr"}
+            sig = {n: types[n] for n in kernel.arg_names}
+            consts = {(kernel.arg_names.index("BLOCK"),): m._BLOCK, (kernel.arg_names.index("SLICE"),): m._SLICE,
+                      (kernel.arg_names.index("TOPK"),): width}
+            triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     print("compiled")
 """)
 

@@ -1,0 +1,67 @@
+"""outputs.FlatLogprobs reads as the list of {token_id: Logprob} dicts it stands for, and engine/sampler's
+TokenLogprobs builds it with vLLM's layout: the given token first with its own rank, then the top ones without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvcli.engine.sampler import TokenLogprobs
+from nvcli.outputs import FlatLogprobs, Logprob
+
+
+def _flat() -> FlatLogprobs:
+    flat = FlatLogprobs()
+    flat.append_empty()  # a prompt's first token
+    more = FlatLogprobs([0, 2, 3], [5, 9, 7], [-0.5, -0.25, -1.0], [2, 1, 1])
+    flat.extend_from(more, 0, 2)
+    return flat
+
+
+def test_positions_read_as_dicts_and_an_empty_one_as_none() -> None:
+    flat = _flat()
+    want = [None, {5: Logprob(-0.5, 2), 9: Logprob(-0.25, 1)}, {7: Logprob(-1.0, 1)}]
+    assert len(flat) == 3 and list(flat) == want and flat == want
+    assert flat[1] == want[1] and flat[-1] == want[2] and flat[1:] == want[1:]
+    assert [*flat[::-1]] == want[::-1]
+    with pytest.raises(IndexError):
+        flat[3]
+    assert flat != want[:2] and flat != [None, {5: Logprob(-0.5, 2)}, want[2]]
+    assert bool(FlatLogprobs()) is False and bool(flat) is True
+
+
+def test_decoded_tokens_reach_each_logprob() -> None:
+    flat = _flat()
+    flat.decoded_tokens = ["a", "b", "c"]
+    assert flat[1] == {5: Logprob(-0.5, 2, "a"), 9: Logprob(-0.25, 1, "b")} and flat[2][7].decoded_token == "c"
+    with pytest.raises(ValueError, match="decode"):
+        flat.extend_from(FlatLogprobs([0, 1], [1], [0.0], [1]), 0, 1)
+
+
+def test_extend_from_takes_a_middle_run() -> None:
+    src = FlatLogprobs([0, 1, 3, 4, 6], [1, 2, 3, 4, 5, 6], [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0], [1, 2, 3, 4, 5, 6])
+    flat = FlatLogprobs()
+    flat.extend_from(src, 1, 3)
+    assert flat == src[1:3] and flat.starts == [0, 2, 3]
+
+
+def test_token_logprobs_flat_keeps_the_given_token_first_and_drops_it_from_the_top() -> None:
+    """Row 0's token is also its top-1 (listed once, with its own rank); row 1 asks for one alternative of two;
+    row 2 for none; row 3 is padding past len(ks)."""
+    found = TokenLogprobs(
+        token_ids=torch.tensor([4, 8, 3, 0]),
+        chosen=torch.tensor([-0.1, -2.0, -0.7, 0.0]),
+        ranks=torch.tensor([1, 5, 2, 1], dtype=torch.int32),
+        top_values=torch.tensor([[-0.1, -3.0], [-0.2, -0.9], [-0.3, -0.4], [0.0, 0.0]]),
+        top_ids=torch.tensor([[4, 6], [1, 2], [5, 6], [0, 0]]),
+    )
+    flat = found.flat([2, 1, 0])
+    f32 = lambda x: torch.tensor(x).item()  # noqa: E731 - the float32 values, as Python floats
+    assert list(flat) == [
+        {4: Logprob(f32(-0.1), 1), 6: Logprob(f32(-3.0), 2)},
+        {8: Logprob(f32(-2.0), 5), 1: Logprob(f32(-0.2), 1)},
+        {3: Logprob(f32(-0.7), 2)},
+    ]
+    assert list(flat) == found.entries([2, 1, 0])
+    assert all(isinstance(x, int) for x in flat.token_ids + flat.ranks)
+    assert all(type(x) is float for x in flat.logprobs)
