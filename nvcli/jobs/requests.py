@@ -344,10 +344,10 @@ def _constrain(overrides: dict[str, Any], obj: dict, defaults: Defaults, prefix:
     """Put the line's output constraint into the sampling overrides: that of its tool_choice ("required" or a named
     function), else the one it sets itself, else the job's."""
     schema = tools.schema() if tools is not None else None
-    if schema is None:
+    if tools is None or schema is None:
         params = _structured_outputs(obj, defaults.structured_outputs, prefix, warn)
     else:
-        choice = tools.choice if tools.name is None else f"naming {tools.name!r}"  # type: ignore[union-attr]
+        choice = tools.choice if tools.name is None else f"naming {tools.name!r}"
         params = _structured_outputs(obj, StructuredOutputsParams(json=schema), prefix, warn,
                                      exclusive=f"{prefix}tool_choice {choice}")
     if params is not None:

@@ -55,11 +55,6 @@ class ToolSpec:
     parallel: bool = True  # parallel_tool_calls
     parser: str | None = None  # AUTO: the job's parser (HERMES | LLAMA3_JSON), set when the line is rendered
 
-    @property
-    def constrained(self) -> bool:
-        """The output is constrained (REQUIRED or NAMED): no other constraint may be set on the line."""
-        return self.choice in (REQUIRED, NAMED)
-
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema the output must match (vLLM's `_get_json_schema_from_tool`), or None (NONE, AUTO)."""
         if self.choice == NAMED:
@@ -125,12 +120,7 @@ def _tools(value: Any, where: str) -> list[dict[str, Any]]:
         kind = tool.get("type", "function")
         if kind != "function":
             raise ToolCallError(f"{at}.type must be \"function\" (the only kind of tool nv serves), got {kind!r}")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise ToolCallError(f"{at}.function must be an object {{\"name\", \"description\", \"parameters\"}}, "
-                                f"got {json_type(fn)}")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ToolCallError(f"{at}.function.name must be a non-empty string")
+        fn = _function(tool, at, '{"name", "description", "parameters"}')
         for key, ok, what in (("description", str, "a string"), ("parameters", dict, "a JSON schema (an object)"),
                               ("strict", bool, "true or false")):
             if fn.get(key) is not None and not isinstance(fn[key], ok):
@@ -142,12 +132,17 @@ def _named_choice(value: dict[str, Any], where: str) -> str:
     kind = value.get("type", "function")
     if kind != "function":
         raise ToolCallError(f"{where}.type must be \"function\", got {kind!r}")
-    fn = value.get("function")
+    return _function(value, where, '{"name": ...}')["name"]
+
+
+def _function(holder: dict[str, Any], where: str, fields: str) -> dict[str, Any]:
+    """`holder["function"]`: an object (`fields` says which keys) with a non-empty string name."""
+    fn = holder.get("function")
     if not isinstance(fn, dict):
-        raise ToolCallError(f"{where}.function must be an object {{\"name\": ...}}, got {json_type(fn)}")
+        raise ToolCallError(f"{where}.function must be an object {fields}, got {json_type(fn)}")
     if not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ToolCallError(f"{where}.function.name must be a non-empty string")
-    return fn["name"]
+    return fn
 
 
 def named_schema(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -205,11 +200,7 @@ def _turn_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(call, dict):
             raise ToolCallError(f"{at} must be an object {{\"id\", \"type\": \"function\", \"function\": {{...}}}}, "
                                 f"got {json_type(call)}")
-        fn = call.get("function")
-        if not isinstance(fn, dict):
-            raise ToolCallError(f"{at}.function must be an object {{\"name\", \"arguments\"}}, got {json_type(fn)}")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ToolCallError(f"{at}.function.name must be a non-empty string")
+        fn = _function(call, at, '{"name", "arguments"}')
         args = fn.get("arguments")
         if args is None or args == "":
             args = {}

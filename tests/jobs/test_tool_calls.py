@@ -158,7 +158,7 @@ def test_llama3_json_anything_else_is_content(text):
 def test_tools_default_to_auto_and_parallel():
     spec = parse_tools({"tools": TOOLS})
     assert (spec.tools, spec.choice, spec.name, spec.parallel, spec.parser) == (TOOLS, AUTO, None, True, None)
-    assert spec.schema() is None and not spec.constrained
+    assert spec.schema() is None
 
 
 @pytest.mark.parametrize("fields, choice, name, parallel", [
@@ -267,7 +267,7 @@ def test_named_schema_is_the_functions_parameters():
     assert named_schema(TOOLS, "get_weather") == WEATHER_PARAMS
     assert named_schema(TOOLS, "now") == {"type": "object", "properties": {}, "additionalProperties": False}
     spec = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    assert spec.constrained and spec.schema() == WEATHER_PARAMS
+    assert spec.schema() == WEATHER_PARAMS
 
 
 def test_the_constraints_compile():
