@@ -23,7 +23,14 @@ import torch
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine.attention_metadata import AttentionMetadata, DecodeSplit
 from nvcli.engine.penalties import PenaltyBatch, PenaltySlots, apply_penalties
-from nvcli.engine.sampler import SamplingBatch, TokenLogprobs, gather_logprobs, sample, token_logprobs
+from nvcli.engine.sampler import (
+    SamplingBatch,
+    TokenLogprobs,
+    logprob_entries,
+    sample,
+    sampled_token_logprobs,
+    token_logprobs,
+)
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
 from nvcli.kernels.kv_layout import allocate_kv_cache
@@ -154,16 +161,17 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
 
 @dataclass
 class StepHandle:
-    """A launched step: sampled tokens on the device, copied to pinned host memory behind an event."""
+    """A launched step: sampled tokens on the device, copied to pinned host memory (with the logprobs asked for)
+    behind an event."""
 
     batch: ScheduledBatch
     tokens: torch.Tensor  # [num_seqs] int64 on the device
     tokens_host: torch.Tensor  # [num_seqs] int64, pinned (or the CPU tensor itself)
     done: torch.cuda.Event | None
     row_of: dict[int, int]  # seq_id -> row, for the next step's pending inputs
-    logits: torch.Tensor | None  # kept only when some row asked for logprobs
-    sampling: SamplingBatch | None
-    prompt_logprobs: TokenLogprobs | None = None  # of the batch's prompt_logit_spans, in order
+    num_logprobs: list[int | None]  # per row: logprobs' alternatives, None where not asked for
+    logprobs: TokenLogprobs | None = None  # of the rows that asked, in row order; on the host once `done`
+    prompt_logprobs: TokenLogprobs | None = None  # of the batch's prompt_logit_spans, in order; on the host once `done`
 
 
 @dataclass
@@ -689,22 +697,24 @@ class ModelRunner:
         self.prev_tokens = tokens
         if self.broadcast_tokens:
             torch.distributed.broadcast(tokens, src=0)
-        want_logprobs = any(n is not None for n in sb.num_logprobs)
+        logprobs = sampled_token_logprobs(logits, tokens, sb)
+        prompt_lp = None
+        if extra is not None:
+            targets, ks = _prompt_logprob_targets(batch)
+            targets += targets[-1:] * (extra[0].shape[0] - len(targets))  # padding rows (_logit_rows)
+            prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(ks), self.device)
         done = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # one event behind every copy: collect reads them all after it
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
+            logprobs = None if logprobs is None else logprobs.to_host()
+            prompt_lp = None if prompt_lp is None else prompt_lp.to_host()
             done = torch.cuda.Event()
             done.record()
         else:
             host = tokens
-        prompt_lp = None
-        if extra is not None:  # behind the tokens' copy: the next step's inputs do not wait for the prompt logprobs
-            targets, ks = _prompt_logprob_targets(batch)
-            targets += targets[-1:] * (extra[0].shape[0] - len(targets))  # padding rows (_logit_rows)
-            prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(ks), self.device)
-        return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)},
-                          logits if want_logprobs else None, sb if want_logprobs else None, prompt_lp)
+        return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)}, sb.num_logprobs,
+                          logprobs, prompt_lp)
 
     def _upload_token_mask(self, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows and their bitmask on the device. On a GPU the copy (19 KB a row: 4.9 MB at 256 rows) goes on a
@@ -728,8 +738,7 @@ class ModelRunner:
         if handle.done is not None:
             handle.done.synchronize()
         tokens = handle.tokens_host.tolist()
-        logprobs = ([None] * len(tokens) if handle.logits is None
-                    else gather_logprobs(handle.logits, handle.tokens, handle.sampling))
+        logprobs = logprob_entries(handle.logprobs, handle.num_logprobs)
         prompt_logprobs = None
         if handle.prompt_logprobs is not None:
             spans = handle.batch.prompt_logit_spans

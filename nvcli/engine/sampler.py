@@ -172,14 +172,25 @@ def _kept(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, Logprob] | None]:
     """Logprob and rank of each sampled token (and of the top-N alternatives) from the raw model logits."""
+    return logprob_entries(sampled_token_logprobs(logits, tokens, batch), batch.num_logprobs)
+
+
+def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> TokenLogprobs | None:
+    """`gather_logprobs` on the device, for the rows that asked (in row order); None where none did."""
     rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
-    out: list[dict[int, Logprob] | None] = [None] * len(batch.num_logprobs)
     if not rows:
+        return None
+    idx = upload(torch.tensor(rows, dtype=torch.int64), logits.device)
+    return token_logprobs([logits[idx]], tokens[idx], max(batch.num_logprobs[i] or 0 for i in rows), logits.device)
+
+
+def logprob_entries(found: TokenLogprobs | None, num_logprobs: list[int | None]) -> list[dict[int, Logprob] | None]:
+    """Per batch row, the entry of `sampled_token_logprobs`, or None where the row did not ask."""
+    out: list[dict[int, Logprob] | None] = [None] * len(num_logprobs)
+    if found is None:
         return out
-    idx = torch.tensor(rows, device=logits.device)
-    ks = [batch.num_logprobs[i] or 0 for i in rows]
-    found = token_logprobs([logits[idx]], tokens[idx], max(ks), logits.device)
-    for i, entry in zip(rows, found.entries(ks)):
+    rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+    for i, entry in zip(rows, found.entries([num_logprobs[i] or 0 for i in rows])):
         out[i] = entry
     return out
 
@@ -193,6 +204,20 @@ class TokenLogprobs:
     ranks: torch.Tensor  # [rows] int32
     top_values: torch.Tensor  # [rows, k] float32
     top_ids: torch.Tensor  # [rows, k] int64
+
+    def to_host(self) -> TokenLogprobs:
+        """A copy in pinned host memory, enqueued on the current stream: read it once the stream has passed it
+        (a step's event). Reading the device tensors instead would wait for every step launched after this one."""
+        if self.chosen.device.type != "cuda":
+            return self
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            return host
+
+        return TokenLogprobs(*(pinned(t) for t in (self.token_ids, self.chosen, self.ranks, self.top_values,
+                                                   self.top_ids)))
 
     def entries(self, ks: list[int]) -> list[dict[int, Logprob]]:
         """Per row: {token: Logprob} with the given token first, then its row's top ks[row] (vLLM's layout; the

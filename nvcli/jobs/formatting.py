@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
 from nvcli.jobs.tool_calls import extract
-from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
+from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 
 
 @dataclass
@@ -56,8 +57,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
         else:  # n > 1: one entry per completion, in index order
             line["outputs"] = [{"index": comp.index, **c} for comp, c in zip(out.outputs, completions)]
         if out.prompt_logprobs is not None:
-            line["prompt_logprobs"] = [None, *_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs[1:],  # type: ignore[arg-type]
-                                                               req.sampling_params.prompt_logprobs or 0, ctx)]
+            line["prompt_logprobs"] = [None, *_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs,
+                                                               req.sampling_params.prompt_logprobs or 0, ctx, first=1)]
         line["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen}
         return line
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -130,89 +131,120 @@ def _token_str(tid: int, ctx: FormatContext, lp: Logprob | None = None) -> str:
     return ctx.tokenizer.decode([tid])
 
 
-def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:k] if k > 0 else []
+# Logprobs are formatted from flat columns (outputs.FlatLogprobs, as the engine hands prompt logprobs): a scoring job
+# writes millions of positions, and building a dict of Logprob objects per position first cost more than the rest
+# of the line. A position is the run starts[i]:starts[i + 1]: its own token first, then the alternatives.
+_Position = tuple[str, "float | None", list[tuple[int, str, float]]]  # (token text, logprob, top k (id, text, logprob))
 
 
-def _lp(entry: dict[int, Logprob], tid: int) -> float | None:
-    v = entry.get(tid)
-    return None if v is None else float(v.logprob)
+def _flat(lps: Sequence[dict[int, Logprob] | None]) -> FlatLogprobs:
+    """The engine's FlatLogprobs as they are; a list of dicts (a completion's logprobs) made into one."""
+    if isinstance(lps, FlatLogprobs):
+        return lps
+    flat = FlatLogprobs(decoded_tokens=[])
+    for entry in lps:
+        for t, v in (entry or {}).items():
+            flat.token_ids.append(t)
+            flat.logprobs.append(v.logprob)
+            flat.ranks.append(v.rank)  # type: ignore[arg-type]
+            flat.decoded_tokens.append(v.decoded_token)  # type: ignore[union-attr]
+        flat.starts.append(len(flat.token_ids))
+    return flat
 
 
-def _native_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> list[dict]:
+def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:
+    texts = flat.decoded_tokens
+    if texts is None or None in texts:
+        texts = [_token_str(t, ctx) if texts is None or texts[j] is None else texts[j]  # type: ignore[misc]
+                 for j, t in enumerate(flat.token_ids)]
+    return texts  # type: ignore[return-value]
+
+
+def _positions(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int, ctx: FormatContext,
+               first: int = 0) -> Iterator[_Position]:
+    """Per token (the logprobs' positions first, first + 1, ...): its text and logprob (None where its position is
+    empty, an echoed prompt's first token), and its position's k most likely tokens (the token itself among them
+    where it is one), most likely first (ties in the position's order)."""
+    flat = _flat(lps)
+    texts, ids, values, starts = _texts(flat, ctx), flat.token_ids, flat.logprobs, flat.starts
+    for i, tid in enumerate(token_ids, start=first):
+        lo, hi = starts[i], starts[i + 1]
+        own = lo if lo < hi and ids[lo] == tid else next((j for j in range(lo, hi) if ids[j] == tid), None)
+        if own is None:
+            yield _token_str(tid, ctx), None, []
+            continue
+        if k <= 0:
+            top = []
+        elif hi - lo == 1 or (k == 1 and all(values[lo] >= values[j] for j in range(lo + 1, hi))):
+            top = [(ids[lo], texts[lo], values[lo])][:k]  # the token itself is the most likely (k=1: lm-eval's check)
+        else:
+            top = [(ids[j], texts[j], values[j]) for j in sorted(range(lo, hi), key=values.__getitem__, reverse=True)[:k]]
+        yield texts[own], values[own], top
+
+
+def _native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int, ctx: FormatContext,
+                     first: int = 0) -> list[dict]:
     out = []
-    for tid, entry in zip(token_ids, lps, strict=False):
-        item: dict[str, Any] = {"token_id": tid, "token": _token_str(tid, ctx, entry.get(tid)), "logprob": _lp(entry, tid)}
+    for tid, (tok, lp, top) in zip(token_ids, _positions(token_ids, lps, k, ctx, first)):
+        item: dict[str, Any] = {"token_id": tid, "token": tok, "logprob": lp}
         if k > 0:
-            item["top_logprobs"] = [
-                {"token_id": t, "token": _token_str(t, ctx, v), "logprob": v.logprob} for t, v in _top(entry, k)
-            ]
+            item["top_logprobs"] = [{"token_id": t, "token": s, "logprob": v} for t, s, v in top]
         out.append(item)
     return out
 
 
-def _vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None], ctx: FormatContext) -> list[dict | None]:
+def _vllm_prompt_logprobs(lps: Sequence[dict[int, Logprob] | None], ctx: FormatContext) -> list[dict | None]:
     """vLLM's OpenAI server shape: per prompt token None or {token_id: {"logprob", "rank", "decoded_token"}}."""
-    return [None if entry is None else
-            {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": _token_str(t, ctx, v)} for t, v in entry.items()}
-            for entry in entries]
+    flat = _flat(lps)
+    texts, ids, values, ranks, starts = _texts(flat, ctx), flat.token_ids, flat.logprobs, flat.ranks, flat.starts
+    return [{str(ids[j]): {"logprob": values[j], "rank": ranks[j], "decoded_token": texts[j]} for j in range(lo, hi)}
+            if lo < hi else None for lo, hi in zip(starts, starts[1:])]
 
 
 def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> dict:
     content = []
-    for tid, entry in zip(token_ids, lps, strict=False):
-        tok = _token_str(tid, ctx, entry.get(tid))
-        content.append(
-            {
-                "token": tok,
-                "logprob": _lp(entry, tid),
-                "bytes": list(tok.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": (s := _token_str(t, ctx, v)), "logprob": v.logprob, "bytes": list(s.encode("utf-8"))}
-                    for t, v in _top(entry, k)
-                ],
-            }
-        )
+    for tok, lp, top in _positions(token_ids, lps, k, ctx):
+        content.append({
+            "token": tok,
+            "logprob": lp,
+            "bytes": list(tok.encode("utf-8")),
+            "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))} for _, s, v in top],
+        })
     return {"content": content}
 
 
 def _completion_choice(req: Request, out: RequestOutput, comp: CompletionOutput, ctx: FormatContext) -> dict[str, Any]:
     """A /v1/completions choice. With echo the prompt's text and tokens (the first without a logprob) lead the
     completion's, and with max_tokens 0 stand alone (vLLM's echo)."""
-    ids: list[int] = list(comp.token_ids)
-    lps: list[dict[int, Logprob] | None] | None = comp.logprobs  # type: ignore[assignment]
+    k = req.sampling_params.logprobs
+    parts: list[tuple[Sequence[int], Sequence[dict[int, Logprob] | None] | None]] = [(comp.token_ids, comp.logprobs)]
     text = comp.text
     if req.echo:
         prompt_text = out.prompt
         if prompt_text is None:  # a token-id prompt
             prompt_text = ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
-        prompt_lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
-        if req.echo_prompt_only:
-            ids, lps, text = list(out.prompt_token_ids), prompt_lps, prompt_text
-        else:
-            ids = list(out.prompt_token_ids) + ids
-            lps = prompt_lps + (lps or [None] * len(comp.token_ids))
-            text = prompt_text + text
-    k = req.sampling_params.logprobs
+        prompt = (out.prompt_token_ids, out.prompt_logprobs)
+        parts, text = ([prompt], prompt_text) if req.echo_prompt_only else ([prompt, *parts], prompt_text + text)
     return {
         "index": comp.index,
         "text": text,
-        "logprobs": _completion_logprobs(ids, lps, k, ctx) if k is not None and lps is not None else None,
+        "logprobs": _completion_logprobs(parts, k, ctx) if k is not None and parts[-1][1] is not None else None,
         "finish_reason": "length" if req.echo_prompt_only else comp.finish_reason,
     }
 
 
-def _completion_logprobs(token_ids: list[int], lps: list[dict[int, Logprob] | None], k: int, ctx: FormatContext
-                         ) -> dict:
-    """OpenAI's legacy logprobs object; a None entry (an echoed prompt's first token) has no logprob."""
+def _completion_logprobs(parts: list[tuple[Sequence[int], Sequence[dict[int, Logprob] | None] | None]], k: int,
+                         ctx: FormatContext) -> dict:
+    """OpenAI's legacy logprobs object over the parts' tokens in turn (an echoed prompt, then the completion); a token
+    without a logprob (the prompt's first, or a part without logprobs) has null there."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = 0
-    for tid, entry in zip(token_ids, lps, strict=False):
-        tok = _token_str(tid, ctx, None if entry is None else entry.get(tid))
-        tokens.append(tok)
-        token_lps.append(None if entry is None else _lp(entry, tid))
-        tops.append({_token_str(t, ctx, v): v.logprob for t, v in _top(entry, k)} if k > 0 and entry is not None
-                    else None)
-        offsets.append(offset)
-        offset += len(tok)
+    for token_ids, lps in parts:
+        for _, (tok, lp, top) in zip(token_ids, _positions(token_ids, lps, k, ctx) if lps is not None else
+                                       ((_token_str(t, ctx), None, []) for t in token_ids)):
+            tokens.append(tok)
+            token_lps.append(lp)
+            tops.append({s: v for _, s, v in top} if k > 0 and lp is not None else None)
+            offsets.append(offset)
+            offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,80 @@
+"""jobs/formatting.py writes logprobs from the engine's flat columns (outputs.FlatLogprobs) exactly as from the list of
+{token_id: Logprob} dicts they stand for, in every output shape that carries them."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from nvcli.jobs.formatting import FormatContext, result_line
+from nvcli.jobs.requests import Defaults, Request, parse_line
+from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
+
+PROMPT = [11, 12, 13, 14]
+# positions 1..3 of the prompt: its own token first (with its rank), then the top alternatives without it
+ENTRIES: list[dict[int, Logprob] | None] = [
+    None,
+    {12: Logprob(-0.25, 1, "b"), 40: Logprob(-1.5, 2, "x")},  # the token is the most likely
+    {13: Logprob(-2.0, 3, "c"), 41: Logprob(-0.5, 1, "y"), 42: Logprob(-0.75, 2, "z")},
+    {14: Logprob(-0.5, 2, "d"), 43: Logprob(-0.5, 1, "w")},  # a tie: the first listed stays first
+]
+
+
+def _flat(entries: list[dict[int, Logprob] | None]) -> FlatLogprobs:
+    flat = FlatLogprobs(decoded_tokens=[])
+    for entry in entries:
+        for t, v in (entry or {}).items():
+            flat.token_ids.append(t)
+            flat.logprobs.append(v.logprob)
+            flat.ranks.append(v.rank)  # type: ignore[arg-type]
+            flat.decoded_tokens.append(v.decoded_token)  # type: ignore[union-attr]
+        flat.starts.append(len(flat.token_ids))
+    return flat
+
+
+LINES = {
+    "native": {"prompt_token_ids": PROMPT, "prompt_logprobs": 2, "logprobs": 1, "max_tokens": 1},
+    "echo": {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 1}},
+    "echo only": {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0}},
+    "chat": {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": "q"}], "prompt_logprobs": 0, "logprobs": True,
+                      "top_logprobs": 2, "max_tokens": 1}},
+}
+
+
+def _line(shape: str, prompt_logprobs: object) -> dict:
+    req = parse_line(json.dumps(LINES[shape]), 0, Defaults())
+    assert isinstance(req, Request)
+    comp = CompletionOutput(0, "e", [50], "length", logprobs=[{50: Logprob(-0.125, 2, "e"), 51: Logprob(-0.1, 1, "f")}])
+    out = RequestOutput("r", None, PROMPT, [comp], True, prompt_logprobs=prompt_logprobs)  # type: ignore[arg-type]
+    text = json.dumps(result_line(req, out, FormatContext("m", created=0)))
+    return json.loads(re.sub(r"-[0-9a-f]{32}", "", text))  # the random ids
+
+
+@pytest.mark.parametrize("shape", list(LINES))
+def test_flat_columns_give_the_line_the_dicts_give(shape: str) -> None:
+    assert _line(shape, _flat(ENTRIES)) == _line(shape, ENTRIES)
+
+
+def test_top_logprobs_are_the_most_likely_first_with_the_token_among_them() -> None:
+    native = _line("native", _flat(ENTRIES))["prompt_logprobs"]
+    assert native[0] is None
+    assert [[t["token_id"] for t in p["top_logprobs"]] for p in native[1:]] == [[12, 40], [41, 42], [14, 43]]
+    assert [(p["token"], p["logprob"]) for p in native[1:]] == [("b", -0.25), ("c", -2.0), ("d", -0.5)]
+    echo = _line("echo", _flat(ENTRIES))["response"]["body"]["choices"][0]["logprobs"]
+    assert echo["tokens"] == ["token_id:11", "b", "c", "d", "e"]
+    assert echo["token_logprobs"] == [None, -0.25, -2.0, -0.5, -0.125]
+    assert echo["top_logprobs"] == [None, {"b": -0.25, "x": -1.5}, {"y": -0.5, "z": -0.75}, {"d": -0.5, "w": -0.5},
+                                    {"f": -0.1, "e": -0.125}]
+    assert echo["text_offset"] == [0, 11, 12, 13, 14]
+    only = _line("echo only", _flat(ENTRIES))["response"]["body"]["choices"][0]
+    assert only["logprobs"]["top_logprobs"] == [None, {"b": -0.25}, {"y": -0.5}, {"d": -0.5}]
+    assert only["finish_reason"] == "length"
+    chat = _line("chat", _flat(ENTRIES))["response"]["body"]
+    assert chat["prompt_logprobs"][2] == {"13": {"logprob": -2.0, "rank": 3, "decoded_token": "c"},
+                                          "41": {"logprob": -0.5, "rank": 1, "decoded_token": "y"},
+                                          "42": {"logprob": -0.75, "rank": 2, "decoded_token": "z"}}
