@@ -10,7 +10,8 @@
 5. hf: HF transformers' continuous batching (generate_batch) on a slice of the workload, if it runs.
 6. streaming: 1,024 requests through 128 slots (prompts admitted beside running decodes), two runs.
 7. sampling: what vLLM's sampling features cost on the DESIGN workload, in one process: as is; every request with
-   presence, frequency and repetition penalties; 64 prompts x n=4 against the same 64 prompts sent 4 times each.
+   presence, frequency and repetition penalties; every request with logprobs=1, and =5; 64 prompts x n=4 against the
+   same 64 prompts sent 4 times each (`--sampling-rows` picks some: as-is,penalties,logprobs1,logprobs5,n4,copies).
 Prints a table last.
 """
 
@@ -127,7 +128,7 @@ def bench_streaming(model_dir: str) -> None:
     free(llm)
 
 
-def bench_sampling_features(model_dir: str, repeats: int) -> None:
+def bench_sampling_features(model_dir: str, repeats: int, only: str = "") -> None:
     import dataclasses
     import statistics
 
@@ -140,8 +141,12 @@ def bench_sampling_features(model_dir: str, repeats: int) -> None:
     fan_out = Workload(base.prompts[:64], [dataclasses.replace(sp, n=4) for sp in base.params[:64]])
     copies = Workload([p for p in base.prompts[:64] for _ in range(4)], [sp for sp in base.params[:64] for _ in range(4)])
     run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
-    for label, work in [("as is", base), ("penalties on every request", penalized),
-                        ("64 prompts x n=4", fan_out), ("64 prompts x 4 separate requests", copies)]:
+    logprobs = {k: Workload(base.prompts, [dataclasses.replace(sp, logprobs=k) for sp in base.params]) for k in (1, 5)}
+    rows = {"as-is": ("as is", base), "penalties": ("penalties on every request", penalized),
+            "logprobs1": ("logprobs=1 on every request", logprobs[1]),
+            "logprobs5": ("logprobs=5 on every request", logprobs[5]),
+            "n4": ("64 prompts x n=4", fan_out), "copies": ("64 prompts x 4 separate requests", copies)}
+    for label, work in [rows[k] for k in (only.split(",") if only else rows)]:
         out_tokens = sum(sp.max_tokens * sp.n for sp in work.params)
         s0 = llm.stats()
         times = []
@@ -283,6 +288,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="correctness,throughput,latency,fp8")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sampling-rows", default="", help="the sampling section's rows, e.g. as-is,logprobs5")
     args = ap.parse_args()
     sections = args.sections.split(",")
     tmp = Path(tempfile.mkdtemp())
@@ -295,7 +301,7 @@ def main() -> None:
         ("fp8", lambda: bench_throughput(model_dir, args.repeats, "fp8", "fp8")),
         ("hf", lambda: bench_hf(model_dir)),
         ("streaming", lambda: bench_streaming(model_dir)),
-        ("sampling", lambda: bench_sampling_features(model_dir, args.repeats)),
+        ("sampling", lambda: bench_sampling_features(model_dir, args.repeats, args.sampling_rows)),
         ("structured", lambda: bench_structured_outputs(model_dir, args.repeats)),
         ("profile1", lambda: profile_steps(model_dir, 1)),
         ("profile256", lambda: profile_steps(model_dir, 256)),

@@ -9,7 +9,8 @@ reader thread: JSON parse, chat template, tokenization. This script times both s
 
 Input kinds, the same prompts each time: `text` ({"prompt": str}, tokenized by the reader),
 `chat` ({"messages": [...]}, template + tokenization), `ids` ({"prompt_token_ids": [...]}: no
-tokenization, the GPU-bound reference), and `engine`: the ids fed straight to the engine's step loop, no job
+tokenization, the GPU-bound reference), `echo` (a scoring job as lm-eval-harness sends it: /v1/completions with the
+prompt's ids, echo, logprobs=1 and max_tokens 0; its output lines carry every prompt token's logprob), and `engine`: the ids fed straight to the engine's step loop, no job
 threads at all (what the engine alone does with them). Jobs run through `run_job` as the CLI runs them, on one
 engine with the prefix cache off (repeats would otherwise hit it), kinds in turn per repeat.
 """
@@ -48,6 +49,9 @@ def make_lines(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> dict[st
         "text": [line({"prompt": t}) for t in texts],
         "chat": [line({"messages": [{"role": "user", "content": t}]}) for t in texts],
         "ids": [line({"prompt_token_ids": i}) for i in ids],
+        # lm-eval-harness's loglikelihood request: score the prompt, top-1 alternative for its greedy check
+        "echo": [line({"custom_id": f"e{n}", "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": i, "echo": True, "logprobs": 1, "max_tokens": 0}}) for n, i in enumerate(ids)],
     }
 
 
