@@ -426,6 +426,11 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
 
         so = StructuredOutputsParams(regex=os.environ["PROFILE_REGEX"])
         work = dataclasses.replace(work, params=[dataclasses.replace(sp, structured_outputs=so) for sp in work.params])
+    if os.environ.get("PROFILE_LOGPROBS"):  # this many logprobs' alternatives on every request
+        import dataclasses
+
+        k = int(os.environ["PROFILE_LOGPROBS"])
+        work = dataclasses.replace(work, params=[dataclasses.replace(sp, logprobs=k) for sp in work.params])
     out = []
     if os.environ.get("PROFILE_GC_FREEZE") == "1":  # A/B probe: the start-up heap out of the collector's way
         gc.collect()

@@ -75,6 +75,19 @@ class FlatLogprobs(Sequence["dict[int, Logprob] | None"]):
         """A position without logprobs (reads as None)."""
         self.starts.append(self.starts[-1])
 
+    def append_from(self, other: FlatLogprobs, i: int) -> None:
+        """Append `other`'s position i (a step's row: one call per generated token)."""
+        lo, hi = other.starts[i], other.starts[i + 1]
+        if hi - lo == 1:
+            self.token_ids.append(other.token_ids[lo])
+            self.logprobs.append(other.logprobs[lo])
+            self.ranks.append(other.ranks[lo])
+        else:
+            self.token_ids.extend(other.token_ids[lo:hi])
+            self.logprobs.extend(other.logprobs[lo:hi])
+            self.ranks.extend(other.ranks[lo:hi])
+        self.starts.append(self.starts[-1] + hi - lo)
+
     def extend_from(self, other: FlatLogprobs, first: int, end: int) -> None:
         """Append `other`'s positions first..end-1."""
         lo, hi = other.starts[first], other.starts[end]
@@ -94,8 +107,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
-    # One dict per generated token: {token_id: Logprob}, the sampled token first, then the top alternatives.
-    logprobs: list[dict[int, Logprob]] | None = None
+    # One dict per generated token: {token_id: Logprob}, the sampled token first, then the top alternatives (the
+    # engine hands a FlatLogprobs: a Sequence of those dicts, built as they are read).
+    logprobs: Sequence[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float | None = None
 
 

@@ -65,3 +65,13 @@ def test_token_logprobs_flat_keeps_the_given_token_first_and_drops_it_from_the_t
     assert list(flat) == found.entries([2, 1, 0])
     assert all(isinstance(x, int) for x in flat.token_ids + flat.ranks)
     assert all(type(x) is float for x in flat.logprobs)
+
+
+def test_append_from_takes_one_position_of_a_step() -> None:
+    """The engine appends each generated token's logprobs from its step's rows, one position at a time."""
+    step = FlatLogprobs([0, 1, 4], [7, 8, 9, 10], [-0.5, -1.0, -0.25, -2.0], [1, 3, 1, 4])
+    seq = FlatLogprobs()
+    seq.append_from(step, 1)
+    seq.append_from(step, 0)
+    assert seq == [step[1], step[0]] and seq.starts == [0, 3, 4]
+    assert seq[0] == {8: Logprob(-1.0, 3), 9: Logprob(-0.25, 1), 10: Logprob(-2.0, 4)}

@@ -20,7 +20,7 @@ from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
-from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
+from nvcli.outputs import CompletionOutput, FlatLogprobs, RequestOutput
 from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
 
@@ -337,15 +337,16 @@ class LLMEngine:
                 row += hi - lo
         logprobs = result.logprobs
         rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
+        logprob_at = {row: j for j, row in enumerate(result.logprob_rows)}  # batch row -> its position in `logprobs`
         produced = self.scheduler.postprocess(batch, result.tokens)
         if self._num_constrained and self._grammar_compiler is not None:  # the constrained rows' matchers: their tokens
             self._grammar_compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
                                             if seq.grammar is not None])
         for seq, index in produced:
             self.generation_tokens += 1
-            lp = logprobs[rows[seq.seq_id]]
-            if lp is not None:
-                seq.logprobs.append(lp)
+            j = logprob_at.get(rows[seq.seq_id])
+            if j is not None:
+                seq.logprobs.append_from(logprobs, j)  # type: ignore[union-attr, arg-type]
             if index == seq.num_prompt_tokens and seq.completion_index == 0:
                 self._release_siblings(seq)
             self._check_stop(seq, index)
@@ -400,9 +401,10 @@ class LLMEngine:
             if ids and seq.stop_token_ended and not sp.include_stop_str_in_output:
                 ids_for_text = ids[:-1]  # the EOS / stop token itself is not part of the text (vLLM's detokenizer)
             text = self.tokenizer.decode(ids_for_text, skip_special_tokens=sp.skip_special_tokens)
-        cum = sum(d[t].logprob for d, t in zip(seq.logprobs, ids)) if seq.logprobs else None
-        if sp.logprobs is not None:
-            self._decode_logprob_tokens(seq.logprobs)
+        cum = None
+        if seq.logprobs:  # each position's own token comes first
+            cum = sum(seq.logprobs.logprobs[lo] for lo in seq.logprobs.starts[:-1])
+            seq.logprobs.decoded_tokens = self._token_texts_of(seq.logprobs.token_ids)
         completion = CompletionOutput(
             index=seq.completion_index, text=text, token_ids=ids, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=seq.logprobs if sp.logprobs is not None else None,
@@ -426,12 +428,6 @@ class LLMEngine:
             outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
             prompt_logprobs=prompt_logprobs,
         )
-
-    def _decode_logprob_tokens(self, entries: list[dict[int, Logprob]]) -> None:
-        """Fill each Logprob's decoded_token (see `_token_texts_of`)."""
-        for entry in entries:
-            for lp, text in zip(entry.values(), self._token_texts_of(list(entry))):
-                lp.decoded_token = text
 
     def _token_texts_of(self, token_ids: list[int]) -> list[str]:
         """Each token decoded on its own (vLLM's), once per token id: a scoring job meets the same ids millions of

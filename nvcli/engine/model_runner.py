@@ -26,7 +26,6 @@ from nvcli.engine.penalties import PenaltyBatch, PenaltySlots, apply_penalties
 from nvcli.engine.sampler import (
     SamplingBatch,
     TokenLogprobs,
-    logprob_entries,
     sample,
     sampled_token_logprobs,
     token_logprobs,
@@ -37,7 +36,7 @@ from nvcli.kernels.kv_layout import allocate_kv_cache
 from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
-from nvcli.outputs import FlatLogprobs, Logprob
+from nvcli.outputs import FlatLogprobs
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -179,7 +178,8 @@ class StepResult:
     """What a collected step hands the engine."""
 
     tokens: list[int]  # per batch row
-    logprobs: list[dict[int, Logprob] | None]  # per batch row; None where not asked for
+    logprobs: FlatLogprobs | None  # of the rows that asked (logprob_rows), one position each
+    logprob_rows: list[int]
     prompt_logprobs: FlatLogprobs | None  # the rows of the batch's prompt_logit_spans, one after another
 
 
@@ -738,13 +738,14 @@ class ModelRunner:
         if handle.done is not None:
             handle.done.synchronize()
         tokens = handle.tokens_host.tolist()
-        logprobs = logprob_entries(handle.logprobs, handle.num_logprobs)
+        rows = [i for i, n in enumerate(handle.num_logprobs) if n is not None]
+        logprobs = None if handle.logprobs is None else handle.logprobs.flat([handle.num_logprobs[i] or 0 for i in rows])
         prompt_logprobs = None
         if handle.prompt_logprobs is not None:
             spans = handle.batch.prompt_logit_spans
             prompt_logprobs = handle.prompt_logprobs.flat(
                 [handle.batch.seqs[i].sampling_params.prompt_logprobs or 0 for i, lo, hi in spans for _ in range(lo, hi)])
-        return StepResult(tokens, logprobs, prompt_logprobs)
+        return StepResult(tokens, logprobs, rows, prompt_logprobs)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()

@@ -271,5 +271,5 @@ def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor
             top_values = top_values - lse
         parts.append((chosen, ranks, top_values, top_ids))
         a += chunk.shape[0]
-    chosen, ranks, top_values, top_ids = (torch.cat(column) for column in zip(*parts))
+    chosen, ranks, top_values, top_ids = parts[0] if len(parts) == 1 else (torch.cat(column) for column in zip(*parts))
     return TokenLogprobs(token_ids, chosen, ranks, top_values, top_ids)

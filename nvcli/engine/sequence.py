@@ -6,7 +6,7 @@ import itertools
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from nvcli.outputs import FlatLogprobs, Logprob
+from nvcli.outputs import FlatLogprobs
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, Logprob]] = []
+        # per generated token, where asked for: flat columns, no objects per token (outputs.FlatLogprobs)
+        self.logprobs = FlatLogprobs() if sampling_params.logprobs is not None else None
         # prompt_logprobs: positions 0..wanted-1 each predict the prompt token after them. `scheduled` counts the
         # positions a step has been given already (results come back in step order), so a recomputed prompt
         # (preemption) or a later chunk does not ask for them twice.
