@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -35,6 +35,19 @@ class FlatLogprobs(Sequence["dict[int, Logprob] | None"]):
         self.logprobs = [] if logprobs is None else logprobs
         self.ranks = [] if ranks is None else ranks
         self.decoded_tokens = decoded_tokens  # [entries] or None: not decoded
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[dict[int, Logprob] | None]) -> FlatLogprobs:
+        """The columns of a list of per-position dicts (None or {} for an empty position)."""
+        flat = cls(decoded_tokens=[])
+        for entry in entries:
+            for t, v in (entry or {}).items():
+                flat.token_ids.append(t)
+                flat.logprobs.append(v.logprob)
+                flat.ranks.append(v.rank)  # type: ignore[arg-type]
+                flat.decoded_tokens.append(v.decoded_token)  # type: ignore[union-attr]
+            flat.starts.append(len(flat.token_ids))
+        return flat
 
     def __len__(self) -> int:
         return len(self.starts) - 1

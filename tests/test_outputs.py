@@ -75,3 +75,9 @@ def test_append_from_takes_one_position_of_a_step() -> None:
     seq.append_from(step, 0)
     assert seq == [step[1], step[0]] and seq.starts == [0, 3, 4]
     assert seq[0] == {8: Logprob(-1.0, 3), 9: Logprob(-0.25, 1), 10: Logprob(-2.0, 4)}
+
+
+def test_from_entries_round_trips() -> None:
+    entries = [None, {3: Logprob(-0.5, 2, "a"), 4: Logprob(-0.25, 1, "b")}, {5: Logprob(-1.0, 1, None)}]
+    flat = FlatLogprobs.from_entries(entries)
+    assert flat == entries and flat.starts == [0, 0, 2, 3] and flat.decoded_tokens == ["a", "b", None]

@@ -139,17 +139,7 @@ _Position = tuple[str, "float | None", list[tuple[int, str, float]]]  # (token t
 
 def _flat(lps: Sequence[dict[int, Logprob] | None]) -> FlatLogprobs:
     """The engine's FlatLogprobs as they are; a list of dicts (a completion's logprobs) made into one."""
-    if isinstance(lps, FlatLogprobs):
-        return lps
-    flat = FlatLogprobs(decoded_tokens=[])
-    for entry in lps:
-        for t, v in (entry or {}).items():
-            flat.token_ids.append(t)
-            flat.logprobs.append(v.logprob)
-            flat.ranks.append(v.rank)  # type: ignore[arg-type]
-            flat.decoded_tokens.append(v.decoded_token)  # type: ignore[union-attr]
-        flat.starts.append(len(flat.token_ids))
-    return flat
+    return lps if isinstance(lps, FlatLogprobs) else FlatLogprobs.from_entries(lps)
 
 
 def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:

@@ -23,14 +23,11 @@ ENTRIES: list[dict[int, Logprob] | None] = [
 
 
 def _flat(entries: list[dict[int, Logprob] | None]) -> FlatLogprobs:
-    flat = FlatLogprobs(decoded_tokens=[])
-    for entry in entries:
-        for t, v in (entry or {}).items():
-            flat.token_ids.append(t)
-            flat.logprobs.append(v.logprob)
-            flat.ranks.append(v.rank)  # type: ignore[arg-type]
-            flat.decoded_tokens.append(v.decoded_token)  # type: ignore[union-attr]
-        flat.starts.append(len(flat.token_ids))
+    """ENTRIES as the engine hands them: columns, written out here (not converted by the code under test)."""
+    assert entries is ENTRIES
+    flat = FlatLogprobs([0, 0, 2, 5, 7], [12, 40, 13, 41, 42, 14, 43], [-0.25, -1.5, -2.0, -0.5, -0.75, -0.5, -0.5],
+                        [1, 2, 3, 1, 2, 2, 1], ["b", "x", "c", "y", "z", "d", "w"])
+    assert flat == ENTRIES
     return flat
 
 
