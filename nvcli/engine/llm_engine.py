@@ -140,7 +140,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._num_held = 0  # completions waiting for their first sibling's prompt (counted as waiting)
         self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._token_texts: dict[int, str] = {}  # token id -> its text alone, for logprobs (at most the vocabulary)
+        self._token_texts: list[str] | None = None  # every token id's text alone, for logprobs (built at first need)
         self.num_steps = 0
         self.num_finished = 0
         self.prompt_tokens = 0
@@ -430,12 +430,16 @@ class LLMEngine:
         )
 
     def _token_texts_of(self, token_ids: list[int]) -> list[str]:
-        """Each token decoded on its own (vLLM's), once per token id: a scoring job meets the same ids millions of
-        times."""
+        """Each token decoded on its own (vLLM's). The whole vocabulary is decoded once, in one call, the first time
+        logprobs need texts: a scoring job, or a random model's outputs, meet ids from all over it, and one decode
+        call per new id held the engine thread for milliseconds whenever several sequences finished at once."""
+        if self._token_texts is None:
+            self._token_texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))],
+                                                            skip_special_tokens=False)
         texts = self._token_texts
-        for tid in set(token_ids).difference(texts):
-            texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
-        return [texts[tid] for tid in token_ids]
+        # a model's vocabulary may be padded past its tokenizer's: those ids decode on their own (to "", usually)
+        return [texts[t] if t < len(texts) else self.tokenizer.decode([t], skip_special_tokens=False)
+                for t in token_ids]
 
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:
