@@ -26,6 +26,7 @@ from nvcli.engine.penalties import PenaltyBatch, PenaltySlots, apply_penalties
 from nvcli.engine.sampler import (
     SamplingBatch,
     TokenLogprobs,
+    logprob_rows,
     sample,
     sampled_token_logprobs,
     token_logprobs,
@@ -168,8 +169,9 @@ class StepHandle:
     tokens_host: torch.Tensor  # [num_seqs] int64, pinned (or the CPU tensor itself)
     done: torch.cuda.Event | None
     row_of: dict[int, int]  # seq_id -> row, for the next step's pending inputs
-    num_logprobs: list[int | None]  # per row: logprobs' alternatives, None where not asked for
-    logprobs: TokenLogprobs | None = None  # of the rows that asked, in row order; on the host once `done`
+    logprob_rows: list[int]  # the rows that asked for logprobs
+    logprob_ks: list[int]  # each one's alternatives
+    logprobs: TokenLogprobs | None = None  # of logprob_rows, in order; on the host once `done`
     prompt_logprobs: TokenLogprobs | None = None  # of the batch's prompt_logit_spans, in order; on the host once `done`
 
 
@@ -697,12 +699,13 @@ class ModelRunner:
         self.prev_tokens = tokens
         if self.broadcast_tokens:
             torch.distributed.broadcast(tokens, src=0)
-        logprobs = sampled_token_logprobs(logits, tokens, sb)
+        rows, ks = logprob_rows(sb)
+        logprobs = sampled_token_logprobs(logits, tokens, rows, ks)
         prompt_lp = None
         if extra is not None:
-            targets, ks = _prompt_logprob_targets(batch)
+            targets, span_ks = _prompt_logprob_targets(batch)
             targets += targets[-1:] * (extra[0].shape[0] - len(targets))  # padding rows (_logit_rows)
-            prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(ks), self.device)
+            prompt_lp = token_logprobs(self._prompt_logit_chunks(extra), targets, max(span_ks), self.device)
         done = None
         if self.device.type == "cuda":  # one event behind every copy: collect reads them all after it
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -713,7 +716,7 @@ class ModelRunner:
             done.record()
         else:
             host = tokens
-        return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)}, sb.num_logprobs,
+        return StepHandle(batch, tokens, host, done, {s.seq_id: i for i, s in enumerate(batch.seqs)}, rows, ks,
                           logprobs, prompt_lp)
 
     def _upload_token_mask(self, rows: list[int], bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -738,14 +741,13 @@ class ModelRunner:
         if handle.done is not None:
             handle.done.synchronize()
         tokens = handle.tokens_host.tolist()
-        rows = [i for i, n in enumerate(handle.num_logprobs) if n is not None]
-        logprobs = None if handle.logprobs is None else handle.logprobs.flat([handle.num_logprobs[i] or 0 for i in rows])
+        logprobs = None if handle.logprobs is None else handle.logprobs.flat(handle.logprob_ks)
         prompt_logprobs = None
         if handle.prompt_logprobs is not None:
             spans = handle.batch.prompt_logit_spans
             prompt_logprobs = handle.prompt_logprobs.flat(
                 [handle.batch.seqs[i].sampling_params.prompt_logprobs or 0 for i, lo, hi in spans for _ in range(lo, hi)])
-        return StepResult(tokens, logprobs, rows, prompt_logprobs)
+        return StepResult(tokens, logprobs, handle.logprob_rows, prompt_logprobs)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()

@@ -30,7 +30,7 @@ import torch
 from nvcli.engine.penalties import PenaltyBatch, apply_penalties
 from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
-from nvcli.outputs import FlatLogprobs, Logprob
+from nvcli.outputs import FlatLogprobs
 
 _MASK = float("-inf")
 
@@ -170,34 +170,25 @@ def _kept(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return kept | (batch.temperatures == 0).unsqueeze(1)  # greedy rows: argmax, whatever ties the sort broke
 
 
-def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[dict[int, Logprob] | None]:
-    """Logprob and rank of each sampled token (and of the top-N alternatives) from the raw model logits."""
-    return logprob_entries(sampled_token_logprobs(logits, tokens, batch), batch.num_logprobs)
-
-
-def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> TokenLogprobs | None:
-    """`gather_logprobs` on the device, for the rows that asked (in row order); None where none did."""
+def logprob_rows(batch: SamplingBatch) -> tuple[list[int], list[int]]:
+    """The rows that asked for logprobs, and how many alternatives each asked for."""
     rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+    return rows, [batch.num_logprobs[i] or 0 for i in rows]
+
+
+def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]
+                           ) -> TokenLogprobs | None:
+    """Logprob and rank of each sampled token of `rows` (and of its top ks alternatives) from the raw model logits,
+    still on the device (`TokenLogprobs.flat` reads them); None without rows."""
     if not rows:
         return None
     idx = upload(torch.tensor(rows, dtype=torch.int64), logits.device)
-    return token_logprobs([logits[idx]], tokens[idx], max(batch.num_logprobs[i] or 0 for i in rows), logits.device)
-
-
-def logprob_entries(found: TokenLogprobs | None, num_logprobs: list[int | None]) -> list[dict[int, Logprob] | None]:
-    """Per batch row, the entry of `sampled_token_logprobs`, or None where the row did not ask."""
-    out: list[dict[int, Logprob] | None] = [None] * len(num_logprobs)
-    if found is None:
-        return out
-    rows = [i for i, n in enumerate(num_logprobs) if n is not None]
-    for i, entry in zip(rows, found.entries([num_logprobs[i] or 0 for i in rows])):
-        out[i] = entry
-    return out
+    return token_logprobs([logits[idx]], tokens[idx], max(ks), logits.device)
 
 
 @dataclass
 class TokenLogprobs:
-    """Logprobs of given tokens, their ranks and each row's top-k, still on the device (read by `entries`)."""
+    """Logprobs of given tokens, their ranks and each row's top-k, still on the device (read by `flat`)."""
 
     token_ids: torch.Tensor  # [rows] int64
     chosen: torch.Tensor  # [rows] float32
@@ -219,13 +210,10 @@ class TokenLogprobs:
         return TokenLogprobs(*(pinned(t) for t in (self.token_ids, self.chosen, self.ranks, self.top_values,
                                                    self.top_ids)))
 
-    def entries(self, ks: list[int]) -> list[dict[int, Logprob]]:
-        """Per row: {token: Logprob} with the given token first, then its row's top ks[row] (vLLM's layout; the
-        given token keeps its own rank where it is among them)."""
-        return list(self.flat(ks))  # type: ignore[arg-type]
-
     def flat(self, ks: list[int]) -> FlatLogprobs:
-        """`entries` as flat columns: no per-token objects (a scoring job has millions of rows)."""
+        """Per row, a position: the given token first, then its row's top ks[row] (vLLM's layout; the given token
+        keeps its own rank where it is among them). Flat columns: no per-token objects (a scoring job has millions of
+        rows)."""
         n = len(ks)  # rows past it: padding
         token_ids = self.token_ids[:n].cpu().numpy()  # [n]
         chosen, ranks = self.chosen[:n].cpu().numpy(), self.ranks[:n].cpu().numpy()

@@ -8,7 +8,7 @@ import torch
 
 from nvcli import LLM, SamplingParams
 from nvcli.engine.penalties import PenaltySlots
-from nvcli.engine.sampler import SamplingBatch, gather_logprobs, sample
+from nvcli.engine.sampler import SamplingBatch, logprob_rows, sample, sampled_token_logprobs
 from nvcli.engine.sequence import Sequence
 
 CPU = torch.device("cpu")
@@ -67,7 +67,9 @@ def test_the_callers_logits_and_the_logprobs_stay_raw(dtype: torch.dtype) -> Non
     batch = SamplingBatch.build(params, [0, 0], VOCAB, CPU)
     tokens = sample(logits, batch)
     assert tokens[0].item() == target and torch.equal(logits, before)
-    entry = gather_logprobs(logits, tokens, batch)[0]
+    rows, ks = logprob_rows(batch)
+    assert rows == [0] and ks == [2]
+    entry = sampled_token_logprobs(logits, tokens, rows, ks).flat(ks)[0]
     raw = torch.log_softmax(logits[0].float(), dim=-1)
     assert entry[target].logprob == pytest.approx(raw[target].item(), abs=1e-6)
     assert entry[target].rank == VOCAB  # the least likely token of the raw logits
