@@ -75,3 +75,52 @@ def test_top_logprobs_are_the_most_likely_first_with_the_token_among_them() -> N
     assert chat["prompt_logprobs"][2] == {"13": {"logprob": -2.0, "rank": 3, "decoded_token": "c"},
                                           "41": {"logprob": -0.5, "rank": 1, "decoded_token": "y"},
                                           "42": {"logprob": -0.75, "rank": 2, "decoded_token": "z"}}
+
+
+# Logprobs a caller built by hand (LLM API users, other engines' outputs): a position's own token need not come first,
+# and may be missing (then it has no logprob and no top entries), and alternatives come in any order.
+ODD: list[dict[int, Logprob] | None] = [
+    None,
+    {40: Logprob(-1.5, 2, "x"), 12: Logprob(-0.25, 1, "b")},  # own token second
+    {41: Logprob(-0.5, 1, "y"), 42: Logprob(-0.75, 2, "z")},  # own token (13) missing
+    {43: Logprob(-0.5, 1, "w"), 44: Logprob(-0.125, 1, "v"), 14: Logprob(-0.5, 2, "d")},  # unsorted, a tie
+]
+
+
+def _expected(entry: dict[int, Logprob] | None, tid: int, k: int) -> tuple[float | None, list[int]]:
+    """A position's logprob and its top k ids, read off its dict the plain way."""
+    if not entry or tid not in entry:
+        return None, []
+    top = sorted(entry, key=lambda t: entry[t].logprob, reverse=True)[:k]  # stable: ties keep the dict's order
+    return entry[tid].logprob, top
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_a_token_listed_late_or_not_at_all_is_still_found_or_left_without_logprob(k: int) -> None:
+    LINES["odd"] = {"prompt_token_ids": PROMPT, "prompt_logprobs": k, "max_tokens": 1}
+    try:
+        native = _line("odd", FlatLogprobs.from_entries(ODD))["prompt_logprobs"]
+    finally:
+        del LINES["odd"]
+    assert native[0] is None
+    for tid, entry, got in zip(PROMPT[1:], ODD[1:], native[1:]):
+        lp, top = _expected(entry, tid, k)
+        assert got["token_id"] == tid and got["logprob"] == lp
+        assert got["token"] == (entry[tid].decoded_token if entry and tid in entry else "token_id:13")
+        if k:
+            assert [t["token_id"] for t in got["top_logprobs"]] == top
+        else:
+            assert "top_logprobs" not in got
+    echo = dict(LINES["echo"], body={**LINES["echo"]["body"], "logprobs": k, "max_tokens": 0})  # type: ignore[dict-item]
+    LINES["odd"] = echo
+    try:
+        got_echo = _line("odd", FlatLogprobs.from_entries(ODD))["response"]["body"]["choices"][0]["logprobs"]
+    finally:
+        del LINES["odd"]
+    assert got_echo["token_logprobs"] == [None, -0.25, None, -0.5]
+    assert got_echo["tokens"] == ["token_id:11", "b", "token_id:13", "d"]
+    assert got_echo["text_offset"] == [0, 11, 12, 23]
+    texts = {t: v.decoded_token for e in ODD[1:] if e for t, v in e.items()}
+    assert got_echo["top_logprobs"] == [None] + [
+        {texts[t]: e[t].logprob for t in _expected(e, tid, k)[1]} if k and e and tid in e else None  # type: ignore[index]
+        for tid, e in zip(PROMPT[1:], ODD[1:])]
