@@ -48,7 +48,7 @@ def test_extend_from_takes_a_middle_run() -> None:
 def test_token_logprobs_flat_keeps_the_given_token_first_and_drops_it_from_the_top() -> None:
     """Row 0's token is also its top-1 (listed once, with its own rank); row 1 asks for one alternative of two;
     row 2 for none; row 3 is padding past len(ks)."""
-    found = TokenLogprobs(
+    found = TokenLogprobs.from_columns(
         token_ids=torch.tensor([4, 8, 3, 0]),
         chosen=torch.tensor([-0.1, -2.0, -0.7, 0.0]),
         ranks=torch.tensor([1, 5, 2, 1], dtype=torch.int32),

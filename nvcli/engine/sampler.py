@@ -182,55 +182,77 @@ def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: lis
     still on the device (`TokenLogprobs.flat` reads them); None without rows."""
     if not rows:
         return None
+    if len(rows) == logits.shape[0]:  # every row (rows ascend): the logits as they are, no gathered copy
+        return token_logprobs([logits], tokens, max(ks), logits.device)
     idx = upload(torch.tensor(rows, dtype=torch.int64), logits.device)
     return token_logprobs([logits[idx]], tokens[idx], max(ks), logits.device)
 
 
 @dataclass
 class TokenLogprobs:
-    """Logprobs of given tokens, their ranks and each row's top-k, still on the device (read by `flat`)."""
+    """Logprobs of given tokens, their ranks and each row's top k, in one int32 tensor (one copy to the host):
+    [rows, 3 + 2k], per row the token id, its logprob (float32 bits), its rank, then k top logprobs (float32 bits)
+    and their k ids, most likely first (kernels/token_logprobs.py writes it so)."""
 
-    token_ids: torch.Tensor  # [rows] int64
-    chosen: torch.Tensor  # [rows] float32
-    ranks: torch.Tensor  # [rows] int32
-    top_values: torch.Tensor  # [rows, k] float32
-    top_ids: torch.Tensor  # [rows, k] int64
+    packed: torch.Tensor  # [rows, 3 + 2k] int32
+    k: int
+
+    @classmethod
+    def from_columns(cls, token_ids: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor, top_values: torch.Tensor,
+                     top_ids: torch.Tensor) -> TokenLogprobs:
+        """token_ids [rows], chosen [rows] float32, ranks [rows], top_values [rows, k] float32, top_ids [rows, k]."""
+        packed = torch.empty((token_ids.shape[0], 3 + 2 * top_ids.shape[1]), dtype=torch.int32, device=chosen.device)
+        pack_columns(packed, token_ids, chosen, ranks, top_values, top_ids)
+        return cls(packed, top_ids.shape[1])
+
+    def columns(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views: (token_ids [rows] int32, chosen [rows] float32, ranks [rows] int32, top_values [rows, k] float32,
+        top_ids [rows, k] int32)."""
+        p, k = self.packed, self.k
+        return p[:, 0], p[:, 1].view(torch.float32), p[:, 2], p[:, 3 : 3 + k].view(torch.float32), p[:, 3 + k :]
 
     def to_host(self) -> TokenLogprobs:
         """A copy in pinned host memory, enqueued on the current stream: read it once the stream has passed it
-        (a step's event). Reading the device tensors instead would wait for every step launched after this one."""
-        if self.chosen.device.type != "cuda":
+        (a step's event). Reading the device tensor instead would wait for every step launched after this one."""
+        if self.packed.device.type != "cuda":
             return self
-
-        def pinned(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            return host
-
-        return TokenLogprobs(*(pinned(t) for t in (self.token_ids, self.chosen, self.ranks, self.top_values,
-                                                   self.top_ids)))
+        host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+        host.copy_(self.packed, non_blocking=True)
+        return TokenLogprobs(host, self.k)
 
     def flat(self, ks: list[int]) -> FlatLogprobs:
         """Per row, a position: the given token first, then its row's top ks[row] (vLLM's layout; the given token
         keeps its own rank where it is among them). Flat columns: no per-token objects (a scoring job has millions of
         rows)."""
         n = len(ks)  # rows past it: padding
-        token_ids = self.token_ids[:n].cpu().numpy()  # [n]
-        chosen, ranks = self.chosen[:n].cpu().numpy(), self.ranks[:n].cpu().numpy()
+        p = self.packed[:n].cpu().numpy()  # [n, 3 + 2k] int32
+        token_ids, chosen, ranks = p[:, 0], p[:, 1].view(np.float32), p[:, 2]
         if not any(ks):
             return FlatLogprobs(list(range(n + 1)), token_ids.tolist(), chosen.tolist(), ranks.tolist())
-        width = self.top_ids.shape[1]
-        top_ids, top_values = self.top_ids[:n].cpu().numpy(), self.top_values[:n].cpu().numpy()  # [n, width]
+        width = self.k
+        top_values, top_ids = p[:, 3 : 3 + width].view(np.float32), p[:, 3 + width :]  # [n, width] each
         # [n, 1 + width]: the given token, then the top ones; a top token equal to the given one is left out
         keep = np.concatenate([np.ones((n, 1), dtype=bool), (np.arange(width) < np.asarray(ks)[:, None])
                                & (top_ids != token_ids[:, None])], axis=1)
         ids = np.concatenate([token_ids[:, None], top_ids], axis=1)
         values = np.concatenate([chosen[:, None], top_values], axis=1)
-        all_ranks = np.concatenate([ranks[:, None].astype(np.int64),
-                                    np.broadcast_to(np.arange(1, width + 1), (n, width))], axis=1)
+        all_ranks = np.concatenate([ranks[:, None], np.broadcast_to(np.arange(1, width + 1, dtype=np.int32),
+                                                                    (n, width))], axis=1)
         starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(keep.sum(axis=1), out=starts[1:])
         return FlatLogprobs(starts.tolist(), ids[keep].tolist(), values[keep].tolist(), all_ranks[keep].tolist())
+
+
+def pack_columns(out: torch.Tensor, token_ids: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor,
+                 top_values: torch.Tensor, top_ids: torch.Tensor) -> None:
+    """Write the columns into `out` [rows, 3 + 2k] int32, TokenLogprobs' layout (the torch path; the kernel writes
+    the same layout itself)."""
+    k = top_ids.shape[1]
+    out[:, 0] = token_ids
+    out[:, 1] = chosen.float().contiguous().view(torch.int32)
+    out[:, 2] = ranks
+    out[:, 3 : 3 + k] = top_values.float().contiguous().view(torch.int32)
+    out[:, 3 + k :] = top_ids
 
 
 def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor | list[int], k: int,
@@ -241,23 +263,22 @@ def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor
     token."""
     if not isinstance(token_ids, torch.Tensor):
         token_ids = upload(torch.tensor(token_ids, dtype=torch.int64), device)
-    parts: list[tuple[torch.Tensor, ...]] = []
+    packed = torch.empty((token_ids.shape[0], 3 + 2 * k), dtype=torch.int32, device=device)
     a = 0
     for chunk in logit_chunks:
         targets = token_ids[a : a + chunk.shape[0]]  # [chunk]
+        out = packed[a : a + chunk.shape[0]]  # [chunk, 3 + 2k]
         if use_triton(chunk):
             from nvcli.kernels.token_logprobs import logprob_and_rank_triton
 
-            chosen, ranks, _, top_values, top_ids = logprob_and_rank_triton(chunk, targets, k)
+            logprob_and_rank_triton(chunk, targets, k, out)
         else:
             x = chunk.float()  # [chunk, vocab]
             lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [chunk, 1]
             target = x.gather(1, targets.unsqueeze(1))  # [chunk, 1]
-            chosen = (target - lse).squeeze(1)
             ranks = (x > target).sum(dim=-1, dtype=torch.int32) + 1  # int32: an int64 count costs 3x on the CPU
             top_values, top_ids = x.topk(k, dim=-1)  # [chunk, k]
-            top_values = top_values - lse
-        parts.append((chosen, ranks, top_values, top_ids))
+            pack_columns(out, targets, (target - lse).squeeze(1), ranks, top_values - lse, top_ids)
         a += chunk.shape[0]
-    chosen, ranks, top_values, top_ids = parts[0] if len(parts) == 1 else (torch.cat(column) for column in zip(*parts))
-    return TokenLogprobs(token_ids, chosen, ranks, top_values, top_ids)
+    assert a == token_ids.shape[0], f"{a} rows of logits for {token_ids.shape[0]} tokens"
+    return TokenLogprobs(packed, k)

@@ -12,7 +12,15 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
+from nvcli.engine.sampler import TokenLogprobs
 from nvcli.kernels.token_logprobs import _SLICE, logprob_and_rank_triton, top_width
+
+
+def _columns(logits: torch.Tensor, targets: torch.Tensor, k: int = 0) -> tuple[torch.Tensor, ...]:
+    """The kernels' packed rows as (token ids, chosen, ranks, top values, top ids), on the CPU."""
+    packed = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE), k)
+    assert packed.shape == (logits.shape[0], 3 + 2 * k) and packed.dtype == torch.int32
+    return TokenLogprobs(packed.cpu(), k).columns()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -26,8 +34,8 @@ def test_logprob_and_rank_equal_a_float64_log_softmax(dtype: torch.dtype, vocab:
     ref = torch.log_softmax(logits.double(), dim=-1)
     want = ref.gather(1, targets.unsqueeze(1)).squeeze(1)
     want_rank = (logits.float() > logits.float().gather(1, targets.unsqueeze(1))).sum(dim=1) + 1
-    chosen, ranks, lse, _, _ = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE))
-    assert chosen.dtype == torch.float32 and ranks.dtype == torch.int32 and lse.shape == (6, 1)
+    ids, chosen, ranks, _, _ = _columns(logits, targets)
+    assert chosen.dtype == torch.float32 and ranks.dtype == torch.int32 and torch.equal(ids.long(), targets)
     assert torch.allclose(chosen.cpu().double(), want, atol=1e-4, rtol=0), (chosen.cpu().double() - want).abs().max()
     assert torch.equal(ranks.cpu().long(), want_rank)
     assert ranks[2].item() == 1 and chosen[2].item() == pytest.approx(-torch.log(torch.tensor(float(vocab))).item(),
@@ -40,11 +48,12 @@ def test_rows_of_a_wider_tensor_and_no_rows() -> None:
     wide = torch.randn(3, 5100, generator=gen)
     logits = wide[:, :5000]
     targets = torch.tensor([4, 4999, 0])
-    chosen, ranks, *_ = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE), 3)
+    _, chosen, ranks, _, top_ids = _columns(logits, targets, 3)
     ref = torch.log_softmax(logits.double(), dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
     assert torch.allclose(chosen.cpu().double(), ref, atol=1e-4, rtol=0)
+    assert torch.equal(top_ids[0].long(), logits.topk(3).indices[0])
     empty = logprob_and_rank_triton(torch.zeros(0, 5000, device=DEVICE), torch.zeros(0, dtype=torch.int64, device=DEVICE))
-    assert [t.shape[0] for t in empty] == [0, 0, 0, 0, 0]
+    assert empty.shape == (0, 3)
 
 
 @pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), (5, torch.bfloat16)])
@@ -60,9 +69,9 @@ def test_top_k_equals_torch_topk_with_ties_broken_by_the_higher_id(k: int, dtype
     logits[3] = float("-inf")  # a constrained row: three tokens allowed, the rest read -inf
     logits[3, [10, _SLICE + 7, vocab - 2]] = torch.tensor([2.0, 3.0, 1.0], dtype=dtype)
     targets = torch.tensor([0, 3, 5, 10])
-    _, _, lse, values, ids = logprob_and_rank_triton(logits.to(DEVICE), targets.to(DEVICE), k)
-    values, ids = values.cpu(), ids.cpu()
-    assert values.shape == ids.shape == (4, k) and values.dtype == torch.float32 and ids.dtype == torch.int64
+    _, chosen, _, values, ids = _columns(logits, targets, k)
+    ids = ids.long()
+    assert values.shape == ids.shape == (4, k) and values.dtype == torch.float32
     ref = torch.log_softmax(logits.double(), dim=-1)  # [rows, vocab]
     for row in (0, 1):
         want = ref[row].topk(k)
@@ -76,7 +85,7 @@ def test_top_k_equals_torch_topk_with_ties_broken_by_the_higher_id(k: int, dtype
     allowed = [_SLICE + 7, 10, vocab - 2][:k]
     assert ids[3, : len(allowed)].tolist() == allowed
     assert bool((ids[3, 3:] < vocab).all()) and bool(torch.isinf(values[3, 3:]).all())  # real ids, never padding
-    assert bool(torch.isfinite(lse).all())
+    assert bool(torch.isfinite(chosen).all())  # row 3's token is one of its three allowed
 
 
 def test_top_width_is_the_narrowest_variant_that_holds_k() -> None:
@@ -90,16 +99,17 @@ SCRIPT = textwrap.dedent("""
 
     from nvcli.kernels import token_logprobs as m
 
-    kernel = m._logprob_partials_kernel
-    for logits in ("*bf16", "*fp32"):
-        for width in m.TOP_WIDTHS:
-            types = {"logits_ptr": logits, "targets_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32",
-                     "count_ptr": "*i32", "top_ptr": "*i64", "stride_logits": "i32", "vocab": "i32", "slices": "i32",
-                     "BLOCK": "constexpr", "SLICE": "constexpr", "TOPK": "constexpr"}
-            sig = {n: types[n] for n in kernel.arg_names}
-            consts = {(kernel.arg_names.index("BLOCK"),): m._BLOCK, (kernel.arg_names.index("SLICE"),): m._SLICE,
-                      (kernel.arg_names.index("TOPK"),): width}
-            triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    for kernel in (m._logprob_partials_kernel, m._logprob_finish_kernel):
+        for logits in ("*bf16", "*fp32"):
+            for width in m.TOP_WIDTHS:
+                types = {"logits_ptr": logits, "targets_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+                         "count_ptr": "*i32", "top_ptr": "*i64", "out_ptr": "*i32", "stride_logits": "i32",
+                         "stride_out": "i32", "vocab": "i32", "slices": "i32", "k": "i32", "BLOCK": "constexpr",
+                         "SLICE": "constexpr", "SLICES": "constexpr", "TOPK": "constexpr"}
+                sig = {n: types[n] for n in kernel.arg_names}
+                values = {"BLOCK": m._BLOCK, "SLICE": m._SLICE, "SLICES": 16, "TOPK": width}
+                consts = {(kernel.arg_names.index(n),): v for n, v in values.items() if n in kernel.arg_names}
+                triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     print("compiled")
 """)
 
@@ -108,3 +118,25 @@ def test_kernel_compiles_for_hopper() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3]])  # every row (the logits read in place) and a subset (gathered)
+def test_the_kernel_path_gives_the_torch_path_s_logprobs(rows: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's entry points on the kernel path (one packed tensor, written chunk by chunk; the sampled tokens'
+    logprobs without a gathered copy when every row asks) give what their torch path gives."""
+    from nvcli.engine import sampler
+
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(4, 3000, generator=gen) * 3).to(DEVICE)  # [rows, vocab]
+    tokens = torch.tensor([5, 17, 2999, 0], device=DEVICE)
+    ks = [2, 0, 5, 1][: len(rows)]
+    want = sampler.sampled_token_logprobs(logits.cpu(), tokens.cpu(), rows, ks).flat(ks)
+    want_prompt = sampler.token_logprobs([logits.cpu()[:3], logits.cpu()[3:]], tokens.cpu(), 1, torch.device("cpu"))
+    monkeypatch.setattr(sampler, "use_triton", lambda t: True)  # the kernels, on the GPU or through the interpreter
+    got = sampler.sampled_token_logprobs(logits, tokens, rows, ks).flat(ks)
+    got_prompt = sampler.token_logprobs([logits[:3], logits[3:]], tokens, 1, logits.device)  # two chunks, one tensor
+    assert got.starts == want.starts and got.token_ids == want.token_ids and got.ranks == want.ranks
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    flat, flat_want = got_prompt.flat([1, 1, 0, 1]), want_prompt.flat([1, 1, 0, 1])
+    assert flat.starts == flat_want.starts and flat.token_ids == flat_want.token_ids and flat.ranks == flat_want.ranks
+    assert flat.logprobs == pytest.approx(flat_want.logprobs, abs=1e-4)
