@@ -16,13 +16,21 @@ import triton.language as tl
 
 _BLOCK = 2048
 _SLICE = 8 * _BLOCK  # vocabulary columns per program: 10 slices per row for a 151,936-token vocabulary
+# Top-k over k > 1: the partials kernel keeps the largest key of every run of _RUN columns, and the finish kernel takes
+# the row's k largest of those (the runs that hold its top k: a run whose largest is not among them has k larger
+# columns elsewhere), then its top k from those k runs' columns. One sorting network per row over k * _RUN keys,
+# where a network per 2,048 columns (width 8) set the kernel's time: 2.1 ms per 880-row chunk (RESULTS session 31).
+# Per width: the run length, and the finish kernel's warps (fewer keys per thread: its width-32 variant compiled in 6 s
+# with 4 warps and 256-column runs, 2.8 s with 16 warps and 128-column runs, on the CPU machine for sm_90).
+_RUN = {0: 256, 1: 256, 8: 256, 32: 128}
+_FINISH_WARPS = {0: 4, 1: 4, 8: 8, 32: 16}
 
 
 _MIN_KEY: tl.constexpr = tl.constexpr(-(1 << 63))  # below every real logit's key: masked columns never enter a top-k
 
 
-# The kernel's top-k widths (a constexpr: each is a variant, compiled at start-up). logprobs and prompt_logprobs
-# take up to 20 alternatives; one (lm-eval-harness's greedy check) is a max, not a sorting network.
+# The kernels' top-k widths (a constexpr: each is a variant, compiled at start-up). logprobs and prompt_logprobs
+# take up to 20 alternatives; one (lm-eval-harness's greedy check) is a max per slice.
 TOP_WIDTHS = (0, 1, 8, 32)
 
 
@@ -54,12 +62,14 @@ def _logprob_partials_kernel(
     max_ptr,  # [rows, slices] float32
     sum_ptr,  # [rows, slices] float32: sum of exp(x - max) over the slice
     count_ptr,  # [rows, slices] int32: logits of the slice above the target's
-    top_ptr,  # [rows, slices, TOPK] int64: the slice's TOPK largest logits as keys (unused when TOPK is 0)
+    top_ptr,  # TOPK 1: [rows, slices] int64, the slice's largest key; TOPK > 1: [rows, slices * SLICE / RUN], each
+    # run's largest key; unused when TOPK is 0
     stride_logits,
     vocab,
     slices,
     BLOCK: tl.constexpr,
     SLICE: tl.constexpr,
+    RUN: tl.constexpr,
     TOPK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -70,22 +80,17 @@ def _logprob_partials_kernel(
     s = tl.zeros([BLOCK], tl.float32)
     above = tl.zeros([BLOCK], tl.int32)
     out = row * slices + part
-    if TOPK <= 1:  # unrolled: the blocks' loads in flight together
-        best = _MIN_KEY
-        for i in tl.static_range(SLICE // BLOCK):
-            m, s, above, key = _read_block(base, part * SLICE + i * BLOCK + tl.arange(0, BLOCK), vocab, target, m, s,
-                                           above)
-            if TOPK == 1:
-                best = tl.maximum(best, tl.max(key, axis=0))
+    best = _MIN_KEY
+    for i in tl.static_range(SLICE // BLOCK):  # unrolled: the blocks' loads in flight together
+        m, s, above, key = _read_block(base, part * SLICE + i * BLOCK + tl.arange(0, BLOCK), vocab, target, m, s,
+                                       above)
         if TOPK == 1:
-            tl.store(top_ptr + out, best)
-    else:  # a loop: one sorting network in the code, not one per block (compile time)
-        best = tl.full([TOPK], _MIN_KEY, tl.int64)
-        for i in range(SLICE // BLOCK):
-            m, s, above, key = _read_block(base, part * SLICE + i * BLOCK + tl.arange(0, BLOCK), vocab, target, m, s,
-                                           above)
-            best = tl.topk(tl.reshape(tl.join(best, tl.topk(key, TOPK)), [2 * TOPK]), TOPK)
-        tl.store(top_ptr + out.to(tl.int64) * TOPK + tl.arange(0, TOPK), best)
+            best = tl.maximum(best, tl.max(key, axis=0))
+        if TOPK > 1:  # each run's largest key
+            runs = (out.to(tl.int64) * SLICE + i * BLOCK) // RUN + tl.arange(0, BLOCK // RUN)
+            tl.store(top_ptr + runs, tl.max(tl.reshape(key, [BLOCK // RUN, RUN]), axis=1))
+    if TOPK == 1:
+        tl.store(top_ptr + out, best)
     m_all = tl.max(m, axis=0)
     tl.store(max_ptr + out, m_all)
     tl.store(sum_ptr + out, tl.sum(s * tl.exp(m - m_all), axis=0))
@@ -102,13 +107,17 @@ def _logprob_finish_kernel(
     max_ptr,  # [rows, slices] float32, as the partials kernel left them
     sum_ptr,  # [rows, slices] float32
     count_ptr,  # [rows, slices] int32
-    top_ptr,  # [rows, slices, TOPK] int64
+    top_ptr,  # as the partials kernel left it
     out_ptr,  # [rows, 3 + 2k] int32: token id, logprob (float32 bits), rank, k top logprobs (bits), k top ids
     stride_logits,
     stride_out,
+    vocab,
     slices,
+    runs,  # per row: slices * SLICE / RUN
     k,
     SLICES: tl.constexpr,  # a power of two >= slices
+    RUN: tl.constexpr,
+    RUNS: tl.constexpr,  # a power of two >= runs
     TOPK: tl.constexpr,
 ):
     """One program per row: merge the row's slices into its log-sum-exp, the target's logprob and rank, and its top k,
@@ -128,13 +137,19 @@ def _logprob_finish_kernel(
     tl.store(out, target.to(tl.int32))
     tl.store(out + 1, (x - lse).to(tl.int32, bitcast=True))
     tl.store(out + 2, above + 1)
+    if TOPK == 1:
+        best = tl.max(tl.load(top_ptr + row * slices + offs, mask=mask, other=_MIN_KEY), axis=0)
+    if TOPK > 1:
+        r = tl.arange(0, RUNS)
+        run_keys = tl.load(top_ptr + row.to(tl.int64) * runs + r, mask=r < runs, other=_MIN_KEY)
+        top_runs = tl.topk(run_keys, TOPK)  # [TOPK]: the runs that hold the row's top TOPK (padding: _MIN_KEY)
+        cols = ((top_runs & 0xFFFFFFFF) // RUN * RUN)[:, None] + tl.arange(0, RUN)[None, :]  # [TOPK, RUN]
+        valid = (top_runs != _MIN_KEY)[:, None] & (cols < vocab)
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + cols, mask=valid, other=float("-inf"))
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        keys = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
+        best = tl.topk(tl.reshape(tl.where(valid, keys, _MIN_KEY), [TOPK * RUN]), TOPK)  # [TOPK], the largest first
     if TOPK > 0:
-        cols = tl.arange(0, SLICES * TOPK)
-        keys = tl.load(top_ptr + row * slices * TOPK + cols, mask=cols < slices * TOPK, other=_MIN_KEY)
-        if TOPK == 1:
-            best = tl.max(keys, axis=0)
-        else:
-            best = tl.topk(keys, TOPK)  # [TOPK], the largest first
         ordered = (best >> 32).to(tl.int32)
         value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True) - lse
         ids = (best & 0xFFFFFFFF).to(tl.int32)
@@ -166,9 +181,12 @@ def logprob_and_rank_triton(logits: torch.Tensor, targets: torch.Tensor, k: int 
     maxes = torch.empty((rows, slices), dtype=torch.float32, device=logits.device)
     sums = torch.empty_like(maxes)
     counts = torch.empty((rows, slices), dtype=torch.int32, device=logits.device)
-    tops = torch.empty((rows, slices * width), dtype=torch.int64, device=logits.device)
+    run = _RUN[width]
+    runs = slices * (_SLICE // run)
+    tops = torch.empty((rows, slices if width <= 1 else runs), dtype=torch.int64, device=logits.device)
     _logprob_partials_kernel[(rows, slices)](logits, targets, maxes, sums, counts, tops, logits.stride(0), vocab,
-                                             slices, BLOCK=_BLOCK, SLICE=_SLICE, TOPK=width)
+                                             slices, BLOCK=_BLOCK, SLICE=_SLICE, RUN=run, TOPK=width)
     _logprob_finish_kernel[(rows,)](logits, targets, maxes, sums, counts, tops, out, logits.stride(0), out.stride(0),
-                                    slices, k, SLICES=triton.next_power_of_2(slices), TOPK=width)
+                                    vocab, slices, runs, k, SLICES=triton.next_power_of_2(slices), RUN=run,
+                                    RUNS=triton.next_power_of_2(runs), TOPK=width, num_warps=_FINISH_WARPS[width])
     return out

@@ -56,7 +56,7 @@ def test_rows_of_a_wider_tensor_and_no_rows() -> None:
     assert empty.shape == (0, 3)
 
 
-@pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), (5, torch.bfloat16)])
+@pytest.mark.parametrize(("k", "dtype"), [(1, torch.float32), (5, torch.bfloat16), (20, torch.bfloat16)])
 def test_top_k_equals_torch_topk_with_ties_broken_by_the_higher_id(k: int, dtype: torch.dtype) -> None:
     """prompt_logprobs=k / logprobs=k: each row's k most likely tokens come from the same read of the logits as the
     logprob (a torch.topk pass over a scoring job's logits took more time than the job)."""
@@ -104,12 +104,17 @@ SCRIPT = textwrap.dedent("""
             for width in m.TOP_WIDTHS:
                 types = {"logits_ptr": logits, "targets_ptr": "*i64", "max_ptr": "*fp32", "sum_ptr": "*fp32",
                          "count_ptr": "*i32", "top_ptr": "*i64", "out_ptr": "*i32", "stride_logits": "i32",
-                         "stride_out": "i32", "vocab": "i32", "slices": "i32", "k": "i32", "BLOCK": "constexpr",
-                         "SLICE": "constexpr", "SLICES": "constexpr", "TOPK": "constexpr"}
+                         "stride_out": "i32", "vocab": "i32", "slices": "i32", "runs": "i32", "k": "i32",
+                         "BLOCK": "constexpr", "SLICE": "constexpr", "SLICES": "constexpr", "RUN": "constexpr",
+                         "RUNS": "constexpr", "TOPK": "constexpr"}
                 sig = {n: types[n] for n in kernel.arg_names}
-                values = {"BLOCK": m._BLOCK, "SLICE": m._SLICE, "SLICES": 16, "TOPK": width}
+                run = m._RUN[width]
+                values = {"BLOCK": m._BLOCK, "SLICE": m._SLICE, "SLICES": 16, "RUN": run,
+                          "RUNS": triton.next_power_of_2(10 * m._SLICE // run), "TOPK": width}
                 consts = {(kernel.arg_names.index(n),): v for n, v in values.items() if n in kernel.arg_names}
-                triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+                warps = m._FINISH_WARPS[width] if kernel is m._logprob_finish_kernel else 4
+                triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps))
     print("compiled")
 """)
 
