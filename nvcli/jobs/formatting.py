@@ -64,6 +64,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
         return line
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
     choices = []
+    # vLLM's prompt_logprobs: one list for every choice (a 1,000-token prompt's costs more to build than the rest)
+    prompt_lps = None if out.prompt_logprobs is None else _vllm_prompt_logprobs(out.prompt_logprobs, ctx)
     for comp in out.outputs:
         want_lp = k is not None and comp.logprobs is not None
         if req.shape == CHAT:
@@ -83,8 +85,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
             choice = _completion_choice(req, out, comp, ctx)
         if req.return_token_ids:
             choice["token_ids"] = list(comp.token_ids)
-        if req.shape != CHAT and out.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs, ctx)
+        if req.shape != CHAT and prompt_lps is not None:
+            choice["prompt_logprobs"] = prompt_lps
         choices.append(choice)
     obj, prefix = ("chat.completion", "chatcmpl") if req.shape == CHAT else ("text_completion", "cmpl")
     body = {
@@ -95,8 +97,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
         "choices": choices,
         "usage": usage,
     }
-    if req.shape == CHAT and out.prompt_logprobs is not None:
-        body["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs, ctx)
+    if req.shape == CHAT and prompt_lps is not None:
+        body["prompt_logprobs"] = prompt_lps
     return _envelope(req.id, req.custom_id, 200, body)
 
 
