@@ -19,7 +19,8 @@ class StructuredOutputsParams:
     - `json_object`: True for any JSON object (OpenAI's `response_format: {"type": "json_object"}`);
     - `regex`: the output matches this regular expression in full;
     - `choice`: the output is exactly one of these strings;
-    - `grammar`: a Lark grammar (llguidance's dialect; its `start` rule is the output).
+    - `grammar`: a Lark grammar (llguidance's dialect; its `start` rule is the output) or a GBNF grammar (llama.cpp's,
+      its `root` rule the output; vLLM's grammar backends take it), converted to Lark by llguidance.
 
     `disable_any_whitespace` keeps JSON compact (no whitespace between tokens), as vLLM's option does. Each token
     is drawn only from those that keep the output a prefix of something the constraint accepts (llguidance computes
@@ -57,7 +58,7 @@ class StructuredOutputsParams:
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise bad("regex", "must be a non-empty string")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise bad("grammar", "must be a non-empty Lark grammar")
+            raise bad("grammar", "must be a non-empty Lark or GBNF grammar")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):

@@ -1,7 +1,7 @@
 """Structured outputs: a grammar matcher per constrained sequence, and each step's mask of allowed tokens.
 
 llguidance (the library vLLM's `guidance` backend uses) turns a request's constraint (JSON schema, regex, choice list,
-Lark grammar) into a grammar over the tokenizer's tokens. Every completion of a constrained request holds its own
+Lark or GBNF grammar) into a grammar over the tokenizer's tokens. Every completion of a constrained request holds its own
 matcher, fed each token the engine accepts. A step that samples constrained rows asks their matchers which tokens may
 come next: one bit per token, 32 tokens per int32 word, filled on llguidance's thread pool. The model runner applies
 the mask to those rows' logits (-inf where the bit is 0) before sampling, so every draw keeps the output a prefix of
@@ -156,7 +156,13 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if params.choice is not None:  # JSON string literals are Lark's quoted strings, escapes included
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
     assert params.grammar is not None
-    return LLMatcher.grammar_from_lark(params.grammar)
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:  # GBNF (llama.cpp's, which vLLM's grammar backends take) becomes Lark; Lark stays as it is
+        lark = any_to_lark(params.grammar)
+    except Exception as e:  # noqa: BLE001 - the converter raises its own error types
+        raise ValueError(f"the grammar is neither Lark nor GBNF: {e}") from e
+    return LLMatcher.grammar_from_lark(lark)
 
 
 def constraint_problem(params: StructuredOutputsParams) -> str | None:

@@ -101,7 +101,7 @@ _SO_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # what a constraint's value must be, for values StructuredOutputsParams would take for "not set" (false, 0)
 _CONSTRAINT_TYPES = {"json": "a JSON schema: an object or its JSON text", "regex": "a non-empty string",
-                     "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty Lark grammar",
+                     "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty Lark or GBNF grammar",
                      "json_object": "true or false"}
 
 

@@ -26,6 +26,7 @@ SCHEMA = {
 REGEX = r"[0-9]{3}-[a-z]{2}(!|\?)"
 CHOICES = ["yes", "no", 'say "hi"\n', "naïve \\ café"]
 LARK = 'start: greeting " " name\ngreeting: "hi" | "hello"\nname: "bob" | "alice" | "eve"'
+GBNF = 'root ::= greeting " " name\ngreeting ::= "hi" | "hello"\nname ::= "bob" | "alice" | "eve"'  # LARK, as llama.cpp
 
 
 def schema_ok(value: object) -> bool:
@@ -53,7 +54,7 @@ def check(text: str, finish_reason: str, constraint: dict) -> None:
 
 
 CONSTRAINTS = [dict(json=SCHEMA, disable_any_whitespace=True), dict(regex=REGEX), dict(choice=CHOICES),
-               dict(grammar=LARK)]
+               dict(grammar=LARK), dict(grammar=GBNF)]
 REGIMES = {
     "plain": dict(num_kvcache_blocks=128),
     "preemption": dict(num_kvcache_blocks=10, max_model_len=128),
@@ -156,6 +157,8 @@ def test_json_object_and_whitespace(tiny_model_dir) -> None:
     (dict(regex="(["), "regex"),
     (dict(json={"type": "objectx"}), "objectx"),
     (dict(grammar="start: undefined_rule"), "undefined_rule"),
+    (dict(grammar="root ::= ("), "neither Lark nor GBNF"),
+    (dict(grammar="root ::= undefined-rule"), "undefined-rule"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_when_added(tiny_model_dir, constraint: dict,
                                                                   message: str) -> None:

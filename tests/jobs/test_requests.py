@@ -314,7 +314,7 @@ TYPES = '"text", "json_object" and "json_schema"'
     ({"guided_regex": ""}, "guided_regex: must be a non-empty string (got '')"),
     ({"guided_choice": []}, "guided_choice: must be a non-empty list of non-empty strings (got [])"),
     ({"guided_choice": "yes"}, "guided_choice: must be a non-empty list of non-empty strings (got 'yes')"),
-    ({"guided_grammar": " "}, "guided_grammar: must be a non-empty Lark grammar (got ' ')"),
+    ({"guided_grammar": " "}, "guided_grammar: must be a non-empty Lark or GBNF grammar (got ' ')"),
     ({"guided_json": [1]}, "guided_json: must be a JSON schema: a dict or its JSON text (got [1])"),
     ({"guided_json": 0}, "guided_json: must be a JSON schema: an object or its JSON text (got 0)"),
     ({"structured_outputs": {"json": "{bad"}}, "structured_outputs.json: is not valid JSON text"),
