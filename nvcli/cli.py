@@ -84,6 +84,7 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past EOS, up to max-tokens.", rich_help_panel=SAMPLING)] = False,
     logprobs: Annotated[Optional[int], typer.Option(help="Return the sampled token's logprob plus this many alternatives (0-20).", rich_help_panel=SAMPLING)] = None,
     prompt_logprobs: Annotated[Optional[int], typer.Option(help="Return each prompt token's logprob plus this many alternatives (0-20): scoring.", rich_help_panel=SAMPLING)] = None,
+    truncate_prompt_tokens: Annotated[Optional[int], typer.Option(help="Keep only each prompt's last N tokens where it is longer; -1 = as many as fit (default: a prompt that does not fit gets an error line).", rich_help_panel=SAMPLING)] = None,
     return_token_ids: Annotated[bool, typer.Option("--return-token-ids", help="Add the generated token ids to each output line.", rich_help_panel=SAMPLING)] = False,
     chat_template_kwargs: Annotated[Optional[str], typer.Option(metavar="JSON", help='Extra chat template variables, e.g. \'{"enable_thinking": false}\'.', rich_help_panel=SAMPLING)] = None,
     no_thinking: Annotated[bool, typer.Option("--no-thinking", help="Same as --chat-template-kwargs '{\"enable_thinking\": false}' (Qwen3).", rich_help_panel=SAMPLING)] = False,
@@ -129,7 +130,8 @@ def generate(
     )
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     stop=stop or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,
-                    frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, n=n)
+                    frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, n=n,
+                    truncate_prompt_tokens=truncate_prompt_tokens)
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if ignore_eos:
         sampling["ignore_eos"] = True

@@ -102,6 +102,10 @@ class SamplingParams:
 
     `structured_outputs` constrains the output to a JSON schema, a regex, a list of choices or a grammar
     (StructuredOutputsParams, vLLM's name); logprobs are then those of the constrained distribution, as in vLLM.
+
+    `truncate_prompt_tokens=k` (vLLM's) keeps only the prompt's last k tokens (left truncation) where it is longer;
+    -1 keeps as many as fit (max_model_len - 1, room for one generated token). A k of max_model_len or more is
+    rejected when the request is added. Without it, a prompt that does not fit is an error.
     """
 
     n: int = 1
@@ -124,6 +128,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -183,6 +188,9 @@ class SamplingParams:
                     raise ValueError(f"SamplingParams.logit_bias: values must be finite numbers (got {b!r} for {t})")
             # a copy: dataclasses.replace (n > 1 completions) and the caller's own dict stay independent
             self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise bad("truncate_prompt_tokens", "must be a positive integer, -1 (as many as fit) or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
 

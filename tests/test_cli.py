@@ -528,3 +528,35 @@ def test_ctrl_c_with_stdin_still_open(model, tmp_path):
     proc.stdin.close()
     assert rc == 130, err.decode()
     assert out == b"" and b"Fatal Python error" not in err and b"Traceback" not in err
+
+
+def test_truncate_prompt_tokens_keeps_a_too_long_prompt_s_last_tokens(model):
+    """vLLM's truncate_prompt_tokens, per line or by flag: a prompt longer than k keeps its last k tokens (the line
+    is served, usage counts what the model read, an echo shows those tokens' text); -1 keeps as many as fit; without
+    it the same line is an error line. A flag at or past --max-model-len stops the job at once."""
+    long_ids = list(range(100, 700))  # 600 tokens against FAST's --max-model-len 512
+    data = "".join(json.dumps(x) + "\n" for x in [
+        {"id": "cut", "prompt_token_ids": long_ids, "truncate_prompt_tokens": 10, "max_tokens": 2},
+        {"id": "fit", "prompt_token_ids": long_ids, "truncate_prompt_tokens": -1, "max_tokens": 2},
+        {"id": "short", "prompt_token_ids": long_ids[:5], "truncate_prompt_tokens": 10, "max_tokens": 2},
+        {"id": "same", "prompt_token_ids": long_ids[-10:], "max_tokens": 2},
+        {"id": "whole", "prompt_token_ids": long_ids, "max_tokens": 2},
+        {"id": "wide", "prompt_token_ids": long_ids, "truncate_prompt_tokens": 512},
+        {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "one two three four five six seven", "truncate_prompt_tokens": 3, "echo": True,
+                  "max_tokens": 0, "logprobs": 0}},
+    ])
+    r = nv(model, "-", "-q", "--ignore-eos", input=data)
+    assert r.exit_code == 1 and "2 lines failed" in r.stderr
+    cut, fit, short, same, whole, wide, echo = jsonl(r.stdout)
+    assert cut["usage"]["prompt_tokens"] == 10 and cut["text"] == same["text"]  # it read the same 10 tokens
+    assert fit["usage"]["prompt_tokens"] == 511 and short["usage"]["prompt_tokens"] == 5
+    assert whole["error"]["type"] == "prompt_too_long"
+    assert wide["error"]["type"] == "invalid_request" and "truncate_prompt_tokens" in wide["error"]["message"]
+    choice = echo["response"]["body"]["choices"][0]
+    assert echo["response"]["body"]["usage"]["prompt_tokens"] == 3
+    assert choice["text"] == " five six seven" and "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    flag = nv(model, "-", "-q", "--truncate-prompt-tokens", "512", input=data)
+    assert flag.exit_code == 2 and "--truncate-prompt-tokens" in flag.output
+    bad = nv(model, "-", "-q", "--truncate-prompt-tokens", "0", input=data)
+    assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output

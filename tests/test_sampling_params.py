@@ -49,3 +49,11 @@ def test_each_completion_of_n_gets_its_own_copy_of_the_bias() -> None:
     sp = SamplingParams(n=2, logit_bias={4: 1.5})
     child = dataclasses.replace(sp, n=1)
     assert child.logit_bias == {4: 1.5} and child.logit_bias is not sp.logit_bias
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.5, "8"])
+def test_truncate_prompt_tokens_is_a_positive_count_or_minus_one(value) -> None:
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=value)
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    assert SamplingParams(truncate_prompt_tokens=8).truncate_prompt_tokens == 8

@@ -202,6 +202,7 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")
+        token_ids = self._truncated(token_ids, sampling_params.truncate_prompt_tokens)
         if sampling_params.logit_bias:
             vocab = self.model_config.vocab_size
             outside = sorted(t for t in sampling_params.logit_bias if t >= vocab)
@@ -428,6 +429,18 @@ class LLMEngine:
             outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room for one
+        generated token)."""
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        elif keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={keep} must be below max_model_len={self.max_model_len} (-1 keeps "
+                             "as many tokens as fit)")
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
     def _token_texts_of(self, token_ids: list[int]) -> list[str]:
         """Each token decoded on its own (vLLM's). The whole vocabulary is decoded once, in one call, the first time

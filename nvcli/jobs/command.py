@@ -131,6 +131,10 @@ def _generate(args: GenerateArgs) -> int:
     # 2. the engine
     engine, model_name = _load_engine(args)
     try:
+        keep = args.sampling.get("truncate_prompt_tokens")
+        if keep is not None and keep >= engine.max_model_len:  # else every line would get the same error line
+            raise UsageError(f"--truncate-prompt-tokens: must be below --max-model-len={engine.max_model_len} "
+                             f"(got {keep}; -1 keeps as many tokens as fit)")
         defaults = Defaults(
             sampling=_sampling_defaults(engine, args),
             chat_template_kwargs=dict(args.chat_template_kwargs),

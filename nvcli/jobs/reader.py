@@ -254,6 +254,8 @@ def _reject(req: Request, kind: str, message: str) -> LineError:
 
 
 def _classify(message: str, req: Request, engine: Any) -> str:
+    if message.startswith("truncate_prompt_tokens"):  # a truncation longer than the model takes: the field is wrong
+        return INVALID_REQUEST
     n = len(req.prompt_token_ids) if req.prompt_token_ids is not None else None
     max_len = getattr(engine, "max_model_len", None)
     if (n is not None and max_len is not None and n > max_len) or "max_model_len" in message or "too long" in message:

@@ -71,10 +71,11 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "logit_bias",
+    "truncate_prompt_tokens",
 )
 # a logit_bias key: ASCII digits (str.isdigit takes "²"), few enough for int() (it refuses over 4300)
 _TOKEN_ID = re.compile(r"[0-9]{1,32}")
-_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids",
                "tools", "tool_choice", "parallel_tool_calls")
 # Body fields of OpenAI requests that we accept and ignore (no effect on generation).
@@ -268,7 +269,7 @@ def _parse_openai_body(
     common = (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
         "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs",
+        "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs", "truncate_prompt_tokens",
     )
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(_STRUCTURED_FIELDS)
     known |= {"return_token_ids", "logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
