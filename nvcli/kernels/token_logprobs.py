@@ -20,10 +20,10 @@ _SLICE = 8 * _BLOCK  # vocabulary columns per program: 10 slices per row for a 1
 # the row's k largest of those (the runs that hold its top k: a run whose largest is not among them has k larger
 # columns elsewhere), then its top k from those k runs' columns. One sorting network per row over k * _RUN keys,
 # where a network per 2,048 columns (width 8) set the kernel's time: 2.1 ms per 880-row chunk (RESULTS session 31).
-# Per width: the run length, and the finish kernel's warps (fewer keys per thread: its width-32 variant compiled in 6 s
-# with 4 warps and 256-column runs, 2.8 s with 16 warps and 128-column runs, on the CPU machine for sm_90).
+# Per width: the run length, and the finish kernel's warps.
 _RUN = {0: 256, 1: 256, 8: 256, 32: 128}
-_FINISH_WARPS = {0: 4, 1: 4, 8: 8, 32: 16}
+_FINISH_WARPS = {0: 4, 1: 4, 8: 4, 32: 4}
+_SORT = 256
 
 
 _MIN_KEY: tl.constexpr = tl.constexpr(-(1 << 63))  # below every real logit's key: masked columns never enter a top-k
@@ -117,7 +117,8 @@ def _logprob_finish_kernel(
     k,
     SLICES: tl.constexpr,  # a power of two >= slices
     RUN: tl.constexpr,
-    RUNS: tl.constexpr,  # a power of two >= runs
+    RUNS: tl.constexpr,  # a multiple of SORT >= runs
+    SORT: tl.constexpr,  # run keys taken per step of the run selection
     TOPK: tl.constexpr,
 ):
     """One program per row: merge the row's slices into its log-sum-exp, the target's logprob and rank, and its top k,
@@ -140,15 +141,24 @@ def _logprob_finish_kernel(
     if TOPK == 1:
         best = tl.max(tl.load(top_ptr + row * slices + offs, mask=mask, other=_MIN_KEY), axis=0)
     if TOPK > 1:
-        r = tl.arange(0, RUNS)
-        run_keys = tl.load(top_ptr + row.to(tl.int64) * runs + r, mask=r < runs, other=_MIN_KEY)
-        top_runs = tl.topk(run_keys, TOPK)  # [TOPK]: the runs that hold the row's top TOPK (padding: _MIN_KEY)
-        cols = ((top_runs & 0xFFFFFFFF) // RUN * RUN)[:, None] + tl.arange(0, RUN)[None, :]  # [TOPK, RUN]
-        valid = (top_runs != _MIN_KEY)[:, None] & (cols < vocab)
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + cols, mask=valid, other=float("-inf"))
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
-        keys = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
-        best = tl.topk(tl.reshape(tl.where(valid, keys, _MIN_KEY), [TOPK * RUN]), TOPK)  # [TOPK], the largest first
+        # loops, each with its sorting networks compiled once: unrolled over a row's runs and then over its TOPK
+        # runs' columns, the width-32 variant took 6 s to compile (2 s of a cold start-up's compile-ahead phase)
+        top_runs = tl.full([TOPK], _MIN_KEY, tl.int64)  # the runs that hold the row's top TOPK (padding: _MIN_KEY)
+        for a in range(0, RUNS, SORT):
+            r = a + tl.arange(0, SORT)
+            block = tl.load(top_ptr + row.to(tl.int64) * runs + r, mask=r < runs, other=_MIN_KEY)
+            top_runs = tl.topk(tl.reshape(tl.join(top_runs, tl.topk(block, TOPK)), [2 * TOPK]), TOPK)
+        slot = tl.arange(0, TOPK)
+        best = tl.full([TOPK], _MIN_KEY, tl.int64)
+        for j in range(TOPK):
+            run_key = tl.max(tl.where(slot == j, top_runs, _MIN_KEY), axis=0)
+            cols = (run_key & 0xFFFFFFFF) // RUN * RUN + tl.arange(0, RUN)
+            valid = (run_key != _MIN_KEY) & (cols < vocab)
+            logit = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + cols, mask=valid, other=float("-inf"))
+            bits = logit.to(tl.float32).to(tl.int32, bitcast=True)
+            keys = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
+            keys = tl.where(valid, keys, _MIN_KEY)
+            best = tl.topk(tl.reshape(tl.join(best, tl.topk(keys, TOPK)), [2 * TOPK]), TOPK)  # the largest first
     if TOPK > 0:
         ordered = (best >> 32).to(tl.int32)
         value = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True) - lse
@@ -188,5 +198,6 @@ def logprob_and_rank_triton(logits: torch.Tensor, targets: torch.Tensor, k: int 
                                              slices, BLOCK=_BLOCK, SLICE=_SLICE, RUN=run, TOPK=width)
     _logprob_finish_kernel[(rows,)](logits, targets, maxes, sums, counts, tops, out, logits.stride(0), out.stride(0),
                                     vocab, slices, runs, k, SLICES=triton.next_power_of_2(slices), RUN=run,
-                                    RUNS=triton.next_power_of_2(runs), TOPK=width, num_warps=_FINISH_WARPS[width])
+                                    RUNS=triton.cdiv(runs, _SORT) * _SORT, SORT=_SORT, TOPK=width,
+                                    num_warps=_FINISH_WARPS[width])
     return out

@@ -106,11 +106,11 @@ SCRIPT = textwrap.dedent("""
                          "count_ptr": "*i32", "top_ptr": "*i64", "out_ptr": "*i32", "stride_logits": "i32",
                          "stride_out": "i32", "vocab": "i32", "slices": "i32", "runs": "i32", "k": "i32",
                          "BLOCK": "constexpr", "SLICE": "constexpr", "SLICES": "constexpr", "RUN": "constexpr",
-                         "RUNS": "constexpr", "TOPK": "constexpr"}
+                         "RUNS": "constexpr", "SORT": "constexpr", "TOPK": "constexpr"}
                 sig = {n: types[n] for n in kernel.arg_names}
                 run = m._RUN[width]
                 values = {"BLOCK": m._BLOCK, "SLICE": m._SLICE, "SLICES": 16, "RUN": run,
-                          "RUNS": triton.next_power_of_2(10 * m._SLICE // run), "TOPK": width}
+                          "RUNS": triton.cdiv(10 * m._SLICE // run, m._SORT) * m._SORT, "SORT": m._SORT, "TOPK": width}
                 consts = {(kernel.arg_names.index(n),): v for n, v in values.items() if n in kernel.arg_names}
                 warps = m._FINISH_WARPS[width] if kernel is m._logprob_finish_kernel else 4
                 triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
