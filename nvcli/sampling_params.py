@@ -105,7 +105,8 @@ class SamplingParams:
 
     `truncate_prompt_tokens=k` (vLLM's) keeps only the prompt's last k tokens (left truncation) where it is longer;
     -1 keeps as many as fit (max_model_len - 1, room for one generated token). A k of max_model_len or more is
-    rejected when the request is added. Without it, a prompt that does not fit is an error.
+    rejected when the request is added. Without it, a prompt that does not fit is an error. A cut text prompt comes
+    back with `RequestOutput.prompt` None (its text is not what the model read).
     """
 
     n: int = 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nvcli.engine.sampler import TokenLogprobs
+from nvcli.engine.sampler import TokenLogprobs, pack_columns
 from nvcli.outputs import FlatLogprobs, Logprob
 
 
@@ -48,13 +48,16 @@ def test_extend_from_takes_a_middle_run() -> None:
 def test_token_logprobs_flat_keeps_the_given_token_first_and_drops_it_from_the_top() -> None:
     """Row 0's token is also its top-1 (listed once, with its own rank); row 1 asks for one alternative of two;
     row 2 for none; row 3 is padding past len(ks)."""
-    found = TokenLogprobs.from_columns(
+    packed = torch.empty((4, 3 + 2 * 2), dtype=torch.int32)  # the torch path's packing (the kernel writes the same)
+    pack_columns(
+        packed,
         token_ids=torch.tensor([4, 8, 3, 0]),
         chosen=torch.tensor([-0.1, -2.0, -0.7, 0.0]),
         ranks=torch.tensor([1, 5, 2, 1], dtype=torch.int32),
         top_values=torch.tensor([[-0.1, -3.0], [-0.2, -0.9], [-0.3, -0.4], [0.0, 0.0]]),
         top_ids=torch.tensor([[4, 6], [1, 2], [5, 6], [0, 0]]),
     )
+    found = TokenLogprobs(packed)
     flat = found.flat([2, 1, 0])
     f32 = lambda x: torch.tensor(x).item()  # noqa: E731 - the float32 values, as Python floats
     assert list(flat) == [

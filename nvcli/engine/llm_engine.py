@@ -202,7 +202,9 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")
-        token_ids = self._truncated(token_ids, sampling_params.truncate_prompt_tokens)
+        kept = self._truncated(token_ids, sampling_params.truncate_prompt_tokens)
+        if len(kept) < len(token_ids):  # the text no longer spells the tokens the model reads
+            token_ids, text = kept, None
         if sampling_params.logit_bias:
             vocab = self.model_config.vocab_size
             outside = sorted(t for t in sampling_params.logit_bias if t >= vocab)

@@ -195,15 +195,10 @@ class TokenLogprobs:
     and their k ids, most likely first (kernels/token_logprobs.py writes it so)."""
 
     packed: torch.Tensor  # [rows, 3 + 2k] int32
-    k: int
 
-    @classmethod
-    def from_columns(cls, token_ids: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor, top_values: torch.Tensor,
-                     top_ids: torch.Tensor) -> TokenLogprobs:
-        """token_ids [rows], chosen [rows] float32, ranks [rows], top_values [rows, k] float32, top_ids [rows, k]."""
-        packed = torch.empty((token_ids.shape[0], 3 + 2 * top_ids.shape[1]), dtype=torch.int32, device=chosen.device)
-        pack_columns(packed, token_ids, chosen, ranks, top_values, top_ids)
-        return cls(packed, top_ids.shape[1])
+    @property
+    def k(self) -> int:
+        return (self.packed.shape[1] - 3) // 2
 
     def columns(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views: (token_ids [rows] int32, chosen [rows] float32, ranks [rows] int32, top_values [rows, k] float32,
@@ -218,19 +213,18 @@ class TokenLogprobs:
             return self
         host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
         host.copy_(self.packed, non_blocking=True)
-        return TokenLogprobs(host, self.k)
+        return TokenLogprobs(host)
 
     def flat(self, ks: list[int]) -> FlatLogprobs:
         """Per row, a position: the given token first, then its row's top ks[row] (vLLM's layout; the given token
         keeps its own rank where it is among them). Flat columns: no per-token objects (a scoring job has millions of
         rows)."""
         n = len(ks)  # rows past it: padding
-        p = self.packed[:n].cpu().numpy()  # [n, 3 + 2k] int32
-        token_ids, chosen, ranks = p[:, 0], p[:, 1].view(np.float32), p[:, 2]
+        on_host = TokenLogprobs(self.packed[:n].cpu())
+        token_ids, chosen, ranks, top_values, top_ids = (c.numpy() for c in on_host.columns())
         if not any(ks):
             return FlatLogprobs(list(range(n + 1)), token_ids.tolist(), chosen.tolist(), ranks.tolist())
-        width = self.k
-        top_values, top_ids = p[:, 3 : 3 + width].view(np.float32), p[:, 3 + width :]  # [n, width] each
+        width = self.k  # top_values, top_ids: [n, width] each
         # [n, 1 + width]: the given token, then the top ones; a top token equal to the given one is left out
         keep = np.concatenate([np.ones((n, 1), dtype=bool), (np.arange(width) < np.asarray(ks)[:, None])
                                & (top_ids != token_ids[:, None])], axis=1)
@@ -281,4 +275,4 @@ def token_logprobs(logit_chunks: Iterable[torch.Tensor], token_ids: torch.Tensor
             pack_columns(out, targets, (target - lse).squeeze(1), ranks, top_values - lse, top_ids)
         a += chunk.shape[0]
     assert a == token_ids.shape[0], f"{a} rows of logits for {token_ids.shape[0]} tokens"
-    return TokenLogprobs(packed, k)
+    return TokenLogprobs(packed)

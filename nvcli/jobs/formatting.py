@@ -228,9 +228,8 @@ def _completion_choice(req: Request, out: RequestOutput, comp: CompletionOutput,
     parts: list[tuple[Sequence[int], Sequence[dict[int, Logprob] | None] | None]] = [(comp.token_ids, comp.logprobs)]
     text = comp.text
     if req.echo:
-        # a token-id prompt, or one cut by truncate_prompt_tokens: the text of the tokens the model read
-        prompt_text = None if req.sampling_params.truncate_prompt_tokens is not None else out.prompt
-        if prompt_text is None:
+        prompt_text = out.prompt
+        if prompt_text is None:  # a token-id prompt, or one cut by truncate_prompt_tokens: its tokens' text
             prompt_text = ctx.tokenizer.decode(out.prompt_token_ids) if ctx.tokenizer is not None else ""
         prompt = (out.prompt_token_ids, out.prompt_logprobs)
         parts, text = ([prompt], prompt_text) if req.echo_prompt_only else ([prompt, *parts], prompt_text + text)

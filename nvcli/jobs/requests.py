@@ -266,11 +266,7 @@ def _parse_openai(
 def _parse_openai_body(
     body: dict, shape: str, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None
 ) -> Request:
-    common = (
-        "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-        "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs", "truncate_prompt_tokens",
-    )
+    common = tuple(f for f in SAMPLING_FIELDS if f != "logprobs")  # OpenAI's logprobs differ by endpoint (below)
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(_STRUCTURED_FIELDS)
     known |= {"return_token_ids", "logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
     if shape == CHAT:

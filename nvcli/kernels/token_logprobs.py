@@ -18,11 +18,10 @@ _BLOCK = 2048
 _SLICE = 8 * _BLOCK  # vocabulary columns per program: 10 slices per row for a 151,936-token vocabulary
 # Top-k over k > 1: the partials kernel keeps the largest key of every run of _RUN columns, and the finish kernel takes
 # the row's k largest of those (the runs that hold its top k: a run whose largest is not among them has k larger
-# columns elsewhere), then its top k from those k runs' columns. One sorting network per row over k * _RUN keys,
-# where a network per 2,048 columns (width 8) set the kernel's time: 2.1 ms per 880-row chunk (RESULTS session 31).
-# Per width: the run length, and the finish kernel's warps.
-_RUN = {0: 256, 1: 256, 8: 256, 32: 128}
-_FINISH_WARPS = {0: 4, 1: 4, 8: 4, 32: 4}
+# columns elsewhere), then its top k from those k runs' columns: sorting networks over _SORT run keys, then over one
+# run, each in a loop, per row. A network per 2,048 columns (width 8) had set the kernel's time: 2.1 ms per 880-row
+# chunk (RESULTS session 31).
+_RUN = {0: 256, 1: 256, 8: 256, 32: 128}  # per width (used from 8 on)
 _SORT = 256
 
 
@@ -40,6 +39,15 @@ def top_width(k: int) -> int:
 
 
 @triton.jit
+def _logit_keys(x, cols, mask):
+    """Keys that order as the logit x (float32), then its column: the float's bits made to sort as signed integers,
+    above the column (every logit is exact in float32); masked columns sort below every real one."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
+    return tl.where(mask, key, _MIN_KEY)
+
+
+@triton.jit
 def _read_block(base, cols, vocab, target, m, s, above):
     """One block of a row: the running max, sum of exp(x - max) and count above the target take it in."""
     mask = cols < vocab
@@ -47,11 +55,7 @@ def _read_block(base, cols, vocab, target, m, s, above):
     m_new = tl.maximum(m, x)
     s = s * tl.exp(m - m_new) + tl.exp(x - m_new)
     above += (x > target).to(tl.int32)
-    # a key orders as its logit, then its column: the float's bits made to sort as signed integers, above the
-    # column (every logit is exact in float32); masked columns sort below every real one
-    bits = x.to(tl.int32, bitcast=True)
-    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
-    return m_new, s, above, tl.where(mask, key, _MIN_KEY)
+    return m_new, s, above, _logit_keys(x, cols, mask)
 
 
 # targets_ptr is a slice of a longer tensor at a row offset: its alignment would make a variant of its own
@@ -155,9 +159,7 @@ def _logprob_finish_kernel(
             cols = (run_key & 0xFFFFFFFF) // RUN * RUN + tl.arange(0, RUN)
             valid = (run_key != _MIN_KEY) & (cols < vocab)
             logit = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + cols, mask=valid, other=float("-inf"))
-            bits = logit.to(tl.float32).to(tl.int32, bitcast=True)
-            keys = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | cols.to(tl.int64)
-            keys = tl.where(valid, keys, _MIN_KEY)
+            keys = _logit_keys(logit.to(tl.float32), cols, valid)
             best = tl.topk(tl.reshape(tl.join(best, tl.topk(keys, TOPK)), [2 * TOPK]), TOPK)  # the largest first
     if TOPK > 0:
         ordered = (best >> 32).to(tl.int32)
@@ -198,6 +200,5 @@ def logprob_and_rank_triton(logits: torch.Tensor, targets: torch.Tensor, k: int 
                                              slices, BLOCK=_BLOCK, SLICE=_SLICE, RUN=run, TOPK=width)
     _logprob_finish_kernel[(rows,)](logits, targets, maxes, sums, counts, tops, out, logits.stride(0), out.stride(0),
                                     vocab, slices, runs, k, SLICES=triton.next_power_of_2(slices), RUN=run,
-                                    RUNS=triton.cdiv(runs, _SORT) * _SORT, SORT=_SORT, TOPK=width,
-                                    num_warps=_FINISH_WARPS[width])
+                                    RUNS=triton.cdiv(runs, _SORT) * _SORT, SORT=_SORT, TOPK=width)
     return out
