@@ -20,9 +20,16 @@ class StructuredOutputsParams:
     - `regex`: the output matches this regular expression in full;
     - `choice`: the output is exactly one of these strings;
     - `grammar`: a Lark grammar (llguidance's dialect; its `start` rule is the output) or a GBNF grammar (llama.cpp's,
-      its `root` rule the output; vLLM's grammar backends take it), converted to Lark by llguidance.
+      its `root` rule the output; vLLM's grammar backends take it), converted to Lark by llguidance;
+    - `structural_tag`: free text in which tagged segments are constrained (vLLM's structural tag, for tool calls in
+      running text): `{"triggers": [...], "structures": [{"begin", "schema", "end"}, ...]}` (a dict or its JSON
+      text). The text is free until it reaches a trigger; from there it must be one of the structures whose `begin`
+      starts with that trigger: its `begin`, a JSON value that matches its `schema`, then its `end`. Then the text is
+      free again. Every `begin` must start with one of the triggers.
 
-    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens), as vLLM's option does. Each token
+    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens), as vLLM's option does.
+    `disable_additional_properties` (vLLM's, for its guidance backend) makes every object of a JSON schema that lists
+    `properties` and does not say otherwise take no other keys (`"additionalProperties": false`). Each token
     is drawn only from those that keep the output a prefix of something the constraint accepts (llguidance computes
     the allowed set every step); generation stops with finish_reason "stop" when the constraint is complete and
     nothing may follow, or at an allowed EOS. A schema or pattern that does not compile is an error when the request
@@ -34,16 +41,17 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"StructuredOutputsParams.{name}: {why} (got {getattr(self, name)!r})")
 
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("StructuredOutputsParams: set exactly one of json, json_object, regex, choice, grammar "
+            raise ValueError(f"StructuredOutputsParams: set exactly one of {', '.join(CONSTRAINT_FIELDS)} "
                              f"(got {', '.join(given) if given else 'none'})")
         if self.json is not None:
             if isinstance(self.json, str):
@@ -66,17 +74,61 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise bad("json_object", "must be true or false")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise bad("disable_any_whitespace", "must be true or false")
+        if self.structural_tag is not None:
+            problem = structural_tag_problem(self.structural_tag)
+            if problem is not None:
+                raise bad("structural_tag", problem)
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
 
     @property
     def key(self) -> str:
         """A canonical text of the constraint: equal constraints compile once (engine/structured_output.py)."""
-        fields = {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar", "json_object",
-                                                 "disable_any_whitespace")}
-        if isinstance(fields["json"], str):
-            fields["json"] = json.loads(fields["json"])
+        fields = {k: getattr(self, k) for k in (*CONSTRAINT_FIELDS, "disable_any_whitespace",
+                                                 "disable_additional_properties")}
+        for name in ("json", "structural_tag"):
+            if isinstance(fields[name], str):
+                fields[name] = json.loads(fields[name])
         return json.dumps(fields, sort_keys=True)
+
+    def structural_tags(self) -> list[tuple[str, str, Any, str]]:
+        """The structural tag's structures as (trigger, begin, schema, end), each with the first trigger its begin
+        starts with (vLLM's rule)."""
+        spec = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else self.structural_tag
+        assert isinstance(spec, dict)
+        return [(next(t for t in spec["triggers"] if s["begin"].startswith(t)), s["begin"], s["schema"], s["end"])
+                for s in spec["structures"]]
+
+
+CONSTRAINT_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+def structural_tag_problem(value: Any) -> str | None:
+    """What is wrong with a structural tag (vLLM's `{"triggers", "structures"}` form), or None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            return f"is not valid JSON text ({e})"
+    if not isinstance(value, dict):
+        return 'must be an object {"triggers": [...], "structures": [{"begin", "schema", "end"}, ...]} or its JSON text'
+    if "structures" not in value and "format" in value:
+        return ('the {"format": ...} form (xgrammar\'s newer structural tag) is not supported: give '
+                '{"triggers": [...], "structures": [{"begin", "schema", "end"}, ...]}')
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        return '"triggers" must be a non-empty list of non-empty strings'
+    if not isinstance(structures, list) or not structures:
+        return '"structures" must be a non-empty list of {"begin", "schema", "end"} objects'
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+            return f'structures[{i}] must be an object with string "begin" and "end" and a JSON schema "schema"'
+        if not isinstance(s.get("schema"), dict):
+            return f'structures[{i}].schema must be a JSON schema (an object)'
+        if not any(s["begin"].startswith(t) for t in triggers):
+            return f'structures[{i}].begin {s["begin"]!r} starts with none of the triggers {triggers}'
+    return None
 
 
 @dataclass

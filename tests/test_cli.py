@@ -274,7 +274,8 @@ def test_a_constraint_nv_cannot_serve_is_its_lines_error(model):
     assert before["usage"]["completion_tokens"] == after["usage"]["completion_tokens"] == 2
     assert xml["custom_id"] == "xml" and xml["response"]["status_code"] == 400
     assert xml["response"]["body"]["error"]["message"] == (
-        "body.response_format.type 'xml' is not supported: nv serves \"text\", \"json_object\" and \"json_schema\"")
+        "body.response_format.type 'xml' is not supported: nv serves \"text\", \"json_object\", \"json_schema\", "
+            "\"structural_tag\"")
     assert two["error"]["type"] == "invalid_request"
     assert two["error"]["message"] == "give one output constraint per line (got 2: guided_regex, guided_choice)"
 

@@ -145,12 +145,23 @@ class GrammarCompiler:
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint as llguidance's grammar text; no tokenizer needed. ValueError where llguidance cannot read a
     JSON schema at all (the other forms are checked when a matcher or `validate_grammar` compiles them)."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, StructTag
 
     if params.json is not None or params.json_object:
         schema = {"type": "object"} if params.json_object else params.json
+        if params.disable_additional_properties:
+            schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
         return LLMatcher.grammar_from_json_schema(schema, defaults={
             "whitespace_flexible": not params.disable_any_whitespace})
+    if params.structural_tag is not None:
+        tags = []
+        for trigger, begin, schema, end in params.structural_tags():
+            if params.disable_additional_properties:
+                schema = closed_objects(schema)
+            # each segment's JSON takes the request's whitespace rule (a schema's own x-guidance options win)
+            options = {"whitespace_flexible": not params.disable_any_whitespace, **schema.get("x-guidance", {})}
+            tags.append(StructTag(trigger=trigger, begin=begin, grammar={**schema, "x-guidance": options}, end=end))
+        return StructTag.to_grammar(tags)
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:  # JSON string literals are Lark's quoted strings, escapes included
@@ -163,6 +174,19 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     except Exception as e:  # noqa: BLE001 - the converter raises its own error types
         raise ValueError(f"the grammar is neither Lark nor GBNF: {e}") from e
     return LLMatcher.grammar_from_lark(lark)
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object that lists `properties` or `patternProperties` and says nothing
+    of `additionalProperties` takes no other keys (vLLM's `disable_additional_properties`)."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) for key, value in schema.items()}
+    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    return out
 
 
 def constraint_problem(params: StructuredOutputsParams) -> str | None:

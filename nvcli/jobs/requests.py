@@ -34,7 +34,7 @@ from typing import Any
 from nvcli.jobs import jsonio
 from nvcli.jobs.jsonio import json_type as _json_type
 from nvcli.jobs.tool_calls import ToolCallError, ToolSpec, parse_tools, template_message
-from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
+from nvcli.sampling_params import CONSTRAINT_FIELDS, SamplingParams, StructuredOutputsParams
 from nvcli.token_ids import valid_token_ids
 
 NATIVE = "native"
@@ -90,20 +90,22 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
 _COMPLETION_TOOLS: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choice": (None, "none")}
 # Structured outputs (native lines and OpenAI bodies alike, as vLLM's server takes them). StructuredOutputsParams'
 # constraint fields, vLLM's older guided_* names for them, and every field a line may constrain its output with.
-_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+_CONSTRAINTS = CONSTRAINT_FIELDS
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided_decoding_backend",
                       "guided_whitespace_pattern")
 # keys of vLLM's structured_outputs that nv ignores (the backend is always llguidance), and those it lacks: accepted
 # only at their neutral values
 _SO_IGNORED = ("backend", "disable_fallback")
-_SO_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "whitespace_pattern": (None,), "structural_tag": (None,), "disable_additional_properties": (None, False),
-}
+_SO_NEUTRAL: dict[str, tuple[Any, ...]] = {"whitespace_pattern": (None,)}
+# structured_outputs' switches that modify the constraint (StructuredOutputsParams' fields of those names)
+_SO_MODIFIERS = ("disable_any_whitespace", "disable_additional_properties")
+_RESPONSE_FORMATS = '"text", "json_object", "json_schema", "structural_tag"'  # OpenAI's response_format types nv serves
 # what a constraint's value must be, for values StructuredOutputsParams would take for "not set" (false, 0)
 _CONSTRAINT_TYPES = {"json": "a JSON schema: an object or its JSON text", "regex": "a non-empty string",
                      "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty Lark or GBNF grammar",
-                     "json_object": "true or false"}
+                     "json_object": "true or false",
+                     "structural_tag": "a structural tag {\"triggers\", \"structures\"} or its JSON text"}
 
 
 @dataclass
@@ -359,7 +361,7 @@ def _structured_outputs(
     then admits no constraint of the line's own), else None. vLLM's semantics; its checks are
     StructuredOutputsParams'."""
     found: list[tuple[str, str, Any]] = []  # (the line's field, StructuredOutputsParams' field, value)
-    compact: bool | None = None  # disable_any_whitespace
+    modifiers: dict[str, bool] = {}  # disable_any_whitespace, disable_additional_properties: those set true
     fmt = obj.get("response_format")
     if fmt is not None:
         constraint = _response_format(fmt, prefix + "response_format")
@@ -375,10 +377,11 @@ def _structured_outputs(
             if key in _CONSTRAINTS:
                 if value is not None and not (key == "json_object" and value is False):
                     found.append((name, key, value))
-            elif key == "disable_any_whitespace":
+            elif key in _SO_MODIFIERS:
                 if value is not None and not isinstance(value, bool):
                     raise _Invalid(f"{name}: must be true or false (got {value!r})")
-                compact = value
+                if value:
+                    modifiers[key] = True
             elif key in _SO_NEUTRAL:
                 if not any(_same_json(value, v) for v in _SO_NEUTRAL[key]):
                     raise _Invalid(f"{name}={value!r} is not supported by nv (leave it out)")
@@ -400,17 +403,17 @@ def _structured_outputs(
         raise _Invalid(f"give one output constraint per line (got {len(found)}: "
                        + ", ".join(name for name, _, _ in found) + ")")
     if not found:
-        if not compact:
+        if not modifiers:
             return default
         if default is None:
-            raise _Invalid(f"{prefix}structured_outputs.disable_any_whitespace needs a constraint: set one of "
-                           "json, json_object, regex, choice, grammar")
-        return dataclasses.replace(default, disable_any_whitespace=True)
+            raise _Invalid(f"{prefix}structured_outputs.{next(iter(modifiers))} needs a constraint: set one of "
+                           + ", ".join(_CONSTRAINTS))
+        return dataclasses.replace(default, **modifiers)
     name, key, value = found[0]
     if not isinstance(value, bool) if key == "json_object" else isinstance(value, (bool, int, float)):
         raise _Invalid(f"{name}: must be {_CONSTRAINT_TYPES[key]} (got {value!r})")
     try:
-        return StructuredOutputsParams(**{key: value}, disable_any_whitespace=bool(compact))
+        return StructuredOutputsParams(**{key: value}, **modifiers)
     except ValueError as e:  # "StructuredOutputsParams.regex: must be ..." -> "body.guided_regex: must be ..."
         raise _Invalid(str(e).replace(f"StructuredOutputsParams.{key}", name, 1)) from None
 
@@ -433,9 +436,12 @@ def _response_format(value: Any, name: str) -> tuple[str, str, Any] | None:
         if not isinstance(schema, dict):
             raise _Invalid(f"{name}.json_schema.schema must be a JSON schema (an object), got {_json_type(schema)}")
         return f"{name}.json_schema.schema", "json", schema
+    if kind == "structural_tag":  # vLLM's: {"type", "structures", "triggers"}
+        return name, "structural_tag", {key: item for key, item in value.items() if key != "type"}
     if isinstance(kind, str):
-        raise _Invalid(f"{name}.type {kind!r} is not supported: nv serves \"text\", \"json_object\" and \"json_schema\"")
-    raise _Invalid(f"{name}.type must be \"text\", \"json_object\" or \"json_schema\", got {_json_type(kind)}")
+        raise _Invalid(f"{name}.type {kind!r} is not supported: nv serves {_RESPONSE_FORMATS}")
+    raise _Invalid(f"{name}.type must be one of {_RESPONSE_FORMATS}, got {_json_type(kind)}")
+
 
 
 def _fill_prompt(req: Request, obj: dict, key: str, defaults: Defaults, prefix: str = "") -> None:

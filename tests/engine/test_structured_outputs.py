@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nvcli import LLM, SamplingParams, StructuredOutputsParams
+from nvcli.engine.structured_output import closed_objects
 
 SCHEMA = {
     "type": "object",
@@ -153,12 +154,68 @@ def test_json_object_and_whitespace(tiny_model_dir) -> None:
         assert not re.search(r"\s", out.outputs[0].text), out.outputs[0].text
 
 
+TAGGED = {"<a>": SCHEMA, "<b>": {"enum": ["x", "y"]}}  # two structures, one trigger
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_structural_tag_constrains_each_segment_that_follows_its_trigger(tiny_model_dir,
+                                                                           async_scheduling: bool) -> None:
+    """vLLM's structural tag: the text is free until a trigger; from there it is one of the structures that begin with
+    it (its begin, JSON that matches its schema, its end), then free again. A bias on "<" makes the random model
+    reach the trigger wherever the text is free: every "<" in the output must open a whole segment, each checked.
+    (A token that closes a segment may carry free text on: "</a" + ">(".)"""
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, num_kvcache_blocks=128,
+              async_scheduling=async_scheduling)
+    (lt,) = llm.get_tokenizer().encode("<", add_special_tokens=False)
+    tag = {"triggers": ["<"], "structures": [{"begin": begin, "schema": schema, "end": "</" + begin[1:]}
+                                             for begin, schema in TAGGED.items()]}
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=96, logit_bias={lt: 100},
+                             structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(tag),
+                                                                        disable_any_whitespace=True))
+              for seed in range(4)]
+    outs = llm.generate(["tagged text"] * 4 + ["plain"],
+                        [*params, SamplingParams(temperature=1.0, seed=9, max_tokens=96, logit_bias={lt: 100})])
+    plain = outs[-1].outputs[0].text
+    assert plain.startswith("<<<"), plain  # the bias alone: "<" after "<", never a structure
+    segment = re.compile(r"<(a|b)>(.*?)</\1>", re.S)
+    seen: list[str] = []
+    for out in outs[:-1]:
+        text, pos = out.outputs[0].text, 0
+        while (start := text.find("<", pos)) >= 0:
+            m = segment.match(text, start)
+            if m is None:  # max_tokens cut the last segment: the rest is the start of one
+                assert re.fullmatch(r"<(a>|b>)?[^<\s]*", text[start:]), text
+                break
+            value = json.loads(m.group(2))
+            assert schema_ok(value) if m.group(1) == "a" else value in ("x", "y"), m.group(0)
+            seen.append(m.group(1))
+            pos = m.end()
+        assert out.outputs[0].finish_reason == "length"
+    assert len(seen) >= 8 and set(seen) == {"a", "b"}, seen  # segment after segment, of both structures
+
+
+def test_disable_additional_properties_closes_every_listed_object(tiny_model_dir) -> None:
+    """vLLM's disable_additional_properties: an object that lists properties takes no other keys (without it, JSON
+    schema lets any key in, and the random model adds some)."""
+    schema = {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, num_kvcache_blocks=128)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=64, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True, disable_additional_properties=True)) for seed in range(6)]
+    for out in llm.generate(["{"] * 6, params):
+        comp = out.outputs[0]
+        assert comp.finish_reason == "stop" and set(json.loads(comp.text)) <= {"k"}, comp.text
+    assert closed_objects({"items": [{"properties": {}}, {"properties": {}, "additionalProperties": True}]}) == {
+        "items": [{"properties": {}, "additionalProperties": False}, {"properties": {}, "additionalProperties": True}]}
+
+
 @pytest.mark.parametrize("constraint, message", [
     (dict(regex="(["), "regex"),
     (dict(json={"type": "objectx"}), "objectx"),
     (dict(grammar="start: undefined_rule"), "undefined_rule"),
     (dict(grammar="root ::= ("), "neither Lark nor GBNF"),
     (dict(grammar="root ::= undefined-rule"), "undefined-rule"),
+    (dict(structural_tag={"triggers": ["<"], "structures": [{"begin": "<f>", "schema": {"type": "objectx"},
+                                                             "end": "</f>"}]}), "objectx"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_when_added(tiny_model_dir, constraint: dict,
                                                                   message: str) -> None:

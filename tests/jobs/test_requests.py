@@ -205,6 +205,8 @@ def test_openai_knobs_nv_lacks_are_accepted_at_their_neutral_values(field, value
 SO = StructuredOutputsParams
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 SHAPES = ("native", "chat", "completion")
+TAG = {"triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "schema": {"type": "object"}, "end": "</function>"}]}
 
 
 def constrained_line(shape: str, fields: dict) -> dict:
@@ -260,6 +262,11 @@ def test_response_format_sets_the_constraint_in_every_shape(shape, fields, expec
     ({"guided_json": None, "guided_regex": None, "guided_decoding_backend": "auto"}, None),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
      SO(json_object=True, disable_any_whitespace=True)),  # vLLM fills response_format into structured_outputs
+    ({"response_format": {"type": "structural_tag", **TAG}}, SO(structural_tag=TAG)),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG), "disable_any_whitespace": True}},
+     SO(structural_tag=json.dumps(TAG), disable_any_whitespace=True)),
+    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
+     SO(json=SCHEMA, disable_additional_properties=True)),
 ])
 def test_vllm_structured_outputs_and_guided_fields_in_every_shape(shape, fields, expected):
     """vLLM's structured_outputs object and its older guided_* fields, on native lines and in OpenAI bodies alike;
@@ -281,15 +288,27 @@ def test_an_unknown_key_of_structured_outputs_warns():
     assert seen == ["ignoring unknown field 'body.structured_outputs.regx'"]
 
 
-TYPES = '"text", "json_object" and "json_schema"'
+TYPES = '"text", "json_object", "json_schema", "structural_tag"'
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fields, message", [
     ({"response_format": {"type": "xml"}}, f"response_format.type 'xml' is not supported: nv serves {TYPES}"),
     ({"response_format": {"type": "structural_tag"}},
-     f"response_format.type 'structural_tag' is not supported: nv serves {TYPES}"),
-    ({"response_format": {}}, 'response_format.type must be "text", "json_object" or "json_schema", got null'),
+     'response_format: "triggers" must be a non-empty list of non-empty strings'),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
+     "response_format: the {\"format\": ...} form (xgrammar's newer structural tag) is not supported"),
+    ({"structured_outputs": {"structural_tag": {**TAG, "triggers": ["<tool"]}}},
+     "structured_outputs.structural_tag: structures[0].begin '<function=get_weather>' starts with none of the "
+     "triggers ['<tool']"),
+    ({"structured_outputs": {"structural_tag": {**TAG, "structures": [{"begin": "<function=f>", "end": ""}]}}},
+     "structured_outputs.structural_tag: structures[0].schema must be a JSON schema (an object)"),
+    ({"structured_outputs": {"structural_tag": "{not json"}},
+     "structured_outputs.structural_tag: is not valid JSON text"),
+    ({"structured_outputs": {"structural_tag": 3}},
+     'structured_outputs.structural_tag: must be a structural tag {"triggers", "structures"} or its JSON text'),
+    ({"response_format": {}},
+     f"response_format.type must be one of {TYPES}, got null"),
     ({"response_format": "json_object"},
      'response_format must be a JSON object like {"type": "json_object"}, got a string'),
     ({"response_format": {"type": "json_schema"}},
@@ -323,13 +342,13 @@ TYPES = '"text", "json_object" and "json_schema"'
      "structured_outputs.disable_any_whitespace: must be true or false (got 'yes')"),
     ({"structured_outputs": {"disable_any_whitespace": True}},
      "structured_outputs.disable_any_whitespace needs a constraint: set one of json, json_object, regex, choice, "
-     "grammar"),
+     "grammar, structural_tag"),
+    ({"structured_outputs": {"regex": "a", "disable_additional_properties": 1}},
+     "structured_outputs.disable_additional_properties: must be true or false (got 1)"),
     ({"structured_outputs": ["regex", "a"]},
      'structured_outputs must be a JSON object like {"json": {...}} or {"regex": "..."}, got a list'),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "structured_outputs.whitespace_pattern=' ' is not supported by nv (leave it out)"),
-    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
-     "structured_outputs.disable_additional_properties=True is not supported by nv (leave it out)"),
     ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"},
      "guided_whitespace_pattern is not supported by nv (leave it out; structured_outputs.disable_any_whitespace "
      "keeps JSON compact)"),
