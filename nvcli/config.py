@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nvcli.reasoning import REASONING_PARSERS
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn scaled by kv_cache_scale; the float
 # names store K/V in that dtype whatever the model's (e.g. a bfloat16 cache under a float32 model).
@@ -49,6 +51,8 @@ class EngineConfig:
     tokenizer: str | None = None
     async_scheduling: bool | None = None  # None: on for a single GPU (host work overlaps the device)
     cpu_kvcache_space_gib: float = 4.0  # CPU only: KV bytes to allocate when num_kvcache_blocks is None
+    # vLLM's --reasoning-parser (reasoning.py): a structured-output constraint starts where the reasoning has ended
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, why: str) -> None:
@@ -60,6 +64,8 @@ class EngineConfig:
         need(_pos_int(self.tensor_parallel_size), "--tensor-parallel-size", "must be a positive integer")
         need(self.max_model_len is None or _pos_int(self.max_model_len), "--max-model-len", "must be a positive integer")
         need(_pos_int(self.max_num_seqs), "--max-num-seqs", "must be a positive integer")
+        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "--reasoning-parser",
+             f"must be one of {', '.join(REASONING_PARSERS)} (got {self.reasoning_parser!r})")
         need(_pos_int(self.max_num_batched_tokens), "--max-num-batched-tokens", "must be a positive integer")
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 32 if str(self.kv_cache_dtype).startswith("fp8") else 16

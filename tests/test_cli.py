@@ -561,3 +561,29 @@ def test_truncate_prompt_tokens_keeps_a_too_long_prompt_s_last_tokens(model):
     assert flag.exit_code == 2 and "--truncate-prompt-tokens" in flag.output
     bad = nv(model, "-", "-q", "--truncate-prompt-tokens", "0", input=data)
     assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output
+
+
+def test_reasoning_parser_splits_chat_lines_and_constrains_their_answers(model):
+    """--reasoning-parser qwen3: a chat line's output constraint starts after </think> (here the first token, by a
+    bias) and "reasoning" is split off; a line with thinking off is constrained from its first token and its text is
+    all answer; a prompt line is left whole. An unknown parser is a usage error."""
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("</think>")
+    ask = [{"role": "user", "content": "yes or no?"}]
+    data = "".join(json.dumps(x) + "\n" for x in [
+        {"custom_id": "think", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": ask, "guided_choice": ["yes", "no"], "logit_bias": {str(end): 100}, "max_tokens": 8}},
+        {"id": "off", "messages": ask, "chat_template_kwargs": {"enable_thinking": False},
+         "guided_choice": ["yes", "no"], "max_tokens": 8},
+        {"id": "prompt", "prompt": "yes or no?", "max_tokens": 2},
+    ])
+    r = nv(model, "-", "-q", "--reasoning-parser", "qwen3", input=data)
+    assert r.exit_code == 0, r.output
+    think, off, prompt = jsonl(r.stdout)
+    message = think["response"]["body"]["choices"][0]["message"]
+    assert message["reasoning"] == "" and message["content"] in ("yes", "no"), message
+    assert off["reasoning"] is None and off["text"] in ("yes", "no"), off
+    assert "reasoning" not in prompt
+    bad = nv(model, "-", "-q", "--reasoning-parser", "granite", input=data)
+    assert bad.exit_code == 2 and "--reasoning-parser: must be one of qwen3, deepseek_r1" in bad.output

@@ -21,6 +21,7 @@ from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.outputs import CompletionOutput, FlatLogprobs, RequestOutput
+from nvcli.reasoning import THINK_END, THINK_START, reasoning_ended
 from nvcli.sampling_params import SamplingParams
 from nvcli.token_ids import valid_token_ids
 
@@ -109,6 +110,7 @@ class LLMEngine:
         workers = start_compile_workers_if_cold(self.config, self.model_config)
         try:
             self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
+            self.reasoning_markers = _reasoning_markers(self.tokenizer, config.reasoning_parser)
             self.executor = make_executor(self.config, self.model_config, self.model_dir, compile_workers=workers)
         except BaseException:
             if workers is not None:  # the runner shuts them down once it has compiled; this is for the failures
@@ -217,9 +219,11 @@ class LLMEngine:
                 "(shorten the prompt or raise --max-model-len)"
             )
         grammar = compiler = None
+        thinking = False  # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule)
         if sampling_params.structured_outputs is not None:  # compiled (and checked) once for all completions
             compiler = self._structured_outputs()
             grammar = compiler.grammar(sampling_params.structured_outputs)
+            thinking = self.reasoning_markers is not None and not reasoning_ended(token_ids, *self.reasoning_markers)
         banned: tuple[int, ...] = ()
         if sampling_params.min_tokens:  # the same for every completion
             ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
@@ -229,7 +233,7 @@ class LLMEngine:
             seq.completion_index = index
             seq.min_tokens_banned = banned
             if compiler is not None and grammar is not None:
-                seq.grammar = compiler.new_state(grammar)
+                seq.grammar = compiler.new_state(grammar, self.reasoning_markers[1] if thinking else None)
         if sampling_params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
             seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
             seqs[0].prompt_logprobs = FlatLogprobs()
@@ -485,6 +489,18 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _reasoning_markers(tokenizer: Any, parser: str | None) -> tuple[int, int] | None:
+    """The token ids of `<think>` and `</think>` for --reasoning-parser; None without one."""
+    if parser is None:
+        return None
+    vocab = tokenizer.get_vocab()
+    missing = [m for m in (THINK_START, THINK_END) if m not in vocab]
+    if missing:
+        raise ConfigError(f"--reasoning-parser={parser}: the tokenizer has no {' or '.join(missing)} token, so this "
+                          "model does not reason in those markers (leave the flag out)")
+    return vocab[THINK_START], vocab[THINK_END]
 
 
 def _completion_params(sp: SamplingParams) -> list[SamplingParams]:

@@ -39,12 +39,18 @@ class CompiledGrammar:
 
 
 class GrammarState:
-    """One sequence's matcher, and how many of its output tokens it has consumed."""
+    """One sequence's matcher, how many of its output tokens it has seen, and how many of those the matcher took.
 
-    def __init__(self, matcher: Any, grammar: CompiledGrammar) -> None:
+    `reasoning_end` (--reasoning-parser): the token that ends the model's reasoning, while it has not come. Until then
+    the row samples unconstrained and its tokens pass the matcher by (vLLM's rule: a schema constrains the answer).
+    """
+
+    def __init__(self, matcher: Any, grammar: CompiledGrammar, reasoning_end: int | None = None) -> None:
         self.matcher = matcher
         self.grammar = grammar
+        self.reasoning_end = reasoning_end
         self.consumed = 0
+        self.fed = 0
 
     @property
     def is_done(self) -> bool:
@@ -103,12 +109,18 @@ class GrammarCompiler:
         leaves that matcher in its error state (`is_done`)."""
         t0 = time.perf_counter()
         for state, token in tokens:
-            state.matcher.consume_token(token)
             state.consumed += 1
+            if state.reasoning_end is not None:
+                if token == state.reasoning_end:
+                    state.reasoning_end = None  # the constraint starts with the next token
+                continue
+            state.matcher.consume_token(token)
+            state.fed += 1
         self.consume_s += time.perf_counter() - t0
 
-    def new_state(self, grammar: CompiledGrammar) -> GrammarState:
-        return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar.text, log_level=0), grammar)
+    def new_state(self, grammar: CompiledGrammar, reasoning_end: int | None = None) -> GrammarState:
+        return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar.text, log_level=0), grammar,
+                            reasoning_end)
 
     def step_mask(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor] | None:
         """(rows, bitmask [len(rows), mask_words] int32) for the rows of `batch` that sample a constrained token now;
@@ -123,7 +135,9 @@ class GrammarCompiler:
             if state is None or index < 0 or seq.is_finished or state.is_done:
                 continue
             assert state.consumed == index - seq.num_prompt_tokens, "a constrained row's previous token is unread"
-            if state.consumed:
+            if state.reasoning_end is not None:
+                continue  # still reasoning: unconstrained
+            if state.fed:
                 targets.append((state.matcher, len(rows)))
             else:
                 firsts.append((len(rows), state.grammar.first_mask))

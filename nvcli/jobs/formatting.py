@@ -14,6 +14,9 @@ Tools:   a line that offers tools (tool_calls.py) answers with the calls the com
          "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}] ([] when none; content is
          the text before the calls, vLLM's), a native completion keeps its raw "text" and adds "tool_calls";
          finish_reason is "tool_calls" when calls were made (as vLLM answers). Lines without tools are unchanged.
+Reasoning: with --reasoning-parser, a chat line's text is split where the reasoning ends (reasoning.py): a chat
+         message gets "reasoning" (vLLM's field; null when there was none) and the answer as its content, a native
+         line the answer as "text" ("" when there was none) and "reasoning"; tool calls are read from the answer.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from typing import Any, NamedTuple
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
 from nvcli.jobs.tool_calls import extract
 from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
+from nvcli.reasoning import ReasoningSplit, split_reasoning
 
 
 @dataclass
 class FormatContext:
     model_name: str
     tokenizer: Any = None  # decodes token ids for logprobs; None: tokens shown as ids
+    reasoning_parser: str | None = None  # --reasoning-parser: chat lines' reasoning is split from their content
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -69,12 +74,16 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
     for comp in out.outputs:
         want_lp = k is not None and comp.logprobs is not None
         if req.shape == CHAT:
-            message: dict[str, Any] = {"role": "assistant", "content": comp.text}
+            thought = _reasoning(req, comp.text, ctx)
+            content = comp.text if thought is None else thought.content
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             finish_reason = comp.finish_reason
             if req.tools is not None:
-                called = extract(req.tools, comp.text, finish_reason)
+                called = extract(req.tools, content or "", finish_reason)
                 message = {"role": "assistant", "content": called.content, "tool_calls": called.calls}
                 finish_reason = called.finish_reason
+            if thought is not None:
+                message["reasoning"] = thought.reasoning
             choice: dict[str, Any] = {
                 "index": comp.index,
                 "message": message,
@@ -106,8 +115,11 @@ def _native_completion(req: Request, comp: CompletionOutput, ctx: FormatContext)
     """A native line's fields for one completion: text, finish_reason, the tool calls of a line that offers tools,
     and token_ids / logprobs if asked for."""
     out: dict[str, Any] = {"text": comp.text, "finish_reason": comp.finish_reason}
+    thought = _reasoning(req, comp.text, ctx)
+    if thought is not None:
+        out["text"], out["reasoning"] = thought.content or "", thought.reasoning
     if req.tools is not None:
-        called = extract(req.tools, comp.text, comp.finish_reason)
+        called = extract(req.tools, out["text"], comp.finish_reason)
         out["finish_reason"], out["tool_calls"] = called.finish_reason, called.calls
     if req.return_token_ids:
         out["token_ids"] = list(comp.token_ids)
@@ -115,6 +127,14 @@ def _native_completion(req: Request, comp: CompletionOutput, ctx: FormatContext)
     if k is not None and comp.logprobs is not None:
         out["logprobs"] = _native_logprobs(comp.token_ids, comp.logprobs, k, ctx)
     return out
+
+
+def _reasoning(req: Request, text: str, ctx: FormatContext) -> ReasoningSplit | None:
+    """A chat line's reasoning and content under --reasoning-parser (vLLM splits chat completions only); else None."""
+    if ctx.reasoning_parser is None or req.messages is None:
+        return None
+    thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    return split_reasoning(ctx.reasoning_parser, text, thinking)
 
 
 def _envelope(rid: str | int, custom_id: str | None, status: int, body: dict) -> dict[str, Any]:

@@ -136,7 +136,8 @@ class _Job:
         self.pending: dict[str, Request] = {}
         self.reader = InputReader(src, engine, opts.defaults, self.events, self.slots, self.pending, opts.done)
         self.writer = LineWriter(dst, ordered=opts.ordered, slots=self.slots)
-        self.ctx = FormatContext(model_name=opts.model_name, tokenizer=getattr(engine, "tokenizer", None))
+        self.ctx = FormatContext(model_name=opts.model_name, tokenizer=getattr(engine, "tokenizer", None),
+                                 reasoning_parser=opts.defaults.reasoning_parser)
         self.result = JobResult(counts=self.reader.counts)
         self.reader_done = False
         self.draining = False

@@ -194,6 +194,37 @@ def test_a_structural_tag_constrains_each_segment_that_follows_its_trigger(tiny_
     assert len(seen) >= 8 and set(seen) == {"a", "b"}, seen  # segment after segment, of both structures
 
 
+def test_with_a_reasoning_parser_a_constraint_starts_after_the_reasoning(tiny_model_dir) -> None:
+    """vLLM's rule under --reasoning-parser: the tokens before </think> are free (the random model never writes one
+    by itself, so a prompt that opens <think> runs free to max_tokens); </think> itself is not the constraint's, and
+    what follows it is; a prompt whose reasoning has already ended (Qwen3's template with thinking off) is
+    constrained from its first token."""
+    model = str(tiny_model_dir("qwen3"))
+    llm = LLM(model, device="cpu", max_model_len=256, num_kvcache_blocks=128, reasoning_parser="qwen3")
+    tok = llm.get_tokenizer()
+    start, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    question = tok.encode("pick one", add_special_tokens=False)
+
+    def params(seed: int, **kw) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=24,
+                              structured_outputs=StructuredOutputsParams(choice=CHOICES), **kw)
+
+    thinking, ended, forced = llm.generate(
+        [{"prompt_token_ids": question + [start]}, {"prompt_token_ids": question + [start, end]},
+         {"prompt_token_ids": question}],
+        [params(1), params(2), params(3, logit_bias={end: 100})])
+    assert thinking.outputs[0].finish_reason == "length" and len(thinking.outputs[0].token_ids) == 24
+    assert thinking.outputs[0].text not in CHOICES
+    check(ended.outputs[0].text, ended.outputs[0].finish_reason, dict(choice=CHOICES))
+    text = forced.outputs[0].text  # the bias makes </think> the first token; the constraint takes the rest
+    assert forced.outputs[0].token_ids[0] == end and text.startswith("</think>"), text
+    check(text.removeprefix("</think>"), forced.outputs[0].finish_reason, dict(choice=CHOICES))
+    # without the parser the same thinking prompt is constrained at once
+    (plain,) = LLM(model, device="cpu", max_model_len=256, num_kvcache_blocks=128).generate(
+        [{"prompt_token_ids": question + [start]}], [params(1)])
+    check(plain.outputs[0].text, plain.outputs[0].finish_reason, dict(choice=CHOICES))
+
+
 def test_disable_additional_properties_closes_every_listed_object(tiny_model_dir) -> None:
     """vLLM's disable_additional_properties: an object that lists properties takes no other keys (without it, JSON
     schema lets any key in, and the random model adds some)."""
