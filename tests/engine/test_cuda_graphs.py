@@ -151,6 +151,40 @@ def test_prompt_logprobs_from_mixed_graphs_match_cpu(tiny_model_dir) -> None:
                 assert ge[t].logprob == pytest.approx(we[t].logprob, abs=1e-3)
 
 
+def test_structural_tags_and_the_reasoning_gate_with_graphs_match_cpu(tiny_model_dir) -> None:
+    """Under --reasoning-parser, with decode graphs and async scheduling: a row thinking (unmasked) beside one whose
+    constraint opens at a forced </think> and one under a structural tag (its reasoning ended in the prompt; "<"
+    biased so that its segments follow each other). float32 greedy tokens on the GPU equal the CPU's."""
+    model_dir = str(tiny_model_dir("qwen3"))
+    common = dict(max_model_len=512, num_kvcache_blocks=256, reasoning_parser="qwen3")
+    cpu = LLM(model_dir, device="cpu", **common)
+    tok = cpu.get_tokenizer()
+    start, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    (lt,) = tok.encode("<", add_special_tokens=False)
+    tag = {"triggers": ["<"], "structures": [{"begin": "<a>", "schema": {"enum": ["x", "yy"]}, "end": "</a>"}]}
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    prompts = [{"prompt_token_ids": list(p) + marks} for p, marks in zip(PROMPTS, ([start], [start], [start, end]))]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=choice),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=choice, logit_bias={end: 100}),
+              SamplingParams(temperature=0, max_tokens=40, logit_bias={lt: 100},
+                             structured_outputs=StructuredOutputsParams(structural_tag=tag))]
+    try:
+        want = cpu.generate(prompts, params)
+    finally:
+        cpu.shutdown()
+    llm = LLM(model_dir, device="cuda", dtype="float32", **common)
+    try:
+        assert llm.engine.async_scheduling and llm.engine.executor.runner.graphs
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    thinking, opened, tagged = (o.outputs[0] for o in outs)
+    assert thinking.finish_reason == "length" and len(thinking.token_ids) == 24
+    assert opened.text in ("</think>yes", "</think>no") and opened.finish_reason == "stop", opened.text
+    assert tagged.text.startswith('<a>"') and tagged.text.count("</a>") >= 3, tagged.text
+
+
 def test_structured_outputs_with_graphs_and_async_scheduling_match_cpu(tiny_model_dir) -> None:
     """The mask is applied between a decode graph's replay and the sampling, after the host has read the step in
     flight (async scheduling): float32 greedy tokens on the GPU equal the CPU's, and every output is what its
