@@ -172,9 +172,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         for trigger, begin, schema, end in params.structural_tags():
             if params.disable_additional_properties:
                 schema = closed_objects(schema)
-            # each segment's JSON takes the request's whitespace rule (a schema's own x-guidance options win)
-            options = {"whitespace_flexible": not params.disable_any_whitespace, **schema.get("x-guidance", {})}
-            tags.append(StructTag(trigger=trigger, begin=begin, grammar={**schema, "x-guidance": options}, end=end))
+            # each segment's JSON takes the request's whitespace rule (a schema's own x-guidance options win; one
+            # that is not an object is left for llguidance to refuse)
+            own = schema.get("x-guidance", {})
+            if isinstance(own, dict):
+                schema = {**schema, "x-guidance": {"whitespace_flexible": not params.disable_any_whitespace, **own}}
+            tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
         return StructTag.to_grammar(tags)
     if params.regex is not None:
         return LLMatcher.grammar_from_regex(params.regex)

@@ -247,6 +247,8 @@ def test_disable_additional_properties_closes_every_listed_object(tiny_model_dir
     (dict(grammar="root ::= undefined-rule"), "undefined-rule"),
     (dict(structural_tag={"triggers": ["<"], "structures": [{"begin": "<f>", "schema": {"type": "objectx"},
                                                              "end": "</f>"}]}), "objectx"),
+    (dict(structural_tag={"triggers": ["<"], "structures": [{"begin": "<f>", "schema": {"x-guidance": 5},
+                                                             "end": "</f>"}]}), "x-guidance"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_when_added(tiny_model_dir, constraint: dict,
                                                                   message: str) -> None:
