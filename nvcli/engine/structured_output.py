@@ -88,7 +88,7 @@ class GrammarCompiler:
         try:
             text = grammar_text(params)
         except ValueError as e:
-            raise ValueError(f"structured_outputs: the JSON schema is not valid: {e}") from None
+            raise ValueError(f"structured_outputs: {e}") from None
         matcher = self._llguidance.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {_one_line(matcher.get_error())}")
@@ -157,16 +157,20 @@ class GrammarCompiler:
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
-    """The constraint as llguidance's grammar text; no tokenizer needed. ValueError where llguidance cannot read a
-    JSON schema at all (the other forms are checked when a matcher or `validate_grammar` compiles them)."""
+    """The constraint as llguidance's grammar text; no tokenizer needed. ValueError, saying which, where it cannot be
+    written at all: a JSON schema llguidance cannot read, a grammar that is neither Lark nor GBNF (the rest is checked
+    when a matcher or `validate_grammar` compiles the text)."""
     from llguidance import LLMatcher, StructTag
 
     if params.json is not None or params.json_object:
         schema = {"type": "object"} if params.json_object else params.json
         if params.disable_additional_properties:
             schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
-        return LLMatcher.grammar_from_json_schema(schema, defaults={
-            "whitespace_flexible": not params.disable_any_whitespace})
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults={
+                "whitespace_flexible": not params.disable_any_whitespace})
+        except ValueError as e:
+            raise ValueError(f"the JSON schema is not valid: {e}") from None
     if params.structural_tag is not None:
         tags = []
         for trigger, begin, schema, end in params.structural_tags():
