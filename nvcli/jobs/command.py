@@ -141,7 +141,6 @@ def _generate(args: GenerateArgs) -> int:
             return_token_ids=args.return_token_ids,
             structured_outputs=structured_outputs,
             tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.engine.get("reasoning_parser"),
         )
         max_num_seqs = int(args.engine.get("max_num_seqs") or EngineConfig.__dataclass_fields__["max_num_seqs"].default)
         opts = JobOptions(

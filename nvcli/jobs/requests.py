@@ -118,7 +118,6 @@ class Defaults:
     return_token_ids: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     tool_call_parser: str = "auto"  # --tool-call-parser: how tool_choice "auto" reads calls from the text
-    reasoning_parser: str | None = None  # --reasoning-parser: chat lines' reasoning is split from their content
 
 
 @dataclass

@@ -137,7 +137,8 @@ class _Job:
         self.reader = InputReader(src, engine, opts.defaults, self.events, self.slots, self.pending, opts.done)
         self.writer = LineWriter(dst, ordered=opts.ordered, slots=self.slots)
         self.ctx = FormatContext(model_name=opts.model_name, tokenizer=getattr(engine, "tokenizer", None),
-                                 reasoning_parser=opts.defaults.reasoning_parser)
+                                 # the engine's own setting: its constraint gate and this split read one value
+                                 reasoning_parser=getattr(getattr(engine, "config", None), "reasoning_parser", None))
         self.result = JobResult(counts=self.reader.counts)
         self.reader_done = False
         self.draining = False
