@@ -88,9 +88,8 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # Tool calling (tool_calls.py) is a chat feature: a /v1/completions body may carry its fields at "no tools" only.
 _COMPLETION_TOOLS: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choice": (None, "none")}
-# Structured outputs (native lines and OpenAI bodies alike, as vLLM's server takes them). StructuredOutputsParams'
-# constraint fields, vLLM's older guided_* names for them, and every field a line may constrain its output with.
-_CONSTRAINTS = CONSTRAINT_FIELDS
+# Structured outputs (native lines and OpenAI bodies alike, as vLLM's server takes them; their constraint fields are
+# CONSTRAINT_FIELDS): vLLM's older guided_* names for them, and every field a line may constrain its output with.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided_decoding_backend",
                       "guided_whitespace_pattern")
@@ -374,7 +373,7 @@ def _structured_outputs(
                            f"{{\"regex\": \"...\"}}, got {_json_type(so)}")
         for key, value in so.items():
             name = f"{prefix}structured_outputs.{key}"
-            if key in _CONSTRAINTS:
+            if key in CONSTRAINT_FIELDS:
                 if value is not None and not (key == "json_object" and value is False):
                     found.append((name, key, value))
             elif key in _SO_MODIFIERS:
@@ -407,7 +406,7 @@ def _structured_outputs(
             return default
         if default is None:
             raise _Invalid(f"{prefix}structured_outputs.{next(iter(modifiers))} needs a constraint: set one of "
-                           + ", ".join(_CONSTRAINTS))
+                           + ", ".join(CONSTRAINT_FIELDS))
         return dataclasses.replace(default, **modifiers)
     name, key, value = found[0]
     if not isinstance(value, bool) if key == "json_object" else isinstance(value, (bool, int, float)):
