@@ -11,7 +11,8 @@
 6. streaming: 1,024 requests through 128 slots (prompts admitted beside running decodes), two runs.
 7. sampling: what vLLM's sampling features cost on the DESIGN workload, in one process: as is; every request with
    presence, frequency and repetition penalties; every request with logprobs=1, and =5; 64 prompts x n=4 against the
-   same 64 prompts sent 4 times each (`--sampling-rows` picks some: as-is,penalties,logprobs1,logprobs5,n4,copies).
+   same 64 prompts sent 4 times each; every request with top-k / top-p / min-p filters (`--sampling-rows` picks some:
+   as-is,penalties,qwen3,topp,topk,minp,logprobs1,logprobs5,n4,copies).
 Prints a table last.
 """
 
@@ -142,7 +143,14 @@ def bench_sampling_features(model_dir: str, repeats: int, only: str = "") -> Non
     copies = Workload([p for p in base.prompts[:64] for _ in range(4)], [sp for sp in base.params[:64] for _ in range(4)])
     run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
     logprobs = {k: Workload(base.prompts, [dataclasses.replace(sp, logprobs=k) for sp in base.params]) for k in (1, 5)}
+    filtered = {name: Workload(base.prompts, [dataclasses.replace(sp, **kw) for sp in base.params])
+                for name, kw in [("qwen3", dict(top_k=20, top_p=0.95)), ("topp", dict(top_p=0.95)),
+                                 ("topk", dict(top_k=50)), ("minp", dict(min_p=0.05))]}
     rows = {"as-is": ("as is", base), "penalties": ("penalties on every request", penalized),
+            "qwen3": ("top_k 20, top_p 0.95 on every request (Qwen3's generation_config)", filtered["qwen3"]),
+            "topp": ("top_p 0.95 on every request", filtered["topp"]),
+            "topk": ("top_k 50 on every request", filtered["topk"]),
+            "minp": ("min_p 0.05 on every request", filtered["minp"]),
             "logprobs1": ("logprobs=1 on every request", logprobs[1]),
             "logprobs5": ("logprobs=5 on every request", logprobs[5]),
             "n4": ("64 prompts x n=4", fan_out), "copies": ("64 prompts x 4 separate requests", copies)}
