@@ -16,7 +16,7 @@ import random
 import torch
 import triton.testing
 
-from nvcli.engine.sampler import SamplingBatch, _kept, sample
+from nvcli.engine.sampler import SamplingBatch, kept_mask, sample
 from nvcli.sampling_params import SamplingParams
 
 VOCAB = 151_936
@@ -43,7 +43,7 @@ def main() -> int:
             tokens = sample(logits, batch)
             check = "-"
             if batch.needs_filter:
-                kept = _kept(logits, batch)
+                kept = kept_mask(logits, batch)
                 inside = kept.gather(1, tokens[:, None]).all().item()
                 check = f"draws kept: {inside}, kept per row {kept.sum(1).float().mean().item():,.0f}"
             table.append((rows, name, us, check))

@@ -562,6 +562,12 @@ class ModelRunner:
                     sample(penalized, SamplingBatch.build([SamplingParams(temperature=0.7)], [0], logits.shape[1],
                                                           self.device, random.Random(0)),
                            torch.Generator(device=self.device).manual_seed(0))
+                    # top-k / top-p / min-p (a model's generation_config often sets them for every request): the
+                    # floor kernel and the sampler's floored variants, on model-dtype and float32 logits
+                    filtered = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05)]
+                    for x in (logits, penalized):
+                        sample(x, SamplingBatch.build(filtered, [0], logits.shape[1], self.device, random.Random(0)),
+                               torch.Generator(device=self.device).manual_seed(0))
                     from nvcli.kernels.token_bitmask import apply_token_bitmask_
 
                     # structured outputs' mask (kernels/token_bitmask.py), on the model-dtype logits it writes in a job

@@ -1,8 +1,9 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 On the GPU every batch goes to the fused inverse-CDF kernels (kernels/sampling.py), whose noise is keyed per row;
-where a row uses top-k / top-p / min-p, the tokens those drop are first set to -inf in a copy of the logits (the other
-rows' logits unchanged, so their draws are too). On the CPU sampling uses the exponential-race form of Gumbel-max:
+where a row uses top-k / top-p / min-p, they are one floor per row (kernels/sampling_filters.py, found without a
+sort), and the kernels drop the columns below it as they read them (a row without filters has floor -inf, so its draw
+is unchanged). On the CPU sampling uses the exponential-race form of Gumbel-max:
 argmax(p / q) with q ~ Exp(1) picks token i with probability p_i. Either way a seeded row draws from its own seed mixed
 with the output position, so a seeded request gets the same tokens whatever shares its batch.
 
@@ -71,7 +72,7 @@ class SamplingBatch:
                 top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
                                      dtype=torch.int64)
             if any(p.top_p < 1.0 for p in params):
-                # float32 of a top_p below ~1e-45 is 0; _kept keeps the most likely token whatever top_p is
+                # float32 of a top_p below ~1e-45 is 0; filter_floors keeps the most likely token whatever top_p is
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
             if any(p.min_p > 0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
@@ -126,16 +127,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if use_triton(logits) and batch.philox_seeds is not None:
         from nvcli.kernels.sampling import sample_triton
 
-        if batch.needs_filter:
-            logits = logits.masked_fill(~_kept(logits, batch), _MASK)
-        return sample_triton(logits, batch.temperatures, batch.philox_seeds)
+        # the fused kernels drop the columns below each row's floor as they read the logits: no filtered copy
+        floors = filter_floors(logits, batch) if batch.needs_filter else None
+        return sample_triton(logits, batch.temperatures, batch.philox_seeds, floors)
     greedy = logits.argmax(dim=-1)  # exact in any dtype
     if batch.all_greedy:
         return greedy
     logits = logits.float()
     probs = torch.softmax(_scaled(logits, batch.temperatures), dim=-1)
     if batch.needs_filter:
-        probs = torch.where(_kept(logits, batch), probs, torch.zeros_like(probs))
+        probs = torch.where(kept_mask(logits, batch), probs, torch.zeros_like(probs))
     q = torch.empty_like(probs).exponential_(generator=generator)
     for row, seed in batch.seeds:
         g = torch.Generator(device=probs.device).manual_seed(seed)
@@ -149,25 +150,24 @@ def _scaled(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
     return logits.float() / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
 
 
-def _kept(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[num_seqs, vocab] bool: the tokens top-k, then top-p (of the tempered distribution), then min-p leave each
-    row. The most likely token always stays, as in vLLM, even where top_p rounds to 0 in float32."""
-    scaled = _scaled(logits, batch.temperatures)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if batch.top_k is not None:
-        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-        drop |= ranks >= batch.top_k.unsqueeze(1)
-    if batch.top_p is not None:
-        probs = torch.softmax(sorted_logits.masked_fill(drop, _MASK), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-        drop |= before >= batch.top_p.unsqueeze(1)
-    drop[:, 0] = False
-    kept = torch.zeros_like(drop).scatter(1, order, ~drop)
-    if batch.min_p is not None:
-        probs = torch.softmax(scaled.masked_fill(~kept, _MASK), dim=-1)
-        kept &= probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-    return kept | (batch.temperatures == 0).unsqueeze(1)  # greedy rows: argmax, whatever ties the sort broke
+def filter_floors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[num_seqs] float32: each row keeps the tokens whose logit is at or above its floor after top-k, then top-p (of
+    the tempered distribution, renormalized over what top-k kept), then min-p; ties with the last kept token stay. The
+    most likely token always stays, as in vLLM, even where top_p rounds to 0 in float32; greedy rows keep every token
+    (their floor is -inf: argmax, whatever ties). kernels/sampling_filters.py finds them without a sort."""
+    assert batch.temperatures is not None  # a batch with filters has a sampled row
+    if use_triton(logits):
+        from nvcli.kernels.sampling_filters import filter_floors_triton
+
+        return filter_floors_triton(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p)
+    from nvcli.kernels.sampling_filters import filter_floors_reference
+
+    return filter_floors_reference(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p)
+
+
+def kept_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[num_seqs, vocab] bool: the tokens the filters leave each row (filter_floors)."""
+    return logits.float() >= filter_floors(logits, batch).unsqueeze(1)
 
 
 def logprob_rows(batch: SamplingBatch) -> tuple[list[int], list[int]]:

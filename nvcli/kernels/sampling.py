@@ -44,10 +44,12 @@ def _sample_chunk_sums_kernel(
     max_ptr,  # [num_rows, num_chunks] fp32: max of y (sampled rows) or of the logits (greedy rows)
     sum_ptr,  # [num_rows, num_chunks] fp32: sum exp2(y - max); written for sampled rows only
     idx_ptr,  # [num_rows, num_chunks] int32: first column holding the max; greedy rows only
+    floor_ptr,  # [num_rows] fp32 (HAS_FLOOR): a sampled row's columns below its floor weigh 0 (sampling_filters.py)
     stride_row,
     vocab,
     num_chunks,
     CHUNK: tl.constexpr,
+    HAS_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -57,6 +59,8 @@ def _sample_chunk_sums_kernel(
     out = row * num_chunks + chunk
     temp = tl.load(temps_ptr + row)
     if temp > 0:
+        if HAS_FLOOR:
+            x = tl.where(x >= tl.load(floor_ptr + row), x, float("-inf"))
         y = _tempered_log2(x, temp)
         m = tl.max(y, axis=0)
         # -inf columns (masked ones too) weigh exp2(-inf) = 0; an all -inf chunk subtracts 0, not -inf (NaN)
@@ -78,11 +82,13 @@ def _sample_pick_kernel(
     sum_ptr,  # [num_rows, num_chunks] fp32
     idx_ptr,  # [num_rows, num_chunks] int32
     out_ptr,  # [num_rows] int64
+    floor_ptr,  # [num_rows] fp32 (HAS_FLOOR)
     stride_row,
     vocab,
     num_chunks,
     CHUNK: tl.constexpr,
     CHUNKS_P2: tl.constexpr,  # num_chunks padded to a power of two
+    HAS_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P2)
@@ -107,6 +113,8 @@ def _sample_pick_kernel(
         cols = j * CHUNK + tl.arange(0, CHUNK)
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
                     other=float("-inf")).to(tl.float32)  # [CHUNK]
+        if HAS_FLOOR:
+            x = tl.where(x >= tl.load(floor_ptr + row), x, float("-inf"))
         y = _tempered_log2(x, temp)  # as kernel 1 computed it, so m_j is this chunk's max
         p = tl.exp2(y - m_j)  # [CHUNK]; m_j is finite, as chunk j has weight
         cum_p = tl.cumsum(p, axis=0)  # [CHUNK] inclusive
@@ -123,9 +131,11 @@ def sample_triton(
     logits: torch.Tensor,  # [num_rows, vocab], any float dtype, last dim contiguous
     temperatures: torch.Tensor,  # [num_rows] fp32, 0 = greedy
     seeds: torch.Tensor,  # [num_rows] int64, used where temperature > 0
+    floors: torch.Tensor | None = None,  # [num_rows] fp32: draw only from the columns at or above (sampled rows)
     chunk: int = 4096,
 ) -> torch.Tensor:  # [num_rows] int64
-    """One token per row from softmax(logits / T), or argmax where T = 0."""
+    """One token per row from softmax(logits / T), or argmax where T = 0; with `floors` (top-k / top-p / min-p,
+    sampling_filters.py) from the columns x >= floor only, renormalized."""
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)  # [num_rows]
@@ -139,10 +149,12 @@ def sample_triton(
     sums = torch.empty((rows, num_chunks), dtype=torch.float32, device=logits.device)  # [num_rows, num_chunks]
     idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)  # [num_rows, num_chunks]
     _sample_chunk_sums_kernel[(rows, num_chunks)](
-        logits, temperatures, best, sums, idx, logits.stride(0), vocab, num_chunks, CHUNK=chunk, num_warps=8
+        logits, temperatures, best, sums, idx, temperatures if floors is None else floors, logits.stride(0), vocab,
+        num_chunks, CHUNK=chunk, HAS_FLOOR=floors is not None, num_warps=8
     )
     _sample_pick_kernel[(rows,)](
-        logits, temperatures, seeds, best, sums, idx, out, logits.stride(0), vocab, num_chunks,
-        CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(num_chunks), num_warps=8,
+        logits, temperatures, seeds, best, sums, idx, out, temperatures if floors is None else floors,
+        logits.stride(0), vocab, num_chunks, CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(num_chunks),
+        HAS_FLOOR=floors is not None, num_warps=8,
     )
     return out

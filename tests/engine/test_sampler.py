@@ -29,6 +29,12 @@ def test_top_k_keeps_the_k_most_likely() -> None:
     assert draws(top_k=2) == {3, 7}
 
 
+def test_top_k_keeps_the_tokens_tied_with_its_last() -> None:
+    """13 tokens tie for 4th place: each stays (vLLM's top-k-only path keeps ties too); a sort kept one at random."""
+    drawn = draws(top_k=4)
+    assert {3, 7, 1} < drawn and len(drawn) > 4
+
+
 def test_a_top_k_past_the_vocabulary_is_no_filter() -> None:
     """A huge top_k is valid (vLLM treats it as off); it used to overflow building the int64 tensor and end the job."""
     assert {3, 7, 1} < draws(top_k=2**70)

@@ -1,4 +1,5 @@
-"""The row-scale kernels and the structured-output mask compile for the H100 (sm_90), on any machine.
+"""The row-scale kernels, the structured-output mask and the sampling-filter floor compile for the H100 (sm_90), on any
+machine.
 
 The Triton interpreter runs the kernels on the CPU without checking what only the GPU compiler rejects: a jit
 function reading a global that is not a `tl.constexpr`, a type error in a branch the tests' shapes do not take.
@@ -18,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nvcli.kernels import activation, rms_norm, rotary, token_bitmask
+    from nvcli.kernels import activation, rms_norm, rotary, sampling_filters, token_bitmask
 
     def compile_for_hopper(kernel, types, constexprs):
         names = kernel.arg_names
@@ -46,6 +47,11 @@ SCRIPT = textwrap.dedent("""
         compile_for_hopper(token_bitmask._apply_token_bitmask_kernel,
                            {"logits_ptr": logits, "rows_ptr": "*i64", "mask_ptr": "*i32"},
                            dict(BLOCK=token_bitmask._BLOCK))
+    for logits, key16 in (("*bf16", True), ("*fp32", False)):  # 16-bit order keys, and float32's
+        compile_for_hopper(sampling_filters._filter_floor_kernel,
+                           {"logits_ptr": logits, "temps_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
+                            "min_p_ptr": "*fp32", "floor_ptr": "*fp32"},
+                           dict(KEY16=key16, NUM_PROBES=sampling_filters.PROBES, BLOCK_N=sampling_filters.BLOCK))
     print("compiled")
 """)
 

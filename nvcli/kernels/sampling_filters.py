@@ -1,0 +1,185 @@
+"""Top-k, top-p and min-p as one floor per row, found without sorting the vocabulary.
+
+vLLM's filters keep, per row of tempered logits x / T: the k most likely tokens (top-k); of those, the most likely
+ones until their renormalized mass reaches top_p (a token stays while the mass of the tokens more likely than it is
+below top_p); of those, the tokens at least min_p times as likely as the most likely one (min-p). Each keeps the tokens
+at or above some logit, so together they are one floor per row: keep x >= floor. Ties with the last token kept are
+kept too (a sort breaks them arbitrarily; vLLM's top-k-only path keeps them as well). A greedy row (T = 0) keeps all.
+
+Sorting [rows, vocab] float32 every step, as the filters were first written, took 5.5 ms at 256 rows of Qwen3's
+151,936-token vocabulary on an H100, against 45 us for the sampler itself, and Qwen3's generation_config.json asks for
+top_k 20 and top_p 0.95 on every request (benchmarks/RESULTS.md, session 34). `_filter_floor_kernel` instead searches
+the logits' order keys (an int32 that orders as the float does: `_order_key`), one program per row. Each pass over
+the row tallies, for PROBES candidate keys at once, the tokens (top-k) or the tempered mass (top-p) at or above each
+candidate, and narrows the range to the gap between two neighbouring candidates: about 4 passes for bf16 or fp16
+logits (16-bit keys), 8 for float32. The sampler then drops every column below its row's floor as it reads the logits
+(sampling.py), so no filtered copy of the logits is written either.
+
+`filter_floors_reference` is the same floor from a sort, in torch: the CPU path and the kernel's oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+PROBES = 16  # candidate keys per pass
+BLOCK = 512  # columns per load
+
+
+@triton.jit
+def _order_key(x, KEY16: tl.constexpr):
+    """int32 keys that order as the values x do (x in the logits' own dtype: 16-bit keys for bf16 / fp16)."""
+    if KEY16:
+        b = x.to(tl.int16, bitcast=True).to(tl.int32)
+        return b ^ ((b >> 15) & 0x7FFF)
+    else:
+        b = x.to(tl.int32, bitcast=True)
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(key, KEY16: tl.constexpr, DTYPE: tl.constexpr):
+    """The float32 value of a key of `_order_key` (its inverse, then the exact conversion to float32)."""
+    if KEY16:
+        b = tl.where(key < 0, key ^ 0x7FFF, key).to(tl.int16)
+        return b.to(DTYPE, bitcast=True).to(tl.float32)
+    else:
+        b = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.int32)
+        return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tally(row_ptr, vocab, probes, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr, NUM_PROBES: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """Per candidate key of `probes` [NUM_PROBES] int32: how many tokens (MASS False), or how much tempered mass
+    exp2((x - top) * scale) (MASS True), the row has at or above it. Columns past the vocabulary load -inf, whose key
+    is below every candidate (candidates lie above the row's smallest key) and whose mass is 0."""
+    acc = tl.zeros([NUM_PROBES, BLOCK_N], dtype=tl.float32 if MASS else tl.int32)
+    for start in range(0, vocab, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))  # [BLOCK_N], the logits' dtype
+        above = _order_key(x, KEY16)[None, :] >= probes[:, None]  # [NUM_PROBES, BLOCK_N]
+        if MASS:
+            acc += tl.where(above, tl.exp2((x.to(tl.float32) - top) * scale)[None, :], 0.0)
+        else:
+            acc += above.to(tl.int32)
+    return tl.sum(acc, axis=1)  # [NUM_PROBES]
+
+
+@triton.jit
+def _search(row_ptr, vocab, lo, hi, target, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr,
+            NUM_PROBES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The largest key K with lo <= K < hi whose tally reaches `target`, given that lo's does and hi's does not (the
+    tally only falls as the key rises). K is then a key of the row (the tally changes only at the row's keys)."""
+    j = tl.arange(0, NUM_PROBES).to(tl.int64)
+    while hi - lo > 1:
+        probes = lo + 1 + ((hi - lo - 1) * j) // NUM_PROBES  # [NUM_PROBES], from lo + 1 up to below hi
+        ok = _tally(row_ptr, vocab, probes.to(tl.int32), top, scale, MASS, KEY16, NUM_PROBES, BLOCK_N) >= target
+        lo = tl.max(tl.where(ok, probes, lo), axis=0)
+        hi = tl.min(tl.where(ok, hi, probes), axis=0)
+    return lo
+
+
+@triton.jit
+def _filter_floor_kernel(
+    logits_ptr,  # [num_rows, vocab] bf16 / fp16 / fp32
+    temps_ptr,  # [num_rows] fp32, 0 = greedy
+    top_k_ptr,  # [num_rows] int64, vocab where off
+    top_p_ptr,  # [num_rows] fp32, 1 where off
+    min_p_ptr,  # [num_rows] fp32, 0 where off
+    floor_ptr,  # [num_rows] fp32 out: keep x >= floor
+    stride_row,
+    vocab,
+    KEY16: tl.constexpr,
+    NUM_PROBES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    temp = tl.load(temps_ptr + row)
+    floor = float("-inf")
+    if temp > 0:
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        scale = 1.4426950408889634 / temp  # exp2((x - top) * scale) = exp((x - top) / T)
+        # the row's smallest and largest keys: the search's bounds
+        key_lo = tl.full([BLOCK_N], 2147483647, tl.int32)
+        key_hi = tl.full([BLOCK_N], -2147483648, tl.int32)
+        for start in range(0, vocab, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            valid = cols < vocab
+            key = _order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), KEY16)
+            key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
+            key_hi = tl.maximum(key_hi, tl.where(valid, key, -2147483648))
+        lo = tl.min(key_lo, axis=0).to(tl.int64)  # every token is at or above it
+        hi = tl.max(key_hi, axis=0).to(tl.int64) + 1  # none is
+        top = _key_value(hi - 1, KEY16, logits_ptr.dtype.element_ty)  # the row's largest logit
+        # Off is a value, not a variant (top_k = vocab, top_p = 1, min_p = 0): one compiled kernel per key width
+        k = tl.load(top_k_ptr + row)
+        if k < vocab:
+            lo = _search(row_ptr, vocab, lo, hi, k, top, scale, False, KEY16, NUM_PROBES, BLOCK_N)
+        p = tl.load(top_p_ptr + row)
+        if p < 1.0:
+            at_lo = tl.full([NUM_PROBES], 0, tl.int32) + lo.to(tl.int32)
+            kept_mass = tl.max(_tally(row_ptr, vocab, at_lo, top, scale, True, KEY16, NUM_PROBES, BLOCK_N), axis=0)
+            lo = _search(row_ptr, vocab, lo, hi, p * kept_mass, top, scale, True, KEY16, NUM_PROBES, BLOCK_N)
+        floor = _key_value(lo, KEY16, logits_ptr.dtype.element_ty)
+        min_p = tl.load(min_p_ptr + row)
+        if min_p > 0:  # p_i >= min_p * p_max  <=>  x_i >= top + T * ln(min_p)
+            floor = tl.maximum(floor, top + temp * tl.log(min_p))
+    tl.store(floor_ptr + row, floor)
+
+
+def filter_floors_triton(
+    logits: torch.Tensor,  # [num_rows, vocab], last dim contiguous
+    temperatures: torch.Tensor,  # [num_rows] fp32, 0 = greedy
+    top_k: torch.Tensor | None,  # [num_rows] int64, vocab where off
+    top_p: torch.Tensor | None,  # [num_rows] fp32, 1 where off
+    min_p: torch.Tensor | None,  # [num_rows] fp32, 0 where off
+) -> torch.Tensor:  # [num_rows] fp32
+    rows, vocab = logits.shape
+    assert logits.stride(-1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    floors = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return floors
+    dev = logits.device
+    _filter_floor_kernel[(rows,)](
+        logits, temperatures,
+        torch.full((rows,), vocab, dtype=torch.int64, device=dev) if top_k is None else top_k,
+        torch.ones(rows, dtype=torch.float32, device=dev) if top_p is None else top_p,
+        torch.zeros(rows, dtype=torch.float32, device=dev) if min_p is None else min_p,
+        floors, logits.stride(0), vocab, KEY16=logits.element_size() == 2, NUM_PROBES=PROBES, BLOCK_N=BLOCK,
+        num_warps=8,
+    )
+    return floors
+
+
+def filter_floors_reference(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    temperatures: torch.Tensor,  # [num_rows] fp32, 0 = greedy
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:  # [num_rows] fp32
+    """The floors of `_filter_floor_kernel`, from a sort of each row."""
+    x = logits.float()  # [num_rows, vocab]
+    rows, vocab = x.shape
+    sampled = temperatures > 0
+    temps = torch.where(sampled, temperatures, torch.ones_like(temperatures)).unsqueeze(1)  # [num_rows, 1]
+    desc = x.sort(dim=-1, descending=True).values  # [num_rows, vocab]
+    floor = desc[:, -1]  # keep all
+    if top_k is not None:
+        floor = desc.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1)).squeeze(1)  # the k-th largest
+    if top_p is not None:
+        kept = desc >= floor.unsqueeze(1)  # the top-k set, its ties included
+        probs = torch.softmax((desc / temps).masked_fill(~kept, -math.inf), dim=-1)
+        reached = probs.cumsum(dim=-1) >= top_p.unsqueeze(1)  # the first position where the mass reaches top_p
+        first = torch.where(reached.any(dim=-1), reached.int().argmax(dim=-1), kept.sum(dim=-1) - 1)
+        nucleus = desc.gather(1, first.unsqueeze(1)).squeeze(1)
+        floor = torch.where(top_p < 1.0, torch.maximum(floor, nucleus), floor)
+    if min_p is not None:
+        share = desc[:, 0] + temps.squeeze(1) * torch.log(min_p)  # log(0) = -inf: off
+        floor = torch.maximum(floor, share)
+    return torch.where(sampled, floor, torch.full_like(floor, -math.inf))

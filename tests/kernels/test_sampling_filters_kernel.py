@@ -1,0 +1,79 @@
+"""kernels/sampling_filters.py: the floor search finds exactly the floor a sort gives, in every dtype a sampler meets,
+and the floor keeps what vLLM's filters keep."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_device import DEVICE
+
+from nvcli.kernels.sampling_filters import filter_floors_reference, filter_floors_triton
+
+ROWS = [  # temperature, top_k (0 = off), top_p, min_p
+    (0.6, 20, 0.95, 0.0),  # Qwen3's generation_config
+    (1.0, 0, 0.9, 0.0),
+    (0.0, 5, 0.5, 0.1),  # greedy: keeps every token, whatever its filters say
+    (0.7, 50, 1.0, 0.1),
+    (1.3, 1, 0.5, 0.0),
+    (0.5, 0, 0.3, 0.0),
+    (0.8, 0, 1.0, 0.05),
+    (1.0, 0, 1.0, 0.0),  # no filter on this row (its neighbours have some)
+    (0.9, 7, 1e-30, 0.0),  # a top_p that is 0 in float32: the most likely token alone
+    (1.1, 3000, 0.99, 0.0),  # top_k at the vocabulary: off
+]
+
+
+def floors(logits: torch.Tensor, rows: list[tuple[float, int, float, float]], kernel: bool) -> torch.Tensor:
+    vocab = logits.shape[1]
+    temps = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    top_k = torch.tensor([min(r[1], vocab) if r[1] > 0 else vocab for r in rows], dtype=torch.int64)
+    top_p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    min_p = torch.tensor([r[3] for r in rows], dtype=torch.float32)
+    if not kernel:
+        return filter_floors_reference(logits, temps, top_k, top_p, min_p)
+    args = [t.to(DEVICE) for t in (logits, temps, top_k, top_p, min_p)]
+    return filter_floors_triton(*args).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_search_finds_the_floor_a_sort_gives(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    logits = (torch.randn(len(ROWS), 3000) * 3).to(dtype)  # bf16 rounding makes ties, at the boundaries too
+    logits[1, :40] = float("-inf")  # banned tokens (min_tokens, a grammar's mask)
+    logits[3, 100:110] = logits[3].max()  # ten tokens tied for the top
+    found = floors(logits, ROWS, kernel=True)
+    assert torch.equal(found, floors(logits, ROWS, kernel=False)), found
+    assert found[2] == -math.inf and found[7] == logits[7].float().min()  # greedy keeps all; no filter keeps all
+    assert found[8] == logits[8].float().max()
+
+
+def test_a_row_of_equal_logits_and_one_of_few_finite_ones() -> None:
+    logits = torch.zeros(2, 700)
+    logits[1] = float("-inf")
+    logits[1, [3, 500]] = torch.tensor([1.0, 2.0])
+    rows = [(1.0, 20, 0.5, 0.0), (1.0, 20, 0.9, 0.0)]
+    found = floors(logits, rows, kernel=True)
+    assert torch.equal(found, floors(logits, rows, kernel=False))
+    assert found[0] == 0.0  # every token ties with the 20th: all stay
+    assert found[1] == 1.0  # 2.0 holds 73% of the mass, so top_p 0.9 needs 1.0 as well; top_k 20 keeps -inf ones
+
+
+def kept(row: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
+    x = torch.tensor([row])
+    floor = floors(x, [(temperature, top_k, top_p, min_p)], kernel=True)
+    return {i for i, v in enumerate(row) if v >= floor[0]}
+
+
+def test_the_floor_keeps_what_the_filters_keep() -> None:
+    probs = [0.05, 0.15, 0.3, 0.5]
+    row = [math.log(p) for p in probs]
+    assert kept(row, top_k=2) == {2, 3}
+    assert kept(row, top_p=0.75) == {2, 3}  # 0.5 before token 2 is below 0.75; 0.8 before token 1 is not
+    assert kept(row, top_p=0.81) == {1, 2, 3}
+    assert kept(row, top_k=3, top_p=0.6) == {2, 3}  # renormalized over the top 3: 0.5 / 0.95 = 0.53 < 0.6
+    assert kept(row, min_p=0.5) == {2, 3}  # 0.3 >= 0.25 > 0.15
+    assert kept(row, temperature=0.5, min_p=0.5) == {3}  # tempered: (0.3 / 0.5)^2 = 0.36 < 0.5
+    assert kept(row, temperature=3.0, top_p=0.75) == {1, 2, 3}  # flatter: the top two hold less than 0.75
+    assert kept([1.0, 3.0, 3.0, 2.0], top_k=1) == {1, 2}  # ties with the last kept token stay
