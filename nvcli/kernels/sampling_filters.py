@@ -11,8 +11,8 @@ Sorting [rows, vocab] float32 every step, as the filters were first written, too
 top_k 20 and top_p 0.95 on every request (benchmarks/RESULTS.md, session 34). `_filter_floor_kernel` instead searches
 the logits' order keys (an int32 that orders as the float does: `_order_key`), one program per row. Each pass over
 the row tallies, for PROBES candidate keys at once, the tokens (top-k) or the tempered mass (top-p) at or above each
-candidate, and narrows the range to the gap between two neighbouring candidates: about 4 passes for bf16 or fp16
-logits (16-bit keys), 8 for float32. The sampler then drops every column below its row's floor as it reads the logits
+candidate, and narrows the range to the gap between two neighbouring candidates (half of them spaced in key space, half in
+value space: `_search`). The sampler then drops every column below its row's floor as it reads the logits
 (sampling.py), so no filtered copy of the logits is written either.
 
 `filter_floors_reference` is the same floor from a sort, in torch: the CPU path and the kernel's oracle.
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-PROBES = 16  # candidate keys per pass
+PROBES = 8  # candidate keys per pass (the pass's arithmetic grows with them, and the row's read does not)
 BLOCK = 512  # columns per load
 
 
@@ -71,13 +71,24 @@ def _tally(row_ptr, vocab, probes, top, scale, MASS: tl.constexpr, KEY16: tl.con
 
 
 @triton.jit
-def _search(row_ptr, vocab, lo, hi, target, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr,
+def _search(row_ptr, vocab, lo, hi, target, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr, DTYPE: tl.constexpr,
             NUM_PROBES: tl.constexpr, BLOCK_N: tl.constexpr):
     """The largest key K with lo <= K < hi whose tally reaches `target`, given that lo's does and hi's does not (the
-    tally only falls as the key rises). K is then a key of the row (the tally changes only at the row's keys)."""
-    j = tl.arange(0, NUM_PROBES).to(tl.int64)
+    tally only falls as the key rises). K is then a key of the row (the tally changes only at the row's keys).
+
+    Half the candidates are spaced evenly in key space (so every pass shrinks the range at least NUM_PROBES / 2 times;
+    the first is lo + 1, so every pass makes progress), half evenly in value space: keys are logarithmic in the value,
+    so a wide key range spends most of its keys on magnitudes no logit has, and the value-spaced candidates bracket
+    the floor among the values the row does have in far fewer passes."""
+    j = tl.arange(0, NUM_PROBES)
     while hi - lo > 1:
-        probes = lo + 1 + ((hi - lo - 1) * j) // NUM_PROBES  # [NUM_PROBES], from lo + 1 up to below hi
+        by_key = lo + 1 + ((hi - lo - 1) * j.to(tl.int64)) // NUM_PROBES  # [NUM_PROBES] int64
+        v_lo = _key_value(lo, KEY16, DTYPE)
+        v_hi = _key_value(hi - 1, KEY16, DTYPE)
+        values = v_lo + (v_hi - v_lo) * ((j + 1).to(tl.float32) / (NUM_PROBES + 1))  # NaN where v_lo is -inf
+        by_value = _order_key(values.to(DTYPE), KEY16).to(tl.int64)
+        by_value = tl.where(values == values, tl.minimum(tl.maximum(by_value, lo + 1), hi - 1), by_key)
+        probes = tl.where(j % 2 == 0, by_key, by_value)
         ok = _tally(row_ptr, vocab, probes.to(tl.int32), top, scale, MASS, KEY16, NUM_PROBES, BLOCK_N) >= target
         lo = tl.max(tl.where(ok, probes, lo), axis=0)
         hi = tl.min(tl.where(ok, hi, probes), axis=0)
@@ -115,17 +126,19 @@ def _filter_floor_kernel(
             key_hi = tl.maximum(key_hi, tl.where(valid, key, -2147483648))
         lo = tl.min(key_lo, axis=0).to(tl.int64)  # every token is at or above it
         hi = tl.max(key_hi, axis=0).to(tl.int64) + 1  # none is
-        top = _key_value(hi - 1, KEY16, logits_ptr.dtype.element_ty)  # the row's largest logit
+        dtype = logits_ptr.dtype.element_ty
+        top = _key_value(hi - 1, KEY16, dtype)  # the row's largest logit
         # Off is a value, not a variant (top_k = vocab, top_p = 1, min_p = 0): one compiled kernel per key width
         k = tl.load(top_k_ptr + row)
         if k < vocab:
-            lo = _search(row_ptr, vocab, lo, hi, k, top, scale, False, KEY16, NUM_PROBES, BLOCK_N)
+            lo = _search(row_ptr, vocab, lo, hi, k, top, scale, False, KEY16, dtype, NUM_PROBES, BLOCK_N)
         p = tl.load(top_p_ptr + row)
         if p < 1.0:
             at_lo = tl.full([NUM_PROBES], 0, tl.int32) + lo.to(tl.int32)
             kept_mass = tl.max(_tally(row_ptr, vocab, at_lo, top, scale, True, KEY16, NUM_PROBES, BLOCK_N), axis=0)
-            lo = _search(row_ptr, vocab, lo, hi, p * kept_mass, top, scale, True, KEY16, NUM_PROBES, BLOCK_N)
-        floor = _key_value(lo, KEY16, logits_ptr.dtype.element_ty)
+            lo = _search(row_ptr, vocab, lo, hi, p * kept_mass, top, scale, True, KEY16, dtype, NUM_PROBES,
+                         BLOCK_N)
+        floor = _key_value(lo, KEY16, dtype)
         min_p = tl.load(min_p_ptr + row)
         if min_p > 0:  # p_i >= min_p * p_max  <=>  x_i >= top + T * ln(min_p)
             floor = tl.maximum(floor, top + temp * tl.log(min_p))
