@@ -268,6 +268,9 @@ for i in range(0, 60, 10):  # structured outputs: their token mask (kernels/toke
 for i, k in zip(range(3, 60, 10), (0, 1, 5, 20, None, None)):  # scoring: each top-k width of kernels/token_logprobs.py
     params[i].prompt_logprobs = k
     params[i + 1].logprobs = k
+for i in range(5, 60, 10):  # top-k / top-p / min-p (a generation_config's defaults): the floor kernel, floored draws
+    params[i].top_k, params[i].top_p, params[i].min_p = 20, 0.95, 0.05
+    params[i + 1].top_p, params[i + 1].presence_penalty = 0.9, 0.5  # ... over the penalties' float32 copy
 llm.generate(prompts, params)
 llm.shutdown()
 print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" for fn, key in compiled],
@@ -281,7 +284,7 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     running decodes beside new prompts (the DESIGN workload's prompt phase): decode attention over long tables
     (KV split, merged in the kernel) and prefill attention on metadata offset by the decode-row count. Both were
     compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24). Some requests are
-    constrained, some score their prompts or ask for logprobs, with every top-k width."""
+    constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws."""
     import json
     import subprocess
     import sys
