@@ -8,7 +8,7 @@ put down to the gather: each program takes one KV head of one sequence, so every
 256 bytes at a 2 KB stride, one page address per run. This probe reads the same KV (256 sequences x ~880 tokens,
 16-token bf16 pages, 8 KV heads of 128, shuffled blocks, longest first) in other ways, reads only (each program sums
 what it loads):
-- `rows`: the engine's pattern (session 15's kernel), the reference;
+- `rows`: the engine's pattern (session 15's `read_bw_gpu._paged_read_kernel`), the reference;
 - `pages`: a program takes all KV heads of a share of one sequence's pages, so every load is a whole page, 32 KB
   contiguous, through ordinary loads;
 - `tma head`: the engine's program shape, each page's head rows fetched by one TMA copy (a [16, 1, 128] box);
@@ -21,35 +21,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-import triton.testing
 from decode_variants import workload_lens
 from kernels import paged_kv
+from read_bw_gpu import _paged_read_kernel, ms
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nvcli.kernels.decode_attention import paged_decode_attention_triton
 
 PAGE, HEADS, DIM = 16, 8, 128
-
-
-@triton.jit
-def _rows_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, out_ptr, stride_bt, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr):
-    """Program (kvh, row): head kvh's K and V rows of sequence order[row], BLOCK_N tokens a tile (the engine's)."""
-    kvh = tl.program_id(0)
-    seq = tl.load(order_ptr + tl.program_id(1))
-    end = tl.load(lens_ptr + seq)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, DIM)
-    acc = tl.zeros([BLOCK_N, DIM], dtype=tl.float32)
-    for t in range(0, end, BLOCK_N):
-        pos = t + offs_n
-        mask = pos < end
-        blk = tl.load(bt_row + pos // PAGE, mask=mask, other=0).to(tl.int64)
-        off = (blk * (PAGE * HEADS * DIM) + (pos % PAGE) * (HEADS * DIM) + kvh * DIM)[:, None] + offs_d[None, :]
-        acc += tl.load(k_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
-        acc += tl.load(v_ptr + off, mask=mask[:, None], other=0.0).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(1) * HEADS + kvh, tl.sum(acc))
 
 
 @triton.jit
@@ -103,10 +82,6 @@ def _tma_pages_kernel(k_desc, v_desc, bt_ptr, lens_ptr, order_ptr, out_ptr, stri
     tl.store(out_ptr + tl.program_id(1) * tl.num_programs(0) + split, tl.sum(acc))
 
 
-def ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
 def main() -> int:
     dev = "cuda"
     rows: list[tuple[str, float]] = []
@@ -129,11 +104,12 @@ def main() -> int:
     q = torch.randn(n, 2 * HEADS, DIM, device=dev, dtype=torch.bfloat16)
     record("decode attention, the engine's kernel (default config)", kv_bytes,
            ms(lambda: paged_decode_attention_triton(q, k, v, bt, sl, DIM**-0.5, order=order)))
-    for warps, stages in [(4, 2), (4, 3)]:
+    for warps, stages in [(4, 2), (4, 3)]:  # session 15's kernel for the engine's pattern
         record(f"rows (engine pattern), 64-token tiles, {warps} warps, {stages} stages", kv_bytes, ms(
-            lambda w=warps, s=stages: _rows_kernel[(HEADS, n)](k, v, bt, sl, order, out, bt.stride(0), BLOCK_N=64,
-                                                              PAGE=PAGE, HEADS=HEADS, DIM=DIM, num_warps=w,
-                                                              num_stages=s)))
+            lambda w=warps, s=stages: _paged_read_kernel[(HEADS, n, 1)](k, v, bt, sl, order, out, bt.stride(0),
+                                                                        k.stride(0), k.stride(1), k.stride(2), 1,
+                                                                        PAGE=PAGE, BLOCK_N=64, HEAD_DIM=DIM,
+                                                                        num_warps=w, num_stages=s)))
     for splits in [2, 4, 8]:
         for warps, stages in [(4, 2), (8, 2), (8, 3)]:
             record(f"pages, {splits} splits, {warps} warps, {stages} stages", page_bytes, ms(
