@@ -224,6 +224,10 @@ def bench_latency(model_dir: str) -> None:
     res = latency(llm.engine, 128, 512, repeats=3)
     row("latency 128+512, one request", f"{res['ms_per_output_token']:.3f} ms/token, TTFT {res['ttft_ms']:.1f} ms, "
         f"total {res['avg_latency']:.2f} s")
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's generation_config, nv's default for it
+    res = latency(llm.engine, 128, 512, repeats=3, sampling=qwen3)
+    row("latency 128+512, one request, Qwen3's sampling (temperature 0.6, top_k 20, top_p 0.95)",
+        f"{res['ms_per_output_token']:.3f} ms/token, TTFT {res['ttft_ms']:.1f} ms, total {res['avg_latency']:.2f} s")
     free(llm)
 
 

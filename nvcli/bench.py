@@ -8,6 +8,7 @@ ignore_eos; one warm-up generate first; throughput = output tokens / wall time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -88,12 +89,14 @@ def throughput(engine, work: Workload, repeats: int = 1, on_step: Callable[[], N
     }
 
 
-def latency(engine, prompt_len: int, output_len: int, repeats: int = 3) -> dict:
-    """One request alone: time to first token and milliseconds per output token after it."""
+def latency(engine, prompt_len: int, output_len: int, repeats: int = 3,
+            sampling: SamplingParams | None = None) -> dict:
+    """One request alone: time to first token and milliseconds per output token after it. `sampling`: how it samples
+    (greedy by default); max_tokens and ignore_eos are the benchmark's."""
     rng = random.Random(0)
     prompt = [rng.randint(0, 10000) for _ in range(prompt_len)]
-    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
-    run_workload(engine, Workload([prompt[:16]], [SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)]))
+    sp = dataclasses.replace(sampling or SamplingParams(temperature=0.0), ignore_eos=True, max_tokens=output_len)
+    run_workload(engine, Workload([prompt[:16]], [dataclasses.replace(sp, max_tokens=8)]))
     latencies, ttfts, tpots = [], [], []
     for r in range(repeats):
         engine.add_request(prompt, sp, request_id=f"latency-{r}-{time.monotonic_ns()}")

@@ -46,3 +46,18 @@ def test_bench_rejects_a_bad_range() -> None:
     result = CliRunner().invoke(app, ["bench", "--input-len", "50-10", "--device", "cpu"])
     assert result.exit_code == 2
     assert "--input-len" in result.output
+
+
+def test_latency_samples_as_asked(tiny_model_dir) -> None:
+    from nvcli import LLM, SamplingParams
+    from nvcli.bench import latency
+
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=128)
+    asked = []
+    add_request = llm.engine.add_request
+    llm.engine.add_request = lambda prompt, sp, **kw: (asked.append(sp), add_request(prompt, sp, **kw))[1]
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95)
+    res = latency(llm.engine, 16, 8, repeats=2, sampling=qwen3)
+    assert [(sp.temperature, sp.top_k, sp.top_p, sp.ignore_eos) for sp in asked] == [(0.6, 20, 0.95, True)] * 3
+    assert [sp.max_tokens for sp in asked] == [8, 8, 8]  # the warm-up request, then the two timed ones
+    assert res["output_len"] == 8 and len(res["latencies"]) == 2

@@ -27,7 +27,10 @@ import triton
 import triton.language as tl
 
 PROBES = 8  # candidate keys per pass (the pass's arithmetic grows with them, and the row's read does not)
-BLOCK = 512  # columns per load
+BLOCK = 512  # columns per load in a tally (its accumulators are [PROBES, BLOCK])
+SCAN_BLOCK = 2048  # columns per load in the bounds and compaction passes (one compare per column)
+STAGES = 4  # loads in flight in a pass over a row (tl.range's pipelining): one program's passes are latency-bound
+CAPACITY = 4096  # candidates a row's scratch holds
 
 
 @triton.jit
@@ -53,28 +56,54 @@ def _key_value(key, KEY16: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _tally(row_ptr, vocab, probes, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr, NUM_PROBES: tl.constexpr,
-           BLOCK_N: tl.constexpr):
-    """Per candidate key of `probes` [NUM_PROBES] int32: how many tokens (MASS False), or how much tempered mass
-    exp2((x - top) * scale) (MASS True), the row has at or above it. Columns past the vocabulary load -inf, whose key
-    is below every candidate (candidates lie above the row's smallest key) and whose mass is 0."""
-    acc = tl.zeros([NUM_PROBES, BLOCK_N], dtype=tl.float32 if MASS else tl.int32)
-    for start in range(0, vocab, BLOCK_N):
+def _tally(src_ptr, n, probes, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr, NUM_PROBES: tl.constexpr,
+           BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """Per candidate key of `probes` [NUM_PROBES] int32, over the n values at src_ptr: the tempered mass
+    exp2((x - top) * scale) at or above it (MASS True; else the count, as float32), and the count (int32). Columns past
+    n load -inf, whose key is below every candidate (candidates lie above the row's smallest key) and whose mass is 0."""
+    count = tl.zeros([NUM_PROBES, BLOCK_N], dtype=tl.int32)
+    mass = tl.zeros([NUM_PROBES, BLOCK_N], dtype=tl.float32)
+    for start in tl.range(0, n, BLOCK_N, num_stages=STAGES):
         cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))  # [BLOCK_N], the logits' dtype
+        x = tl.load(src_ptr + cols, mask=cols < n, other=float("-inf"))  # [BLOCK_N], the logits' dtype
         above = _order_key(x, KEY16)[None, :] >= probes[:, None]  # [NUM_PROBES, BLOCK_N]
+        count += above.to(tl.int32)
         if MASS:
-            acc += tl.where(above, tl.exp2((x.to(tl.float32) - top) * scale)[None, :], 0.0)
-        else:
-            acc += above.to(tl.int32)
-    return tl.sum(acc, axis=1)  # [NUM_PROBES]
+            mass += tl.where(above, tl.exp2((x.to(tl.float32) - top) * scale)[None, :], 0.0)
+    counts = tl.sum(count, axis=1)  # [NUM_PROBES]
+    if MASS:
+        return tl.sum(mass, axis=1), counts
+    else:
+        return counts.to(tl.float32), counts
 
 
 @triton.jit
-def _search(row_ptr, vocab, lo, hi, target, top, scale, MASS: tl.constexpr, KEY16: tl.constexpr, DTYPE: tl.constexpr,
-            NUM_PROBES: tl.constexpr, BLOCK_N: tl.constexpr):
+def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.constexpr, SCAN_N: tl.constexpr,
+             STAGES: tl.constexpr):
+    """Copies the row's values whose key is at least key_lo into buf_ptr, in column order, as far as CAP of them;
+    returns how many the row has (more than CAP: the scratch is not used)."""
+    n = tl.sum(tl.zeros([SCAN_N], dtype=tl.int32), axis=0)
+    for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
+        cols = start + tl.arange(0, SCAN_N)
+        valid = cols < vocab
+        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+        keep = valid & (_order_key(x, KEY16) >= key_lo)
+        pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1  # column order: the tallies sum in a fixed order
+        tl.store(buf_ptr + pos, x, mask=keep & (pos < CAP))
+        n += tl.sum(keep.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the scratch is read back by other threads of this program
+    return n
+
+
+@triton.jit
+def _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, target, top, scale, MASS: tl.constexpr,
+            KEY16: tl.constexpr, DTYPE: tl.constexpr, NUM_PROBES: tl.constexpr, BLOCK_N: tl.constexpr,
+            SCAN_N: tl.constexpr, CAP: tl.constexpr, STAGES: tl.constexpr):
     """The largest key K with lo <= K < hi whose tally reaches `target`, given that lo's does and hi's does not (the
-    tally only falls as the key rises). K is then a key of the row (the tally changes only at the row's keys).
+    tally only falls as the key rises). K is then a key of the row (the tally changes only at the row's keys). The
+    tallies read the row's scratch where `in_buf` (it holds every value at or above lo, n_buf of them), else the whole
+    row; once the values at or above lo (n_lo) fit the scratch, they are copied there and later passes read only them.
+    Returns (K, the count at or above K, in_buf, n_buf).
 
     Half the candidates are spaced evenly in key space (so every pass shrinks the range at least NUM_PROBES / 2 times;
     the first is lo + 1, so every pass makes progress), half evenly in value space: keys are logarithmic in the value,
@@ -89,9 +118,30 @@ def _search(row_ptr, vocab, lo, hi, target, top, scale, MASS: tl.constexpr, KEY1
         by_value = _order_key(values.to(DTYPE), KEY16).to(tl.int64)
         by_value = tl.where(values == values, tl.minimum(tl.maximum(by_value, lo + 1), hi - 1), by_key)
         probes = tl.where(j % 2 == 0, by_key, by_value)
-        ok = _tally(row_ptr, vocab, probes.to(tl.int32), top, scale, MASS, KEY16, NUM_PROBES, BLOCK_N) >= target
+        if in_buf != 0:
+            tally, count = _tally(buf_ptr, n_buf, probes.to(tl.int32), top, scale, MASS, KEY16, NUM_PROBES, BLOCK_N,
+                                  STAGES)
+        else:
+            tally, count = _tally(row_ptr, vocab, probes.to(tl.int32), top, scale, MASS, KEY16, NUM_PROBES, BLOCK_N,
+                                  STAGES)
+        ok = tally >= target
         lo = tl.max(tl.where(ok, probes, lo), axis=0)
         hi = tl.min(tl.where(ok, hi, probes), axis=0)
+        n_lo = tl.min(tl.where(ok, count, n_lo), axis=0)
+        if (in_buf == 0) & (n_lo <= CAP) & (hi - lo > 1):
+            n_buf = _compact(row_ptr, vocab, buf_ptr, lo, CAP, KEY16, SCAN_N, STAGES)
+            in_buf = 1
+    return lo, n_lo, in_buf, n_buf
+
+
+@triton.jit
+def _kth_largest(keys, k, lo, hi):
+    """The largest K with lo <= K < hi and at least k of `keys` at or above it (lo if none above lo qualifies)."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum((keys >= mid).to(tl.int32), axis=0) >= k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
     return lo
 
 
@@ -103,41 +153,72 @@ def _filter_floor_kernel(
     top_p_ptr,  # [num_rows] fp32, 1 where off
     min_p_ptr,  # [num_rows] fp32, 0 where off
     floor_ptr,  # [num_rows] fp32 out: keep x >= floor
+    scratch_ptr,  # [num_rows, CAP], the logits' dtype: each row's candidates
     stride_row,
     vocab,
     KEY16: tl.constexpr,
     NUM_PROBES: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SCAN_N: tl.constexpr,
+    CAP: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     temp = tl.load(temps_ptr + row)
     floor = float("-inf")
     if temp > 0:
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        buf_ptr = scratch_ptr + row.to(tl.int64) * CAP
         scale = 1.4426950408889634 / temp  # exp2((x - top) * scale) = exp((x - top) / T)
-        # the row's smallest and largest keys: the search's bounds
-        key_lo = tl.full([BLOCK_N], 2147483647, tl.int32)
-        key_hi = tl.full([BLOCK_N], -2147483648, tl.int32)
-        for start in range(0, vocab, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
+        # the row's smallest and largest keys (the search's bounds), and each lane's largest (top-k's lower bound)
+        key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
+        key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
+        for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
+            cols = start + tl.arange(0, SCAN_N)
             valid = cols < vocab
             key = _order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), KEY16)
             key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
             key_hi = tl.maximum(key_hi, tl.where(valid, key, -2147483648))
         lo = tl.min(key_lo, axis=0).to(tl.int64)  # every token is at or above it
         hi = tl.max(key_hi, axis=0).to(tl.int64) + 1  # none is
+        n_lo = vocab + tl.sum(tl.zeros([SCAN_N], dtype=tl.int32), axis=0)  # tokens at or above lo
+        in_buf = tl.sum(tl.zeros([SCAN_N], dtype=tl.int32), axis=0)
+        n_buf = in_buf
         dtype = logits_ptr.dtype.element_ty
         top = _key_value(hi - 1, KEY16, dtype)  # the row's largest logit
         # Off is a value, not a variant (top_k = vocab, top_p = 1, min_p = 0): one compiled kernel per key width
         k = tl.load(top_k_ptr + row)
         if k < vocab:
-            lo = _search(row_ptr, vocab, lo, hi, k, top, scale, False, KEY16, dtype, NUM_PROBES, BLOCK_N)
+            # the k-th largest of the lanes' maxima: k distinct tokens are at or above it, so top-k's floor is too,
+            # and few others are (a few dozen for Qwen3's top_k 20): the search then reads only those
+            lo = _kth_largest(key_hi, k, lo, hi)
+            n_lo = _compact(row_ptr, vocab, buf_ptr, lo, CAP, KEY16, SCAN_N, STAGES)
+            n_buf = n_lo
+            in_buf = (n_lo <= CAP).to(tl.int32)
+            lo, n_lo, in_buf, n_buf = _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, k.to(tl.float32),
+                                              top, scale, False, KEY16, dtype, NUM_PROBES, BLOCK_N, SCAN_N, CAP,
+                                              STAGES)
         p = tl.load(top_p_ptr + row)
         if p < 1.0:
-            at_lo = tl.full([NUM_PROBES], 0, tl.int32) + lo.to(tl.int32)
-            kept_mass = tl.max(_tally(row_ptr, vocab, at_lo, top, scale, True, KEY16, NUM_PROBES, BLOCK_N), axis=0)
-            lo = _search(row_ptr, vocab, lo, hi, p * kept_mass, top, scale, True, KEY16, dtype, NUM_PROBES,
-                         BLOCK_N)
+            at_lo = tl.full([1], 0, tl.int32) + lo.to(tl.int32)
+            if in_buf != 0:
+                kept, _ = _tally(buf_ptr, n_buf, at_lo, top, scale, True, KEY16, 1, BLOCK_N, STAGES)
+            else:
+                kept, _ = _tally(row_ptr, vocab, at_lo, top, scale, True, KEY16, 1, BLOCK_N, STAGES)
+            kept_mass = tl.max(kept, axis=0)
+            if in_buf == 0:
+                # the tokens below top + T (ln((1 - p) kept_mass / vocab) - 0.05) hold less than (1 - p) of the kept
+                # mass, so the nucleus lies at or above it (the 0.05 covers rounding)
+                t = top + temp * (tl.log((1.0 - p) * kept_mass / vocab) - 0.05)
+                bound = tl.minimum(tl.maximum(_order_key(t.to(dtype), KEY16).to(tl.int64) - 1, lo), hi - 1)
+                if bound > lo:
+                    lo = bound
+                    n_lo = _compact(row_ptr, vocab, buf_ptr, lo, CAP, KEY16, SCAN_N, STAGES)
+                    n_buf = n_lo
+                    in_buf = (n_lo <= CAP).to(tl.int32)
+            lo, n_lo, in_buf, n_buf = _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, p * kept_mass,
+                                              top, scale, True, KEY16, dtype, NUM_PROBES, BLOCK_N, SCAN_N, CAP,
+                                              STAGES)
         floor = _key_value(lo, KEY16, dtype)
         min_p = tl.load(min_p_ptr + row)
         if min_p > 0:  # p_i >= min_p * p_max  <=>  x_i >= top + T * ln(min_p)
@@ -151,6 +232,7 @@ def filter_floors_triton(
     top_k: torch.Tensor | None,  # [num_rows] int64, vocab where off
     top_p: torch.Tensor | None,  # [num_rows] fp32, 1 where off
     min_p: torch.Tensor | None,  # [num_rows] fp32, 0 where off
+    capacity: int = CAPACITY,  # candidates per row's scratch (a power of 2; the tests make it small)
 ) -> torch.Tensor:  # [num_rows] fp32
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -163,7 +245,9 @@ def filter_floors_triton(
         torch.full((rows,), vocab, dtype=torch.int64, device=dev) if top_k is None else top_k,
         torch.ones(rows, dtype=torch.float32, device=dev) if top_p is None else top_p,
         torch.zeros(rows, dtype=torch.float32, device=dev) if min_p is None else min_p,
-        floors, logits.stride(0), vocab, KEY16=logits.element_size() == 2, NUM_PROBES=PROBES, BLOCK_N=BLOCK,
+        floors, torch.empty(rows, capacity, dtype=logits.dtype, device=dev), logits.stride(0), vocab,
+        KEY16=logits.element_size() == 2, NUM_PROBES=PROBES, BLOCK_N=BLOCK, SCAN_N=SCAN_BLOCK, CAP=capacity,
+        STAGES=STAGES,
         num_warps=8,
     )
     return floors

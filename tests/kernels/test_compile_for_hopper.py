@@ -50,8 +50,10 @@ SCRIPT = textwrap.dedent("""
     for logits, key16 in (("*bf16", True), ("*fp32", False)):  # 16-bit order keys, and float32's
         compile_for_hopper(sampling_filters._filter_floor_kernel,
                            {"logits_ptr": logits, "temps_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
-                            "min_p_ptr": "*fp32", "floor_ptr": "*fp32"},
-                           dict(KEY16=key16, NUM_PROBES=sampling_filters.PROBES, BLOCK_N=sampling_filters.BLOCK))
+                            "min_p_ptr": "*fp32", "floor_ptr": "*fp32", "scratch_ptr": logits},
+                           dict(KEY16=key16, NUM_PROBES=sampling_filters.PROBES, BLOCK_N=sampling_filters.BLOCK,
+                                SCAN_N=sampling_filters.SCAN_BLOCK, CAP=sampling_filters.CAPACITY,
+                                STAGES=sampling_filters.STAGES))
     print("compiled")
 """)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
-from nvcli.kernels.sampling_filters import filter_floors_reference, filter_floors_triton
+from nvcli.kernels.sampling_filters import CAPACITY, filter_floors_reference, filter_floors_triton
 
 ROWS = [  # temperature, top_k (0 = off), top_p, min_p
     (0.6, 20, 0.95, 0.0),  # Qwen3's generation_config
@@ -22,10 +22,15 @@ ROWS = [  # temperature, top_k (0 = off), top_p, min_p
     (1.0, 0, 1.0, 0.0),  # no filter on this row (its neighbours have some)
     (0.9, 7, 1e-30, 0.0),  # a top_p that is 0 in float32: the most likely token alone
     (1.1, 3000, 0.99, 0.0),  # top_k at the vocabulary: off
+    (1.0, 2500, 0.9, 0.0),  # top_k above the lanes the kernel bounds it with
+    (0.3, 64, 0.999, 0.02),
+    (1.0, 20, 1.0, 0.0),  # top-k alone
+    (2.0, 30, 0.999, 0.0),  # top-k binding before top-p
 ]
 
 
-def floors(logits: torch.Tensor, rows: list[tuple[float, int, float, float]], kernel: bool) -> torch.Tensor:
+def floors(logits: torch.Tensor, rows: list[tuple[float, int, float, float]], kernel: bool,
+           capacity: int = CAPACITY) -> torch.Tensor:
     vocab = logits.shape[1]
     temps = torch.tensor([r[0] for r in rows], dtype=torch.float32)
     top_k = torch.tensor([min(r[1], vocab) if r[1] > 0 else vocab for r in rows], dtype=torch.int64)
@@ -34,16 +39,20 @@ def floors(logits: torch.Tensor, rows: list[tuple[float, int, float, float]], ke
     if not kernel:
         return filter_floors_reference(logits, temps, top_k, top_p, min_p)
     args = [t.to(DEVICE) for t in (logits, temps, top_k, top_p, min_p)]
-    return filter_floors_triton(*args).cpu()
+    return filter_floors_triton(*args, capacity=capacity).cpu()
 
 
+# The kernel copies a row's candidates to a scratch of `capacity` values once they fit; a row whose candidates do not
+# fit is searched over the whole row. Small capacities take the second path for some rows, or for all of them.
+@pytest.mark.parametrize("capacity", [CAPACITY, 64, 16, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_search_finds_the_floor_a_sort_gives(dtype: torch.dtype) -> None:
+def test_the_search_finds_the_floor_a_sort_gives(dtype: torch.dtype, capacity: int) -> None:
     torch.manual_seed(0)
     logits = (torch.randn(len(ROWS), 3000) * 3).to(dtype)  # bf16 rounding makes ties, at the boundaries too
     logits[1, :40] = float("-inf")  # banned tokens (min_tokens, a grammar's mask)
     logits[3, 100:110] = logits[3].max()  # ten tokens tied for the top
-    found = floors(logits, ROWS, kernel=True)
+    logits[4, 2000:2100] = logits[4].max()  # more ties at the top than a small scratch holds
+    found = floors(logits, ROWS, kernel=True, capacity=capacity)
     assert torch.equal(found, floors(logits, ROWS, kernel=False)), found
     assert found[2] == -math.inf and found[7] == logits[7].float().min()  # greedy keeps all; no filter keeps all
     assert found[8] == logits[8].float().max()
@@ -58,6 +67,17 @@ def test_a_row_of_equal_logits_and_one_of_few_finite_ones() -> None:
     assert torch.equal(found, floors(logits, rows, kernel=False))
     assert found[0] == 0.0  # every token ties with the 20th: all stay
     assert found[1] == 1.0  # 2.0 holds 73% of the mass, so top_p 0.9 needs 1.0 as well; top_k 20 keeps -inf ones
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nucleus_that_needs_nearly_the_whole_row(dtype: torch.dtype) -> None:
+    # The kernel narrows top-p's search to the tokens above top + T (ln((1 - p) kept_mass / vocab) - 0.05), a bound
+    # that is nearly tight here: 999 tied tokens hold 91% of the mass, and top_p 0.095 needs them.
+    logits = torch.full((1, 1000), math.log(0.01)).to(dtype)
+    logits[0, 500] = 0.0
+    found = floors(logits, [(1.0, 0, 0.095, 0.0)], kernel=True)
+    assert torch.equal(found, floors(logits, [(1.0, 0, 0.095, 0.0)], kernel=False))
+    assert found[0] == logits[0, 0].float()
 
 
 def kept(row: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
