@@ -38,7 +38,7 @@ from nvcli.models.layers.attention import Attention
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
 from nvcli.outputs import FlatLogprobs
-from nvcli.sampling_params import SamplingParams
+from nvcli.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from nvcli.engine.sequence import Sequence
@@ -423,7 +423,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self._profile_run()
+        self._profile_run(sample_worst_case=self.rank == 0)  # rank 0 samples
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used = total - free
@@ -463,14 +463,49 @@ class ModelRunner:
         return step, blocks
 
     @torch.inference_mode()
-    def _run_largest_prefill(self, step: StepInput) -> None:
+    def _run_largest_prefill(self, step: StepInput, sample_worst_case: bool = False) -> None:
+        """`sample_worst_case` (the KV-sizing profile run, rank 0): the penalty pool is held at the size that
+        max_num_seqs penalized sequences grow it to, and the logits are sampled with every feature on every row."""
+        pool = self._largest_penalty_pool() if sample_worst_case else None
         hidden, residual = self._forward(step)
         rows = slice(0, self.config.max_num_seqs)
         logits = self.model.compute_logits(hidden[rows], residual[rows] if residual is not None else None)
-        del hidden, residual, logits
+        del hidden, residual
+        if pool is not None:
+            self._sample_worst_case(logits, *pool[:2])
+        del logits, pool
+
+    def _largest_penalty_pool(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """PenaltySlots' history tensors (counts int32, seen bool: [slots, vocab]) at the size max_num_seqs held
+        sequences grow them to (the pool starts at 16 slots and doubles), and the half-size pair the last doubling
+        copied them from, which the step that grows the pool holds as well."""
+        slots = max(16, 1 << (self.config.max_num_seqs - 1).bit_length())
+        vocab = self.model_config.vocab_size
+
+        def pair(n: int) -> list[torch.Tensor]:
+            return [torch.zeros((n, vocab), dtype=dtype, device=self.device) for dtype in (torch.int32, torch.bool)]
+
+        counts, seen = pair(slots)
+        return counts, seen, pair(slots // 2)
+
+    def _sample_worst_case(self, logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> None:
+        """Sample `logits` [rows, vocab] as a step whose every row asks for every sampling feature: logit_bias and
+        the penalties (each a float32 copy of the logits), top-k / top-p / min-p (the floor kernel's scratch) and
+        the most logprobs. The profile run's peak then covers what a job's sampler allocates beside its logits;
+        without it a job at a --gpu-memory-utilization near 1 could run out of memory at its first penalized step."""
+        rows, vocab = logits.shape
+        index = torch.arange(rows, device=self.device)
+        ones = torch.ones(rows, dtype=torch.float32, device=self.device)
+        penalties = PenaltyBatch(rows=index, slots=index, presence=ones, frequency=ones, repetition=ones * 1.1,
+                                 counts=counts, seen=seen)
+        params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05, logit_bias={0: 1.0},
+                                 logprobs=MAX_LOGPROBS)] * rows
+        batch = SamplingBatch.build(params, [0] * rows, vocab, self.device, random.Random(0), penalties=penalties)
+        tokens = sample(logits, batch, torch.Generator(device=self.device).manual_seed(0))  # the job's RNG untouched
+        sampled_token_logprobs(logits, tokens, *logprob_rows(batch))
 
     @torch.inference_mode()
-    def _profile_run(self) -> None:
+    def _profile_run(self, sample_worst_case: bool = False) -> None:
         step, blocks = self._largest_prefill()
         layer = self.attn_layers[0]
         # Attention must read real blocks; every sequence and layer shares one scratch cache (in the real
@@ -479,7 +514,7 @@ class ModelRunner:
                                                       self.kv_dtype(), self.device)
         for attn in self.attn_layers:
             attn.k_cache, attn.v_cache = dummy_k, dummy_v
-        self._run_largest_prefill(step)
+        self._run_largest_prefill(step, sample_worst_case)
 
     def _recache_prefill_activations(self) -> None:
         """Put a largest prompt step's activations back into PyTorch's caching allocator.

@@ -202,3 +202,29 @@ def test_the_dry_pass_runs_the_first_decoder_layers_then_all_again(tmp_path) -> 
     assert list(model.model.layers) == layers
     with first_decoder_layers(model, 4):
         assert list(model.model.layers) == layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="KV sizing measures device memory")
+def test_the_kv_cache_leaves_room_for_a_step_that_samples_with_everything(tiny_model_dir) -> None:
+    """KV sizing gives the cache what --gpu-memory-utilization leaves after a worst-case step. A step whose 256 rows
+    all ask for logit_bias, the penalties, top-k / top-p / min-p and 20 logprobs samples from float32 copies of its
+    logits and reads a penalty pool of 256 slots ([256, 151,936] int32 and bool): half a GB that the profile run must
+    have counted, or a job near --gpu-memory-utilization 1 runs out of memory at its first such step."""
+    from nvcli import LLM, SamplingParams
+
+    util = 0.5
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", max_model_len=512, gpu_memory_utilization=util)
+    try:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        outside = (total - free) - torch.cuda.memory_reserved()  # the CUDA context, cuBLAS: not torch's allocator
+        torch.cuda.reset_peak_memory_stats()
+        sp = SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05, logit_bias={7: 1.0}, logprobs=20,
+                            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, max_tokens=3,
+                            ignore_eos=True)
+        outs = llm.generate([[1000 + i, 2000 + i, 3000 + i] for i in range(256)], sp)
+        assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+        assert llm.engine.executor.runner.penalty_slots.num_slots >= 256  # the pool did grow to the batch
+        assert torch.cuda.max_memory_allocated() + outside <= util * total
+    finally:
+        llm.shutdown()

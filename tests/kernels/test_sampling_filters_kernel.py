@@ -97,3 +97,14 @@ def test_the_floor_keeps_what_the_filters_keep() -> None:
     assert kept(row, temperature=0.5, min_p=0.5) == {3}  # tempered: (0.3 / 0.5)^2 = 0.36 < 0.5
     assert kept(row, temperature=3.0, top_p=0.75) == {1, 2, 3}  # flatter: the top two hold less than 0.75
     assert kept([1.0, 3.0, 3.0, 2.0], top_k=1) == {1, 2}  # ties with the last kept token stay
+
+
+def test_bf16_logits_and_their_float32_copy_get_the_same_floor() -> None:
+    # A step with a penalized or biased row samples from a float32 copy of its logits; the other rows must keep the
+    # floor they get from the model's bf16 logits, or a seeded request's tokens would depend on its neighbours.
+    torch.manual_seed(1)
+    rows = [(1.0, 50, 1.0, 0.0), (0.6, 20, 0.95, 0.0), (0.8, 0, 0.9, 0.0), (1.0, 0, 0.5, 0.0), (0.7, 0, 1.0, 0.05)]
+    logits = (torch.randn(len(rows), 151_936) * 2).to(torch.bfloat16)  # Qwen3's vocabulary; bf16 ties
+    found = floors(logits, rows, kernel=True)
+    assert torch.equal(found, floors(logits.float(), rows, kernel=True))
+    assert torch.equal(found, floors(logits, rows, kernel=False))
