@@ -472,21 +472,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows], residual[rows] if residual is not None else None)
         del hidden, residual
         if pool is not None:
-            self._sample_worst_case(logits, *pool[:2])
+            self._sample_worst_case(logits, counts=pool[0], seen=pool[1])
         del logits, pool
 
-    def _largest_penalty_pool(self) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def _largest_penalty_pool(self) -> list[torch.Tensor]:
         """PenaltySlots' history tensors (counts int32, seen bool: [slots, vocab]) at the size max_num_seqs held
-        sequences grow them to (the pool starts at 16 slots and doubles), and the half-size pair the last doubling
-        copied them from, which the step that grows the pool holds as well."""
-        slots = max(16, 1 << (self.config.max_num_seqs - 1).bit_length())
+        sequences grow them to, then the half-size pair the last doubling copied them from, which the step that grows
+        the pool holds as well."""
+        slots = self.penalty_slots.slots_for(self.config.max_num_seqs)
         vocab = self.model_config.vocab_size
-
-        def pair(n: int) -> list[torch.Tensor]:
-            return [torch.zeros((n, vocab), dtype=dtype, device=self.device) for dtype in (torch.int32, torch.bool)]
-
-        counts, seen = pair(slots)
-        return counts, seen, pair(slots // 2)
+        return [torch.zeros((n, vocab), dtype=dtype, device=self.device)
+                for n in (slots, slots // 2) for dtype in (torch.int32, torch.bool)]
 
     def _sample_worst_case(self, logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> None:
         """Sample `logits` [rows, vocab] as a step whose every row asks for every sampling feature: logit_bias and

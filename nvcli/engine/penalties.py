@@ -110,6 +110,13 @@ class PenaltySlots:
     def num_slots(self) -> int:
         return len(self._holder)
 
+    def slots_for(self, held: int) -> int:
+        """The pool's size once `held` sequences hold slots at once (it starts at initial_slots and doubles)."""
+        slots = self.initial_slots
+        while slots < held:
+            slots *= 2
+        return slots
+
     @property
     def num_held(self) -> int:
         return len(self._slot_of)

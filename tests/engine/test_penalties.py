@@ -212,6 +212,7 @@ def test_the_pool_grows_past_its_capacity_keeping_every_history() -> None:
         assert pb.all_rows
         slots.record(pb, torch.arange(i + 1) + 10 * (i % 2))
     assert slots.num_slots == 8 and slots.num_held == 5  # 2 -> 4 -> 8
+    assert slots.slots_for(5) == 8  # what KV sizing reserves for 5 sequences (model_runner._largest_penalty_pool)
     assert slots.seen is None
     counts = slots.counts
     for row, seq in enumerate(seqs):
