@@ -31,6 +31,7 @@ BLOCK = 512  # columns per load in a tally (its accumulators are [PROBES, BLOCK]
 SCAN_BLOCK = 2048  # columns per load in the bounds and compaction passes (one compare per column)
 STAGES = 4  # loads in flight in a pass over a row (tl.range's pipelining): one program's passes are latency-bound
 CAPACITY = 4096  # candidates a row's scratch holds
+NUCLEUS_LANES = 128  # top-p alone first tries the tokens at or above this many lanes' maxima (a hundred or two)
 
 
 @triton.jit
@@ -78,20 +79,66 @@ def _tally(src_ptr, n, probes, top, scale, MASS: tl.constexpr, KEY16: tl.constex
 
 
 @triton.jit
-def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.constexpr, SCAN_N: tl.constexpr,
-             STAGES: tl.constexpr):
-    """Copies the row's values whose key is at least key_lo into buf_ptr, in column order, as far as CAP of them;
-    returns how many the row has (more than CAP: the scratch is not used)."""
-    n = tl.sum(tl.zeros([SCAN_N], dtype=tl.int32), axis=0)
+def _lane_pass(row_ptr, vocab, key_lo, skip, KEY16: tl.constexpr, SCAN_N: tl.constexpr, STAGES: tl.constexpr):
+    """One pass over the row: per lane (column c is lane c % SCAN_N), how many values have a key of at least key_lo,
+    and the three that come skip-th, (skip + 1)-th and (skip + 2)-th among them (0-based, in column order)."""
+    per_lane = tl.zeros([SCAN_N], dtype=tl.int32)
+    first = tl.zeros([SCAN_N], dtype=row_ptr.dtype.element_ty)
+    second = tl.zeros([SCAN_N], dtype=row_ptr.dtype.element_ty)
+    third = tl.zeros([SCAN_N], dtype=row_ptr.dtype.element_ty)
     for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
         cols = start + tl.arange(0, SCAN_N)
         valid = cols < vocab
         x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
         keep = valid & (_order_key(x, KEY16) >= key_lo)
-        pos = n + tl.cumsum(keep.to(tl.int32), axis=0) - 1  # column order: the tallies sum in a fixed order
-        tl.store(buf_ptr + pos, x, mask=keep & (pos < CAP))
-        n += tl.sum(keep.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the scratch is read back by other threads of this program
+        first = tl.where(keep & (per_lane == skip), x, first)
+        second = tl.where(keep & (per_lane == skip + 1), x, second)
+        third = tl.where(keep & (per_lane == skip + 2), x, third)
+        per_lane += keep.to(tl.int32)
+    return per_lane, first, second, third
+
+
+@triton.jit
+def _store_lanes(buf_ptr, pos, per_lane, skip, first, second, third):
+    """Stores each lane's skip-th to (skip + 2)-th value at its places in the scratch."""
+    tl.store(buf_ptr + pos + skip, first, mask=per_lane > skip)
+    tl.store(buf_ptr + pos + skip + 1, second, mask=per_lane > skip + 1)
+    tl.store(buf_ptr + pos + skip + 2, third, mask=per_lane > skip + 2)
+
+
+@triton.jit
+def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.constexpr, SCAN_N: tl.constexpr,
+             STAGES: tl.constexpr):
+    """Copies the row's values whose key is at least key_lo into buf_ptr, as far as CAP of them; returns how many the
+    row has (more than CAP: nothing is copied and the scratch is not used).
+
+    The scratch holds them lane after lane (column c is lane c % SCAN_N), each lane's in column order: a fixed order,
+    so the tallies over the scratch sum in a fixed order. The first pass counts each lane's values and keeps its first
+    three in registers, stored from there; a lane with more takes one more such pass per three values (up to 9 a lane),
+    and beyond that one pass stores them as it reads them. No pass runs a reduction, and only that last one stores
+    inside its loop: session 35's single pass placed each load's values by a cumsum over the load, carrying the count
+    from load to load, and took 107 of the kernel's 128 us at one row; a pass that stores as it reads is not pipelined
+    and costs about 2.5 of the others (benchmarks/RESULTS.md, session 36)."""
+    key_lo = key_lo.to(tl.int32)  # the search carries it as int64: int64 compares would double a pass's arithmetic
+    per_lane, first, second, third = _lane_pass(row_ptr, vocab, key_lo, 0, KEY16, SCAN_N, STAGES)
+    n = tl.sum(per_lane, axis=0)
+    if n <= CAP:
+        pos = tl.cumsum(per_lane, axis=0) - per_lane  # each lane's first place in the scratch
+        most = tl.max(per_lane, axis=0)
+        if most <= 9:
+            _store_lanes(buf_ptr, pos, per_lane, 0, first, second, third)
+            for skip in tl.range(3, most, 3):
+                _, first, second, third = _lane_pass(row_ptr, vocab, key_lo, skip, KEY16, SCAN_N, STAGES)
+                _store_lanes(buf_ptr, pos, per_lane, skip, first, second, third)
+        else:
+            for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
+                cols = start + tl.arange(0, SCAN_N)
+                valid = cols < vocab
+                x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+                keep = valid & (_order_key(x, KEY16) >= key_lo)
+                tl.store(buf_ptr + pos, x, mask=keep)
+                pos += keep.to(tl.int32)
+        tl.debug_barrier()  # the scratch is read back by other threads of this program
     return n
 
 
@@ -162,6 +209,7 @@ def _filter_floor_kernel(
     SCAN_N: tl.constexpr,
     CAP: tl.constexpr,
     STAGES: tl.constexpr,
+    NUCLEUS_LANES: tl.constexpr,
 ):
     row = tl.program_id(0)
     temp = tl.load(temps_ptr + row)
@@ -206,6 +254,21 @@ def _filter_floor_kernel(
             else:
                 kept, _ = _tally(row_ptr, vocab, at_lo, top, scale, True, KEY16, 1, BLOCK_N, STAGES)
             kept_mass = tl.max(kept, axis=0)
+            target = p * kept_mass
+            if in_buf == 0:
+                # First the NUCLEUS_LANES-th largest lane maximum: the usual nucleus lies above it, and so do few
+                # tokens. It bounds the floor if the tokens at or above it hold the nucleus's mass.
+                bound = _kth_largest(key_hi, NUCLEUS_LANES, lo, hi)
+                if bound > lo:
+                    n_bound = _compact(row_ptr, vocab, buf_ptr, bound, CAP, KEY16, SCAN_N, STAGES)
+                    if n_bound <= CAP:
+                        at_bound = tl.full([1], 0, tl.int32) + bound.to(tl.int32)
+                        held, _ = _tally(buf_ptr, n_bound, at_bound, top, scale, True, KEY16, 1, BLOCK_N, STAGES)
+                        if tl.max(held, axis=0) >= target:
+                            lo = bound
+                            n_lo = n_bound
+                            n_buf = n_bound
+                            in_buf = 1
             if in_buf == 0:
                 # the tokens below top + T (ln((1 - p) kept_mass / vocab) - 0.05) hold less than (1 - p) of the kept
                 # mass, so the nucleus lies at or above it (the 0.05 covers rounding)
@@ -216,7 +279,7 @@ def _filter_floor_kernel(
                     n_lo = _compact(row_ptr, vocab, buf_ptr, lo, CAP, KEY16, SCAN_N, STAGES)
                     n_buf = n_lo
                     in_buf = (n_lo <= CAP).to(tl.int32)
-            lo, n_lo, in_buf, n_buf = _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, p * kept_mass,
+            lo, n_lo, in_buf, n_buf = _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, target,
                                               top, scale, True, KEY16, dtype, NUM_PROBES, BLOCK_N, SCAN_N, CAP,
                                               STAGES)
         floor = _key_value(lo, KEY16, dtype)
@@ -247,7 +310,7 @@ def filter_floors_triton(
         torch.zeros(rows, dtype=torch.float32, device=dev) if min_p is None else min_p,
         floors, torch.empty(rows, capacity, dtype=logits.dtype, device=dev), logits.stride(0), vocab,
         KEY16=logits.element_size() == 2, NUM_PROBES=PROBES, BLOCK_N=BLOCK, SCAN_N=SCAN_BLOCK, CAP=capacity,
-        STAGES=STAGES,
+        STAGES=STAGES, NUCLEUS_LANES=NUCLEUS_LANES,
         num_warps=8,
     )
     return floors

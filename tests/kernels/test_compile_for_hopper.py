@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
                             "min_p_ptr": "*fp32", "floor_ptr": "*fp32", "scratch_ptr": logits},
                            dict(KEY16=key16, NUM_PROBES=sampling_filters.PROBES, BLOCK_N=sampling_filters.BLOCK,
                                 SCAN_N=sampling_filters.SCAN_BLOCK, CAP=sampling_filters.CAPACITY,
-                                STAGES=sampling_filters.STAGES))
+                                STAGES=sampling_filters.STAGES, NUCLEUS_LANES=sampling_filters.NUCLEUS_LANES))
     print("compiled")
 """)
 

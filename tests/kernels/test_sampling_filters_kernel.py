@@ -80,6 +80,22 @@ def test_a_nucleus_that_needs_nearly_the_whole_row(dtype: torch.dtype) -> None:
     assert found[0] == logits[0, 0].float()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidates_crowded_into_one_lane(dtype: torch.dtype) -> None:
+    # The compaction keeps each lane's candidates three at a time in registers (column c is lane c % 2048), a pass over
+    # the row per three, and stores them as it reads the row once more where a lane has more than 9: row 0 has 10 of
+    # its top tokens in lane 7, row 1 has 5 in lane 7 and 5 in lane 9, tied with lane 7's third.
+    torch.manual_seed(2)
+    logits = torch.randn(2, 20_000).to(dtype)
+    logits[0, 7::2048] = torch.arange(14.0, 9.0, -0.5).to(dtype)
+    logits[1, 7:10_000:2048] = torch.tensor([9.0, 8.5, 8.0, 7.5, 7.0]).to(dtype)
+    logits[1, 9:10_000:2048] = 8.0
+    rows = [(1.0, 4, 0.999, 0.0), (0.7, 9, 1.0, 0.0)]
+    found = floors(logits, rows, kernel=True)
+    assert torch.equal(found, floors(logits, rows, kernel=False))
+    assert found[0] == 12.5 and found[1] == 7.5  # the 9th largest: lane 7's fourth
+
+
 def kept(row: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
     x = torch.tensor([row])
     floor = floors(x, [(temperature, top_k, top_p, min_p)], kernel=True)

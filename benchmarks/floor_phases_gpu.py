@@ -1,0 +1,98 @@
+"""Where the filter floor kernel's time goes at few rows (one program per row, one SM each).
+
+    PYTHONPATH=. python3 benchmarks/floor_phases_gpu.py
+
+Times kernels that stop after each phase of `_filter_floor_kernel` for Qwen3's pair (top_k 20, top_p 0.95) on
+[rows, 151,936] bf16 logits (randn * 4, temperature 0.6): the first pass over the row (min, max, lane maxima), then
+the k-th largest lane maximum (top-k's bound), then the compaction into the scratch, then the whole kernel. us, median
+of do_bench_cudagraph (no launch overhead). The table is printed last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from nvcli.kernels import sampling_filters as sf
+
+VOCAB = 151_936
+
+
+@triton.jit
+def _phases_kernel(logits_ptr, out_ptr, scratch_ptr, stride_row, vocab, k, STOP: tl.constexpr,
+                   SCAN_N: tl.constexpr, CAP: tl.constexpr, STAGES: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    buf_ptr = scratch_ptr + row.to(tl.int64) * CAP
+    key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
+    key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
+    for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
+        cols = start + tl.arange(0, SCAN_N)
+        valid = cols < vocab
+        key = sf._order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), True)
+        key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
+        key_hi = tl.maximum(key_hi, tl.where(valid, key, -2147483648))
+    lo = tl.min(key_lo, axis=0).to(tl.int64)
+    hi = tl.max(key_hi, axis=0).to(tl.int64) + 1
+    result = hi
+    if STOP >= 1:
+        lo = sf._kth_largest(key_hi, k, lo, hi)
+        result = lo
+    if STOP == 2:
+        result = sf._compact(row_ptr, vocab, buf_ptr, lo, CAP, True, SCAN_N, STAGES).to(tl.int64)
+    if STOP == 3:  # the compaction's counting pass alone
+        lo32 = lo.to(tl.int32)
+        per_lane = tl.zeros([SCAN_N], dtype=tl.int32)
+        for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
+            cols = start + tl.arange(0, SCAN_N)
+            valid = cols < vocab
+            x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+            per_lane += (valid & (sf._order_key(x, True) >= lo32)).to(tl.int32)
+        result = tl.sum(per_lane, axis=0).to(tl.int64)
+    tl.store(out_ptr + row, result)
+
+
+PHASES = ("first pass", "+ k-th lane maximum", "+ compaction", "+ k-th lane maximum + the compaction's count pass alone")
+
+
+def time_rows(rows: int, logits: torch.Tensor) -> list[tuple[int, str, float]]:
+    dev = logits.device
+    out = torch.empty(rows, dtype=torch.int64, device=dev)
+    scratch = torch.empty(rows, sf.CAPACITY, dtype=torch.bfloat16, device=dev)
+    timed: list[tuple[int, str, float]] = []
+
+    def bench(name: str, fn: Callable[[], None]) -> None:
+        fn()
+        timed.append((rows, name, triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3))
+        print(timed[-1], flush=True)
+
+    for stop, name in enumerate(PHASES):
+        bench(name, lambda stop=stop: _phases_kernel[(rows,)](
+            logits, out, scratch, logits.stride(0), VOCAB, 20, STOP=stop, SCAN_N=sf.SCAN_BLOCK, CAP=sf.CAPACITY,
+            STAGES=sf.STAGES, num_warps=8))
+    temps = torch.full((rows,), 0.6, device=dev)
+    top_k = torch.full((rows,), 20, dtype=torch.int64, device=dev)
+    top_p = torch.full((rows,), 0.95, device=dev)
+    for name, tk, tp in (("whole kernel, top_k 20 + top_p 0.95", top_k, top_p),
+                         ("whole kernel, top_k 20", top_k, None), ("whole kernel, top_p 0.95", None, top_p)):
+        bench(name, lambda tk=tk, tp=tp: sf.filter_floors_triton(logits, temps, tk, tp, None))
+    return timed
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table: list[tuple[int, str, float]] = []
+    for rows in (1, 16, 64, 256):
+        logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        table += time_rows(rows, logits)
+    print("\n| rows | phase | us |\n| --- | --- | --- |")
+    for rows, name, us in table:
+        print(f"| {rows} | {name} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
