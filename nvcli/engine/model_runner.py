@@ -423,7 +423,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self._profile_run(sample_worst_case=self.rank == 0)  # rank 0 samples
+        self._profile_run(worst_case=True)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used = total - free
@@ -463,17 +463,34 @@ class ModelRunner:
         return step, blocks
 
     @torch.inference_mode()
-    def _run_largest_prefill(self, step: StepInput, sample_worst_case: bool = False) -> None:
-        """`sample_worst_case` (the KV-sizing profile run, rank 0): the penalty pool is held at the size that
-        max_num_seqs penalized sequences grow it to, and the logits are sampled with every feature on every row."""
-        pool = self._largest_penalty_pool() if sample_worst_case else None
+    def _run_largest_prefill(self, step: StepInput, worst_case: bool = False) -> None:
+        """`worst_case` (the KV-sizing profile run): rank 0 holds the penalty pool at the size that max_num_seqs
+        penalized sequences grow it to and samples the logits with every feature on every row; then, with those
+        logits still alive as in a step, every rank runs a scoring chunk (prompt_logprobs) of the step's rows."""
+        pool = self._largest_penalty_pool() if worst_case and self.rank == 0 else None
         hidden, residual = self._forward(step)
         rows = slice(0, self.config.max_num_seqs)
         logits = self.model.compute_logits(hidden[rows], residual[rows] if residual is not None else None)
-        del hidden, residual
         if pool is not None:
             self._sample_worst_case(logits, counts=pool[0], seen=pool[1])
-        del logits, pool
+        if worst_case:
+            self._score_worst_case(hidden, residual)
+        del hidden, residual, logits, pool
+
+    def _score_worst_case(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """A step's scoring work at its largest: the prompt rows gathered (a copy, as `_logit_rows` makes), their
+        logits a chunk of PROMPT_LOGITS_CHUNK_BYTES, and rank 0's reduction of it to logprobs, ranks and the most
+        alternatives. A scoring job with few sequences (little to sample) would otherwise meet a chunk of 256 MB that
+        KV sizing never saw. Every rank computes the chunk (the LM head gathers the vocab across ranks)."""
+        n = self.logit_chunk_rows  # a step pads its prompt rows to whole chunks (_logit_rows)
+        index = torch.arange(n, device=self.device) % hidden.shape[0]
+        extra = (hidden[index], None if residual is None else residual[index])
+        chunks = self._prompt_logit_chunks(extra)
+        if self.rank == 0:
+            token_logprobs(chunks, torch.zeros(n, dtype=torch.int64, device=self.device), MAX_LOGPROBS, self.device)
+        else:
+            for _ in chunks:
+                pass
 
     def _largest_penalty_pool(self) -> list[torch.Tensor]:
         """PenaltySlots' history tensors (counts int32, seen bool: [slots, vocab]) at the size max_num_seqs held
@@ -501,7 +518,7 @@ class ModelRunner:
         sampled_token_logprobs(logits, tokens, *logprob_rows(batch))
 
     @torch.inference_mode()
-    def _profile_run(self, sample_worst_case: bool = False) -> None:
+    def _profile_run(self, worst_case: bool = False) -> None:
         step, blocks = self._largest_prefill()
         layer = self.attn_layers[0]
         # Attention must read real blocks; every sequence and layer shares one scratch cache (in the real
@@ -510,7 +527,7 @@ class ModelRunner:
                                                       self.kv_dtype(), self.device)
         for attn in self.attn_layers:
             attn.k_cache, attn.v_cache = dummy_k, dummy_v
-        self._run_largest_prefill(step, sample_worst_case)
+        self._run_largest_prefill(step, worst_case)
 
     def _recache_prefill_activations(self) -> None:
         """Put a largest prompt step's activations back into PyTorch's caching allocator.

@@ -205,6 +205,31 @@ def test_the_dry_pass_runs_the_first_decoder_layers_then_all_again(tmp_path) -> 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="KV sizing measures device memory")
+def test_the_kv_cache_leaves_room_for_a_scoring_step(tiny_model_dir) -> None:
+    """A scoring job (prompt_logprobs) with few sequences: its steps turn up to 16k prompt positions into logits a
+    chunk of 256 MB at a time and reduce each to logprobs, ranks and 20 alternatives, beside the step's own sampled
+    logits. With 8 sequences there is little to sample, so only a profiled scoring chunk keeps that step inside
+    --gpu-memory-utilization."""
+    from nvcli import LLM, SamplingParams
+
+    util = 0.5
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", max_model_len=2048, max_num_seqs=8,
+              max_num_batched_tokens=16384, gpu_memory_utilization=util)
+    try:
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        outside = (total - free) - torch.cuda.memory_reserved()  # the CUDA context, cuBLAS: not torch's allocator
+        torch.cuda.reset_peak_memory_stats()
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20)
+        prompts = [[(7 * i + j) % 150_000 for j in range(2000)] for i in range(8)]
+        outs = llm.generate(prompts, sp)
+        assert all(len(o.prompt_logprobs) == 2000 for o in outs)
+        assert torch.cuda.max_memory_allocated() + outside <= util * total
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="KV sizing measures device memory")
 def test_the_kv_cache_leaves_room_for_a_step_that_samples_with_everything(tiny_model_dir) -> None:
     """KV sizing gives the cache what --gpu-memory-utilization leaves after a worst-case step. A step whose 256 rows
     all ask for logit_bias, the penalties, top-k / top-p / min-p and 20 logprobs samples from float32 copies of its
