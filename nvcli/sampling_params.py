@@ -27,7 +27,9 @@ class StructuredOutputsParams:
       starts with that trigger: its `begin`, a JSON value that matches its `schema`, then its `end`. Then the text is
       free again. Every `begin` must start with one of the triggers.
 
-    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens), as vLLM's option does.
+    `disable_any_whitespace` keeps JSON compact (no whitespace between tokens), as vLLM's option does;
+    `whitespace_pattern` (vLLM's, a regular expression) is instead the whitespace JSON may have between its tokens, e.g.
+    `" ?"` for at most one space (JSON constraints only: json, json_object, structural_tag).
     `disable_additional_properties` (vLLM's, for its guidance backend) makes every object of a JSON schema that lists
     `properties` and does not say otherwise take no other keys (`"additionalProperties": false`). Each token
     is drawn only from those that keep the output a prefix of something the constraint accepts (llguidance computes
@@ -44,6 +46,7 @@ class StructuredOutputsParams:
     structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -81,12 +84,20 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+                raise bad("whitespace_pattern", "must be a non-empty regular expression")
+            if self.json is None and not self.json_object and self.structural_tag is None:
+                raise bad("whitespace_pattern", "applies to JSON only: set it with json, json_object or structural_tag")
+            if self.disable_any_whitespace:
+                raise bad("whitespace_pattern", "contradicts disable_any_whitespace (which allows no whitespace): "
+                          "give one of them")
 
     @property
     def key(self) -> str:
         """A canonical text of the constraint: equal constraints compile once (engine/structured_output.py)."""
         fields = {k: getattr(self, k) for k in (*CONSTRAINT_FIELDS, "disable_any_whitespace",
-                                                 "disable_additional_properties")}
+                                                 "disable_additional_properties", "whitespace_pattern")}
         for name in ("json", "structural_tag"):
             if isinstance(fields[name], str):
                 fields[name] = json.loads(fields[name])

@@ -167,8 +167,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if params.disable_additional_properties:
             schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
         try:
-            return LLMatcher.grammar_from_json_schema(schema, defaults={
-                "whitespace_flexible": not params.disable_any_whitespace})
+            return LLMatcher.grammar_from_json_schema(schema, defaults=json_whitespace(params))
         except ValueError as e:
             raise ValueError(f"the JSON schema is not valid: {e}") from None
     if params.structural_tag is not None:
@@ -180,7 +179,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             # that is not an object is left for llguidance to refuse)
             own = schema.get("x-guidance", {})
             if isinstance(own, dict):
-                schema = {**schema, "x-guidance": {"whitespace_flexible": not params.disable_any_whitespace, **own}}
+                schema = {**schema, "x-guidance": {**json_whitespace(params), **own}}
             tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
         return StructTag.to_grammar(tags)
     if params.regex is not None:
@@ -195,6 +194,15 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     except Exception as e:  # noqa: BLE001 - the converter raises its own error types
         raise ValueError(f"the grammar is neither Lark nor GBNF: {e}") from e
     return LLMatcher.grammar_from_lark(lark)
+
+
+def json_whitespace(params: StructuredOutputsParams) -> dict[str, Any]:
+    """llguidance's JSON options for the whitespace between JSON's tokens: any (its default), none
+    (disable_any_whitespace), or what whitespace_pattern matches."""
+    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.whitespace_pattern is not None:
+        options["whitespace_pattern"] = params.whitespace_pattern
+    return options
 
 
 def closed_objects(schema: Any) -> Any:

@@ -96,9 +96,9 @@ _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided
 # keys of vLLM's structured_outputs that nv ignores (the backend is always llguidance), and those it lacks: accepted
 # only at their neutral values
 _SO_IGNORED = ("backend", "disable_fallback")
-_SO_NEUTRAL: dict[str, tuple[Any, ...]] = {"whitespace_pattern": (None,)}
 # structured_outputs' switches that modify the constraint (StructuredOutputsParams' fields of those names)
 _SO_MODIFIERS = ("disable_any_whitespace", "disable_additional_properties")
+_SO_WHITESPACE = "whitespace_pattern"  # a regular expression, also given as the line's guided_whitespace_pattern
 _RESPONSE_FORMATS = '"text", "json_object", "json_schema", "structural_tag"'  # OpenAI's response_format types nv serves
 # what a constraint's value must be, for values StructuredOutputsParams would take for "not set" (false, 0)
 _CONSTRAINT_TYPES = {"json": "a JSON schema: an object or its JSON text", "regex": "a non-empty string",
@@ -360,7 +360,8 @@ def _structured_outputs(
     then admits no constraint of the line's own), else None. vLLM's semantics; its checks are
     StructuredOutputsParams'."""
     found: list[tuple[str, str, Any]] = []  # (the line's field, StructuredOutputsParams' field, value)
-    modifiers: dict[str, bool] = {}  # disable_any_whitespace, disable_additional_properties: those set true
+    modifiers: dict[str, Any] = {}  # disable_any_whitespace, disable_additional_properties set true; whitespace_pattern
+    whitespace_name = ""  # the line's field that gave whitespace_pattern
     fmt = obj.get("response_format")
     if fmt is not None:
         constraint = _response_format(fmt, prefix + "response_format")
@@ -381,17 +382,22 @@ def _structured_outputs(
                     raise _Invalid(f"{name}: must be true or false (got {value!r})")
                 if value:
                     modifiers[key] = True
-            elif key in _SO_NEUTRAL:
-                if not any(_same_json(value, v) for v in _SO_NEUTRAL[key]):
-                    raise _Invalid(f"{name}={value!r} is not supported by nv (leave it out)")
+            elif key == _SO_WHITESPACE:
+                if value is not None:
+                    modifiers[key] = _whitespace_pattern(value, name)
+                    whitespace_name = name
             elif key not in _SO_IGNORED and warn is not None:
                 warn(f"ignoring unknown field {name!r}")
     for field_name, key in _GUIDED.items():
         if obj.get(field_name) is not None:
             found.append((prefix + field_name, key, obj[field_name]))
     if obj.get("guided_whitespace_pattern") is not None:
-        raise _Invalid(f"{prefix}guided_whitespace_pattern is not supported by nv (leave it out; "
-                       f"{prefix}structured_outputs.disable_any_whitespace keeps JSON compact)")
+        pattern = _whitespace_pattern(obj["guided_whitespace_pattern"], prefix + "guided_whitespace_pattern")
+        if modifiers.get(_SO_WHITESPACE, pattern) != pattern:
+            raise _Invalid(f"{prefix}guided_whitespace_pattern and {prefix}structured_outputs.whitespace_pattern "
+                           "differ: give one")
+        modifiers[_SO_WHITESPACE] = pattern
+        whitespace_name = prefix + "guided_whitespace_pattern"
     backend = obj.get("guided_decoding_backend")
     if backend is not None and not isinstance(backend, str):  # any backend name is served by llguidance
         raise _Invalid(f"{prefix}guided_decoding_backend must be a string, got {_json_type(backend)}")
@@ -405,16 +411,29 @@ def _structured_outputs(
         if not modifiers:
             return default
         if default is None:
-            raise _Invalid(f"{prefix}structured_outputs.{next(iter(modifiers))} needs a constraint: set one of "
+            first = next(iter(modifiers))
+            name = whitespace_name if first == _SO_WHITESPACE else f"{prefix}structured_outputs.{first}"
+            raise _Invalid(f"{name} needs a constraint: set one of "
                            + ", ".join(CONSTRAINT_FIELDS))
-        return dataclasses.replace(default, **modifiers)
+        try:
+            return dataclasses.replace(default, **modifiers)
+        except ValueError as e:  # whitespace_pattern beside the job's compact --json-schema, say
+            raise _Invalid(str(e).replace(f"StructuredOutputsParams.{_SO_WHITESPACE}", whitespace_name, 1)) from None
     name, key, value = found[0]
     if not isinstance(value, bool) if key == "json_object" else isinstance(value, (bool, int, float)):
         raise _Invalid(f"{name}: must be {_CONSTRAINT_TYPES[key]} (got {value!r})")
     try:
         return StructuredOutputsParams(**{key: value}, **modifiers)
     except ValueError as e:  # "StructuredOutputsParams.regex: must be ..." -> "body.guided_regex: must be ..."
-        raise _Invalid(str(e).replace(f"StructuredOutputsParams.{key}", name, 1)) from None
+        raise _Invalid(str(e).replace(f"StructuredOutputsParams.{key}", name, 1)
+                       .replace(f"StructuredOutputsParams.{_SO_WHITESPACE}", whitespace_name, 1)) from None
+
+
+def _whitespace_pattern(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Invalid(f"{name}: must be a non-empty regular expression, the whitespace JSON may have between its "
+                       f"tokens (got {value!r})")
+    return value
 
 
 def _response_format(value: Any, name: str) -> tuple[str, str, Any] | None:

@@ -239,6 +239,24 @@ def test_disable_additional_properties_closes_every_listed_object(tiny_model_dir
         "items": [{"properties": {}, "additionalProperties": False}, {"properties": {}, "additionalProperties": True}]}
 
 
+def test_json_has_only_the_whitespace_its_pattern_allows(tiny_model_dir) -> None:
+    """vLLM's whitespace_pattern: between JSON's tokens only what the pattern matches. Without it this random model's
+    JSON has newlines, tabs and runs of spaces (checked below), so the pattern is what keeps them out."""
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, num_kvcache_blocks=128)
+    texts = {}
+    for pattern in (None, " ?"):
+        params = [constrained(seed, json=SCHEMA, whitespace_pattern=pattern) for seed in range(6)]
+        outs = llm.generate(["{"] * 6, params)
+        texts[pattern] = [out.outputs[0].text for out in outs]
+    for out in outs:  # with the pattern: whole JSON values, which free whitespace often never finishes in 64 tokens
+        check(out.outputs[0].text, out.outputs[0].finish_reason, dict(json=SCHEMA))
+    free = "".join(texts[None])
+    assert re.search(r"[\n\t\r]| {2}", free), texts[None]
+    for text in texts[" ?"]:
+        assert not re.search(r"[\n\t\r]| {2}", text), text
+    assert any(" " in text for text in texts[" ?"]), texts[" ?"]  # the pattern allows one space, and it is used
+
+
 @pytest.mark.parametrize("constraint, message", [
     (dict(regex="(["), "regex"),
     (dict(json={"type": "objectx"}), "objectx"),
@@ -249,6 +267,7 @@ def test_disable_additional_properties_closes_every_listed_object(tiny_model_dir
                                                              "end": "</f>"}]}), "objectx"),
     (dict(structural_tag={"triggers": ["<"], "structures": [{"begin": "<f>", "schema": {"x-guidance": 5},
                                                              "end": "</f>"}]}), "x-guidance"),
+    (dict(json=SCHEMA, whitespace_pattern="[ "), "unclosed character class"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_when_added(tiny_model_dir, constraint: dict,
                                                                   message: str) -> None:

@@ -267,6 +267,10 @@ def test_response_format_sets_the_constraint_in_every_shape(shape, fields, expec
      SO(structural_tag=json.dumps(TAG), disable_any_whitespace=True)),
     ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
      SO(json=SCHEMA, disable_additional_properties=True)),
+    ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}}, SO(json=SCHEMA, whitespace_pattern=" ?")),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ \n]?"}, SO(json=SCHEMA, whitespace_pattern="[ \n]?")),
+    ({"response_format": {"type": "json_object"}, "guided_whitespace_pattern": " ?",
+      "structured_outputs": {"whitespace_pattern": " ?"}}, SO(json_object=True, whitespace_pattern=" ?")),
 ])
 def test_vllm_structured_outputs_and_guided_fields_in_every_shape(shape, fields, expected):
     """vLLM's structured_outputs object and its older guided_* fields, on native lines and in OpenAI bodies alike;
@@ -348,10 +352,19 @@ TYPES = '"text", "json_object", "json_schema", "structural_tag"'
     ({"structured_outputs": ["regex", "a"]},
      'structured_outputs must be a JSON object like {"json": {...}} or {"regex": "..."}, got a list'),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
-     "structured_outputs.whitespace_pattern=' ' is not supported by nv (leave it out)"),
-    ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ]?"},
-     "guided_whitespace_pattern is not supported by nv (leave it out; structured_outputs.disable_any_whitespace "
-     "keeps JSON compact)"),
+     "structured_outputs.whitespace_pattern: applies to JSON only: set it with json, json_object or structural_tag "
+     "(got ' ')"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": 3},
+     "guided_whitespace_pattern: must be a non-empty regular expression, the whitespace JSON may have between its "
+     "tokens (got 3)"),
+    ({"guided_json": SCHEMA, "guided_whitespace_pattern": " ", "structured_outputs": {"whitespace_pattern": "\n"}},
+     "guided_whitespace_pattern and structured_outputs.whitespace_pattern differ: give one"),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True, "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern: contradicts disable_any_whitespace (which allows no whitespace): give "
+     "one of them (got ' ')"),
+    ({"guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern needs a constraint: set one of json, json_object, regex, choice, grammar, "
+     "structural_tag"),
     ({"guided_regex": "a", "guided_decoding_backend": 1}, "guided_decoding_backend must be a string, got a number (1)"),
 ])
 def test_a_constraint_nv_cannot_serve_is_the_lines_error(shape, fields, message):
