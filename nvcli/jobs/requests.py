@@ -93,8 +93,7 @@ _COMPLETION_TOOLS: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choi
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided_decoding_backend",
                       "guided_whitespace_pattern")
-# keys of vLLM's structured_outputs that nv ignores (the backend is always llguidance), and those it lacks: accepted
-# only at their neutral values
+# keys of vLLM's structured_outputs that nv ignores (the backend is always llguidance)
 _SO_IGNORED = ("backend", "disable_fallback")
 # structured_outputs' switches that modify the constraint (StructuredOutputsParams' fields of those names)
 _SO_MODIFIERS = ("disable_any_whitespace", "disable_additional_properties")
