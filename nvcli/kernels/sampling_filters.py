@@ -79,6 +79,16 @@ def _tally(src_ptr, n, probes, top, scale, MASS: tl.constexpr, KEY16: tl.constex
 
 
 @triton.jit
+def _load_kept(row_ptr, start, vocab, key_lo, KEY16: tl.constexpr, SCAN_N: tl.constexpr):
+    """The row's SCAN_N values from column `start` (-inf past the row) and which of them have a key of at least
+    key_lo (int32)."""
+    cols = start + tl.arange(0, SCAN_N)
+    valid = cols < vocab
+    x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
+    return x, valid & (_order_key(x, KEY16) >= key_lo)
+
+
+@triton.jit
 def _lane_pass(row_ptr, vocab, key_lo, skip, KEY16: tl.constexpr, SCAN_N: tl.constexpr, STAGES: tl.constexpr):
     """One pass over the row: per lane (column c is lane c % SCAN_N), how many values have a key of at least key_lo,
     and the three that come skip-th, (skip + 1)-th and (skip + 2)-th among them (0-based, in column order)."""
@@ -87,10 +97,7 @@ def _lane_pass(row_ptr, vocab, key_lo, skip, KEY16: tl.constexpr, SCAN_N: tl.con
     second = tl.zeros([SCAN_N], dtype=row_ptr.dtype.element_ty)
     third = tl.zeros([SCAN_N], dtype=row_ptr.dtype.element_ty)
     for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
-        cols = start + tl.arange(0, SCAN_N)
-        valid = cols < vocab
-        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
-        keep = valid & (_order_key(x, KEY16) >= key_lo)
+        x, keep = _load_kept(row_ptr, start, vocab, key_lo, KEY16, SCAN_N)
         first = tl.where(keep & (per_lane == skip), x, first)
         second = tl.where(keep & (per_lane == skip + 1), x, second)
         third = tl.where(keep & (per_lane == skip + 2), x, third)
@@ -132,10 +139,7 @@ def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.const
                 _store_lanes(buf_ptr, pos, per_lane, skip, first, second, third)
         else:
             for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
-                cols = start + tl.arange(0, SCAN_N)
-                valid = cols < vocab
-                x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
-                keep = valid & (_order_key(x, KEY16) >= key_lo)
+                x, keep = _load_kept(row_ptr, start, vocab, key_lo, KEY16, SCAN_N)
                 tl.store(buf_ptr + pos, x, mask=keep)
                 pos += keep.to(tl.int32)
         tl.debug_barrier()  # the scratch is read back by other threads of this program
