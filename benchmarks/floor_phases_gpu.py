@@ -48,10 +48,8 @@ def _phases_kernel(logits_ptr, out_ptr, scratch_ptr, stride_row, vocab, k, STOP:
         lo32 = lo.to(tl.int32)
         per_lane = tl.zeros([SCAN_N], dtype=tl.int32)
         for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
-            cols = start + tl.arange(0, SCAN_N)
-            valid = cols < vocab
-            x = tl.load(row_ptr + cols, mask=valid, other=float("-inf"))
-            per_lane += (valid & (sf._order_key(x, True) >= lo32)).to(tl.int32)
+            _, keep = sf._load_kept(row_ptr, start, vocab, lo32, True, SCAN_N)
+            per_lane += keep.to(tl.int32)
         result = tl.sum(per_lane, axis=0).to(tl.int64)
     tl.store(out_ptr + row, result)
 
