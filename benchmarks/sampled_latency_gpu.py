@@ -5,9 +5,11 @@
 One request of 128 prompt + 512 output tokens on dummy Qwen3-0.6B weights, greedy, temperature 0.6 alone, and Qwen3's
 sampling (temperature 0.6, top_k 20, top_p 0.95). Per token: the wall time, the host time spent in the model runner's
 `launch` (building the step's sampling inputs and enqueueing forward and sampler) and in the whole `engine.step`, and
-the device time of the sampler's kernels alone (CUDA events around `sample`). When the host's time per step reaches
-the wall time per token, the step is bound by the host and a faster kernel does not show. `--cprofile` also prints
-the functions with the most host time inside `launch`, per case. The table is printed last.
+the device time of the sampler's kernels alone (CUDA events around the eager `sample`). When the host's time per step
+reaches the wall time per token, the step is bound by the host and a faster kernel does not show. Decode steps of a
+few rows sample inside CUDA graphs (engine/sampler_graphs.py; `NV_SAMPLER_GRAPHS=0` turns that off), so with them the
+eager sampler runs only for each request's first token, from its prompt step: the table gives how many steps called it.
+`--cprofile` also prints the functions with the most host time inside `launch`, per case. The table is printed last.
 """
 
 from __future__ import annotations
@@ -70,13 +72,15 @@ def main() -> None:
             print(f"== {name}: launch under cProfile")
             pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         sampler_us = sorted(a.elapsed_time(b) for a, b in events)[len(events) // 2] * 1e3
-        table.append((name, res["ms_per_output_token"], 1e3 * spent["launch"] / spent["calls"], sampler_us))
+        table.append((name, res["ms_per_output_token"], 1e3 * spent["launch"] / spent["calls"], sampler_us,
+                      f"{len(events)} of {spent['calls']}"))
         print(table[-1], flush=True)
     llm.shutdown()
-    print("\n| sampling | wall ms/token | host ms in launch per step | sampler's kernels, us (median) |")
-    print("| --- | --- | --- | --- |")
-    for name, wall, host, dev in table:
-        print(f"| {name} | {wall:.3f} | {host:.3f} | {dev:.0f} |")
+    print("\n| sampling | wall ms/token | host ms in launch per step | eager sampler's kernels, us (median) "
+          "| steps sampling eagerly |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, wall, host, dev, eager in table:
+        print(f"| {name} | {wall:.3f} | {host:.3f} | {dev:.0f} | {eager} |")
 
 
 if __name__ == "__main__":

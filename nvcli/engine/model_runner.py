@@ -21,9 +21,11 @@ import numpy as np
 import torch
 
 from nvcli.config import ConfigError, EngineConfig
+from nvcli.engine import sampler_graphs
 from nvcli.engine.attention_metadata import AttentionMetadata, DecodeSplit
 from nvcli.engine.penalties import PenaltyBatch, PenaltySlots, apply_penalties
 from nvcli.engine.sampler import (
+    RowValues,
     SamplingBatch,
     TokenLogprobs,
     logprob_rows,
@@ -31,6 +33,7 @@ from nvcli.engine.sampler import (
     sampled_token_logprobs,
     token_logprobs,
 )
+from nvcli.engine.sampler_graphs import SamplerGraphs
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.uploads import upload
 from nvcli.kernels.kv_layout import allocate_kv_cache
@@ -348,6 +351,12 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # decode graphs of up to sampler_graphs.MAX_ROWS rows end with the LM head, and rank 0 samples their logits in
+        # graphs too (engine/sampler_graphs.py); not under tensor parallelism, whose LM head gathers across ranks
+        self.graph_logits: dict[int, torch.Tensor] = {}  # [rows, vocab] per graph size, rewritten by every replay
+        self.sampler_graphs: SamplerGraphs | None = None
+        self.logits_graph_max_rows = (sampler_graphs.MAX_ROWS if self.device.type == "cuda" and not config.enforce_eager
+                                      and config.tensor_parallel_size == 1 else 0)
         self.num_mixed_replays = 0
         self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED
                             and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton")
@@ -448,7 +457,9 @@ class ModelRunner:
         hidden = self.model_config.hidden_size
         inter = self.model_config.intermediate_size // max(1, self.model.tp_size)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return bs * (6 * hidden + 3 * inter) * elem + (64 << 20)
+        # the logits of the graphs that end with the LM head stay allocated beside it, one tensor per graph size
+        logit_rows = sum(s for s in self.graph_batch_sizes if s <= self.logits_graph_max_rows)
+        return bs * (6 * hidden + 3 * inter) * elem + logit_rows * self.model_config.vocab_size * elem + (64 << 20)
 
     def _largest_prefill(self) -> tuple[StepInput, int]:
         """The largest prompt step a job can schedule (max_num_batched_tokens tokens, in sequences of at most
@@ -515,7 +526,7 @@ class ModelRunner:
                                  logprobs=MAX_LOGPROBS)] * rows
         batch = SamplingBatch.build(params, [0] * rows, vocab, self.device, random.Random(0), penalties=penalties)
         tokens = sample(logits, batch, torch.Generator(device=self.device).manual_seed(0))  # the job's RNG untouched
-        sampled_token_logprobs(logits, tokens, *logprob_rows(batch))
+        sampled_token_logprobs(logits, tokens, *logprob_rows(batch.num_logprobs))
 
     @torch.inference_mode()
     def _profile_run(self, worst_case: bool = False) -> None:
@@ -731,8 +742,15 @@ class ModelRunner:
         """Enqueue forward and sampling (rank 0); returns before the device is done. `token_masks` (structured
         outputs) is called once the forward is enqueued, so the host builds the masks while the device runs it:
         (rows, bitmask [len(rows), ceil(vocab / 32)] int32) that restrict those rows' tokens, or None."""
-        final, extra = self._forward_rows(step)
-        logits = self.model.compute_logits(*final)  # [num_seqs, vocab] in the model dtype; the sampler upcasts
+        num_seqs = len(step.seq_lens)
+        graph_bs = self._logits_graph_for(step)
+        if graph_bs:  # the graph ends with the LM head
+            self._replay_graph(step)
+            extra = None
+            logits = self.graph_logits[graph_bs][:num_seqs]  # [num_seqs, vocab]
+        else:
+            final, extra = self._forward_rows(step)
+            logits = self.model.compute_logits(*final)  # [num_seqs, vocab] in the model dtype; the sampler upcasts
         masks = token_masks() if token_masks is not None else None
         if masks is not None:  # in place: the logprobs are then those of the constrained distribution, as in vLLM
             # imported late, as token_logprobs: the CPU tests pick Triton's interpreter after importing the engine
@@ -745,15 +763,20 @@ class ModelRunner:
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
                   if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
         penalties = self.penalty_slots.prepare(batch.seqs, batch.sample_index, logits.shape[1])  # None: no such row
-        sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
-                                 self.noise_rng if self.device.type == "cuda" else None, banned, penalties)
-        tokens = sample(logits, sb, self.generator)
+        if (graph_bs and masks is None and penalties is None and not banned
+                and not any(p.logit_bias for p in params)):
+            values = RowValues.of(params, positions, logits.shape[1], self.noise_rng)
+            tokens = self.sampler_graphs.sample(graph_bs, values)[:num_seqs]
+        else:
+            sb = SamplingBatch.build(params, positions, logits.shape[1], self.device,
+                                     self.noise_rng if self.device.type == "cuda" else None, banned, penalties)
+            tokens = sample(logits, sb, self.generator)
         if penalties is not None:
             self.penalty_slots.record(penalties, tokens)
         self.prev_tokens = tokens
         if self.broadcast_tokens:
             torch.distributed.broadcast(tokens, src=0)
-        rows, ks = logprob_rows(sb)
+        rows, ks = logprob_rows([p.logprobs for p in params])
         logprobs = sampled_token_logprobs(logits, tokens, rows, ks)
         prompt_lp = None
         if extra is not None:
@@ -903,18 +926,35 @@ class ModelRunner:
                                  self.g_order[:bs] if LONGEST_FIRST else None)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
+    def _graph_forward_logits(self, bs: int) -> tuple[Final, torch.Tensor]:
+        """_graph_forward's outputs and their logits [bs, vocab]."""
+        final = self._graph_forward(bs)
+        return final, self.model.compute_logits(*final)
+
     @torch.inference_mode()
     def _capture_cuda_graphs(self) -> None:
         self._make_graph_inputs()
         pool = None
+        if self.logits_graph_max_rows and self.rank == 0:
+            self.sampler_graphs = SamplerGraphs(self.logits_graph_max_rows, self.model_config.vocab_size, self.device)
         for bs in reversed(self.graph_batch_sizes):
-            self._graph_forward(bs)  # eager first: Triton compiles (unless compiled ahead) outside the graph
+            with_logits = self.sampler_graphs is not None and bs <= self.logits_graph_max_rows
+            # eager first: Triton compiles (unless compiled ahead) outside the graph
+            if with_logits:
+                self._graph_forward_logits(bs)
+            else:
+                self._graph_forward(bs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.graph_outputs[bs] = self._graph_forward(bs)
+                if with_logits:
+                    self.graph_outputs[bs], self.graph_logits[bs] = self._graph_forward_logits(bs)
+                else:
+                    self.graph_outputs[bs] = self._graph_forward(bs)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
+            if with_logits:
+                self.sampler_graphs.capture(self.graph_logits[bs], pool)
             torch.cuda.synchronize()
         for tokens in reversed(self.mixed_graph_sizes):
             self._mixed_graph_forward(tokens)
@@ -952,6 +992,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
             self.mixed_graphs.clear()
+            self.graph_logits.clear()
+            self.sampler_graphs = None
             torch.cuda.empty_cache()
 
     def _replay_graph(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -990,6 +1032,13 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         hidden, residual = self.graph_outputs[graph_bs]
         return hidden[:bs], residual[:bs] if residual is not None else None
+
+    def _logits_graph_for(self, step: StepInput) -> int:
+        """The size of the decode graph that replays `step` and computes its logits, or 0 (none does)."""
+        bs = len(step.seq_lens)
+        if not (step.decode_only and self.graph_logits and bs <= self.logits_graph_max_rows):
+            return 0
+        return next(s for s in self.graph_batch_sizes if s >= bs)
 
     def _mixed_graph_for(self, step: StepInput) -> int:
         """The token count of the smallest mixed graph that holds `step`, or 0 (the step runs eagerly)."""

@@ -37,6 +37,55 @@ _MASK = float("-inf")
 
 
 @dataclass
+class RowValues:
+    """A batch's per-row sampling values on the host, as the device takes them: SamplingBatch.build uploads them for
+    the eager sampler, and small decode steps copy them into their sampler graphs' inputs (engine/sampler_graphs.py),
+    so a row draws the same token either way."""
+
+    temperatures: list[float]  # 0 = greedy
+    top_k: list[int] | None  # capped at the vocab size, which also stands for none; None if no row uses it
+    top_p: list[float] | None  # 1 = none; None if no row uses it
+    min_p: list[float] | None  # 0 = none; None if no row uses it
+    seeds: list[tuple[int, int]]  # (row, seed mixed with the output position) for seeded sampled rows
+    philox: list[int] | None  # each row's noise seed (the fused GPU sampler); None when all greedy or without rng
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t == 0 for t in self.temperatures)
+
+    @property
+    def filtered(self) -> bool:
+        """Some row uses top-k, top-p or min-p."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @staticmethod
+    def of(params: list, positions: list[int], vocab_size: int, rng: random.Random | None) -> RowValues:
+        """`params`: SamplingParams per row; `positions`: index of the token being sampled. `rng` draws the noise
+        seeds of unseeded rows, one draw per row whatever the row (a seeded row's is not used)."""
+        temps = [0.0 if p.greedy else p.temperature for p in params]
+        sampled = any(t > 0 for t in temps)
+        top_k = top_p = min_p = None
+        if sampled:
+            if any(p.top_k > 0 for p in params):
+                top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+            if any(p.top_p < 1.0 for p in params):
+                # float32 of a top_p below ~1e-45 is 0; filter_floors keeps the most likely token whatever top_p is
+                top_p = [p.top_p for p in params]
+            if any(p.min_p > 0 for p in params):
+                min_p = [p.min_p for p in params]
+        seeds = [
+            (i, (p.seed * 1_000_003 + pos) & 0x7FFF_FFFF_FFFF_FFFF)
+            for i, (p, pos, t) in enumerate(zip(params, positions, temps))
+            if p.seed is not None and t > 0
+        ]
+        philox = None
+        if rng is not None and sampled:
+            by_row = dict(seeds)
+            philox = [by_row.get(i, rng.getrandbits(62)) for i in range(len(params))]
+        return RowValues(temps, top_k, top_p, min_p, seeds, philox)
+
+
+@dataclass
 class SamplingBatch:
     temperatures: torch.Tensor | None  # [num_seqs] float32, 0 = greedy; None when every row is greedy
     top_k: torch.Tensor | None  # [num_seqs] int64, vocab size where disabled; None if no row uses it
@@ -64,26 +113,11 @@ class SamplingBatch:
         `penalties`: the penalized rows and their token history (engine/penalties.py, PenaltySlots.prepare).
         Each row's `logit_bias` goes to the device here, as (row, token, bias) triples in one upload.
         """
-        temps = [0.0 if p.greedy else p.temperature for p in params]
-        all_greedy = all(t == 0 for t in temps)
-        top_k = top_p = min_p = None
-        if not all_greedy:
-            if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
-                                     dtype=torch.int64)
-            if any(p.top_p < 1.0 for p in params):
-                # float32 of a top_p below ~1e-45 is 0; filter_floors keeps the most likely token whatever top_p is
-                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-            if any(p.min_p > 0 for p in params):
-                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        seeds = [
-            (i, (p.seed * 1_000_003 + pos) & 0x7FFF_FFFF_FFFF_FFFF)
-            for i, (p, pos, t) in enumerate(zip(params, positions, temps))
-            if p.seed is not None and t > 0
-        ]
+        values = RowValues.of(params, positions, vocab_size, rng)
+        all_greedy = values.all_greedy
 
-        def to(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else upload(t, device)
+        def to(v: list | None, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if v is None else upload(torch.tensor(v, dtype=dtype), device)
 
         bias_index = bias_values = None
         biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
@@ -91,21 +125,18 @@ class SamplingBatch:
             k = sum(len(b) for _, b in biased)
             rows = np.repeat(np.array([i for i, _ in biased], dtype=np.int64), [len(b) for _, b in biased])
             tokens = np.fromiter(chain.from_iterable(b.keys() for _, b in biased), dtype=np.int64, count=k)
-            values = np.fromiter(chain.from_iterable(b.values() for _, b in biased), dtype=np.float32, count=k)
-            packed = np.concatenate([rows.view(np.uint8), tokens.view(np.uint8), values.view(np.uint8)])
+            amounts = np.fromiter(chain.from_iterable(b.values() for _, b in biased), dtype=np.float32, count=k)
+            packed = np.concatenate([rows.view(np.uint8), tokens.view(np.uint8), amounts.view(np.uint8)])
             dev = upload(torch.from_numpy(packed), device)  # one copy: int64 [2, K], then float32 [K]
             index = dev[: 16 * k].view(torch.int64).view(2, k)
             bias_index, bias_values = (index[0], index[1]), dev[16 * k :].view(torch.float32)
-        philox = None
-        if rng is not None and not all_greedy:
-            by_row = dict(seeds)
-            philox = torch.tensor([by_row.get(i, rng.getrandbits(62)) for i in range(len(params))], dtype=torch.int64)
         return SamplingBatch(
             # all greedy: argmax needs no temperatures, and a token's latency pays for every upload
-            temperatures=None if all_greedy else to(torch.tensor(temps, dtype=torch.float32)),
-            top_k=to(top_k), top_p=to(top_p), min_p=to(min_p), seeds=seeds, all_greedy=all_greedy,
-            num_logprobs=[p.logprobs for p in params], philox_seeds=to(philox),
-            needs_filter=top_k is not None or top_p is not None or min_p is not None, banned=banned or None,
+            temperatures=None if all_greedy else to(values.temperatures, torch.float32),
+            top_k=to(values.top_k, torch.int64), top_p=to(values.top_p, torch.float32),
+            min_p=to(values.min_p, torch.float32), seeds=values.seeds, all_greedy=all_greedy,
+            num_logprobs=[p.logprobs for p in params], philox_seeds=to(values.philox, torch.int64),
+            needs_filter=values.filtered, banned=banned or None,
             penalties=penalties, bias_index=bias_index, bias_values=bias_values,
         )
 
@@ -170,10 +201,11 @@ def kept_mask(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits.float() >= filter_floors(logits, batch).unsqueeze(1)
 
 
-def logprob_rows(batch: SamplingBatch) -> tuple[list[int], list[int]]:
-    """The rows that asked for logprobs, and how many alternatives each asked for."""
-    rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
-    return rows, [batch.num_logprobs[i] or 0 for i in rows]
+def logprob_rows(num_logprobs: list[int | None]) -> tuple[list[int], list[int]]:
+    """The rows that asked for logprobs (SamplingParams.logprobs per row, None = not asked), and how many
+    alternatives each asked for."""
+    rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+    return rows, [num_logprobs[i] or 0 for i in rows]
 
 
 def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]

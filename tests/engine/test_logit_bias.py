@@ -67,7 +67,7 @@ def test_the_callers_logits_and_the_logprobs_stay_raw(dtype: torch.dtype) -> Non
     batch = SamplingBatch.build(params, [0, 0], VOCAB, CPU)
     tokens = sample(logits, batch)
     assert tokens[0].item() == target and torch.equal(logits, before)
-    rows, ks = logprob_rows(batch)
+    rows, ks = logprob_rows(batch.num_logprobs)
     assert rows == [0] and ks == [2]
     entry = sampled_token_logprobs(logits, tokens, rows, ks).flat(ks)[0]
     raw = torch.log_softmax(logits[0].float(), dim=-1)
