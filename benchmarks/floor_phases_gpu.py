@@ -1,15 +1,17 @@
 """Where the filter floor kernel's time goes at few rows (one program per row, one SM each).
 
-    PYTHONPATH=. python3 benchmarks/floor_phases_gpu.py
+    PYTHONPATH=. python3 benchmarks/floor_phases_gpu.py [--configs]
 
 Times kernels that stop after each phase of `_filter_floor_kernel` for Qwen3's pair (top_k 20, top_p 0.95) on
 [rows, 151,936] bf16 logits (randn * 4, temperature 0.6): the first pass over the row (min, max, lane maxima), then
 the k-th largest lane maximum (top-k's bound), then the compaction into the scratch, then the whole kernel. us, median
-of do_bench_cudagraph (no launch overhead). The table is printed last.
+of do_bench_cudagraph (no launch overhead). `--configs` instead times the whole kernel per load width (lanes), warps and
+loads in flight, at few rows, where a row's one program on one SM is latency-bound. The table is printed last.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -81,7 +83,37 @@ def time_rows(rows: int, logits: torch.Tensor) -> list[tuple[int, str, float]]:
     return timed
 
 
+CONFIGS = [(2048, 8, 4), (2048, 16, 4), (2048, 8, 8), (2048, 16, 8), (4096, 8, 4), (4096, 16, 4), (4096, 16, 8),
+           (8192, 16, 4)]  # (columns per load = lanes, warps, loads in flight)
+
+
+def time_configs() -> None:
+    """`--configs`: the whole kernel per (scan, warps, stages) at few rows, each checked against the default's floors."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table = []
+    for rows in (1, 4, 16, 64):
+        logits = (torch.randn(rows, VOCAB, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+        temps = torch.full((rows,), 0.6, device="cuda")
+        top_k = torch.full((rows,), 20, dtype=torch.int64, device="cuda")
+        top_p = torch.full((rows,), 0.95, device="cuda")
+        for name, tk, tp in (("top_k 20 + top_p 0.95", top_k, top_p), ("top_p 0.95", None, top_p)):
+            want = sf.filter_floors_triton(logits, temps, tk, tp, None)
+            for scan, warps, stages in CONFIGS:
+                def fn(x=logits, t=temps, tk=tk, tp=tp, scan=scan, warps=warps, stages=stages) -> torch.Tensor:
+                    return sf.filter_floors_triton(x, t, tk, tp, None, scan=scan, stages=stages, warps=warps)
+                same = torch.equal(fn(), want)
+                us = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+                table.append((rows, name, f"{scan} / {warps} / {stages}", us, same))
+                print(table[-1], flush=True)
+    print("\n| rows | filter | scan / warps / stages | us | floors as the default's |\n| --- | --- | --- | --- | --- |")
+    for rows, name, cfg, us, same in table:
+        print(f"| {rows} | {name} | {cfg} | {us:.1f} | {same} |")
+
+
 def main() -> None:
+    if "--configs" in sys.argv:
+        time_configs()
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     table: list[tuple[int, str, float]] = []
     for rows in (1, 16, 64, 256):

@@ -300,6 +300,9 @@ def filter_floors_triton(
     top_p: torch.Tensor | None,  # [num_rows] fp32, 1 where off
     min_p: torch.Tensor | None,  # [num_rows] fp32, 0 where off
     capacity: int = CAPACITY,  # candidates per row's scratch (a power of 2; the tests make it small)
+    scan: int = SCAN_BLOCK,  # columns per load, and lanes (a power of 2)
+    stages: int = STAGES,
+    warps: int = 8,
 ) -> torch.Tensor:  # [num_rows] fp32
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -313,9 +316,9 @@ def filter_floors_triton(
         torch.ones(rows, dtype=torch.float32, device=dev) if top_p is None else top_p,
         torch.zeros(rows, dtype=torch.float32, device=dev) if min_p is None else min_p,
         floors, torch.empty(rows, capacity, dtype=logits.dtype, device=dev), logits.stride(0), vocab,
-        KEY16=logits.element_size() == 2, NUM_PROBES=PROBES, BLOCK_N=BLOCK, SCAN_N=SCAN_BLOCK, CAP=capacity,
-        STAGES=STAGES, NUCLEUS_LANES=NUCLEUS_LANES,
-        num_warps=8,
+        KEY16=logits.element_size() == 2, NUM_PROBES=PROBES, BLOCK_N=BLOCK, SCAN_N=scan, CAP=capacity,
+        STAGES=stages, NUCLEUS_LANES=NUCLEUS_LANES,
+        num_warps=warps,
     )
     return floors
 
