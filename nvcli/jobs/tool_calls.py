@@ -4,7 +4,8 @@ A chat line offers functions in `tools` and says in `tool_choice` whether the mo
 - "none": the tools are rendered into the prompt (vLLM's default), the answer is text;
 - "auto" (the default when tools are given): the model answers freely and the job's parser finds the calls in the
   text (`hermes`: `<tool_call>{...}</tool_call>` blocks, Qwen2.5/Qwen3/Hermes; `llama3_json`: `{...}; {...}` JSON,
-  Llama 3.1/3.2);
+  Llama 3.1/3.2; `qwen3_coder`: `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`,
+  Qwen3-Coder/Qwen3.5, each value read by its parameter's type in the tool's schema);
 - "required": the output is constrained to a JSON array of `{"name", "parameters"}` calls of the given tools;
 - `{"type": "function", "function": {"name": ...}}`: the output is constrained to that function's parameters.
 
@@ -15,6 +16,7 @@ OpenAI tool calls (`extract`). It knows nothing of the engine or of the output l
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import re
@@ -26,8 +28,10 @@ from nvcli.jobs.jsonio import json_type
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
-PARSERS = (HERMES, LLAMA3_JSON)
-PARSER_CHOICES = ("auto", *PARSERS)  # --tool-call-parser
+QWEN3_CODER = "qwen3_coder"
+PARSERS = (HERMES, LLAMA3_JSON, QWEN3_CODER)
+PARSER_ALIASES = {"qwen3_xml": QWEN3_CODER}  # vLLM's second parser of the XML format reads it the same
+PARSER_CHOICES = ("auto", *PARSERS, *PARSER_ALIASES)  # --tool-call-parser
 
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
 # vLLM means "an empty object" (its default grammar backend, xgrammar, reads a schema strictly); llguidance reads
@@ -36,8 +40,15 @@ _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additi
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # vLLM's Hermes2ProToolParser
 _HERMES_START = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
-# what marks a chat template's tool-call format (--tool-call-parser auto); Llama 3.2's JSON instruction has no tag
-_TEMPLATE_MARKS = ((HERMES, (_HERMES_START,)),
+# the XML format (vLLM's Qwen3CoderToolParser): a function runs to </function> or the end, a parameter to
+# </parameter>, the next parameter, </function> or the end
+_XML_FUNCTION = re.compile(r"<function=(.*?)</function>|<function=(.*)", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL)
+_XML_START = "<function="
+# what marks a chat template's tool-call format (--tool-call-parser auto), first match wins: the XML format's templates
+# also show <tool_call>; Llama 3.2's JSON instruction has no tag
+_TEMPLATE_MARKS = ((QWEN3_CODER, ("<parameter=",)),
+                   (HERMES, (_HERMES_START,)),
                    (LLAMA3_JSON, (_PYTHON_TAG, "respond with a JSON for a function call")))
 
 
@@ -53,7 +64,7 @@ class ToolSpec:
     choice: str  # NONE | AUTO | REQUIRED | NAMED
     name: str | None = None  # NAMED: the function
     parallel: bool = True  # parallel_tool_calls
-    parser: str | None = None  # AUTO: the job's parser (HERMES | LLAMA3_JSON), set when the line is rendered
+    parser: str | None = None  # AUTO: the job's parser (one of PARSERS), set when the line is rendered
 
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema the output must match (vLLM's `_get_json_schema_from_tool`), or None (NONE, AUTO)."""
@@ -235,7 +246,7 @@ def resolve_parser(flag: str, template: str | None) -> str | None:
     """--tool-call-parser: the parser named, or for "auto" the one the chat template's format calls for; None when
     the template shows none of the formats nv reads."""
     if flag != "auto":
-        return flag
+        return PARSER_ALIASES.get(flag, flag)
     for parser, marks in _TEMPLATE_MARKS:
         if template is not None and any(mark in template for mark in marks):
             return parser
@@ -249,7 +260,7 @@ def serving_problem(spec: ToolSpec, template: str | None) -> str | None:
                "whose template takes them"
     if spec.choice == AUTO and spec.parser is None:
         return "tool_choice \"auto\" needs a tool-call parser and this model's chat template shows no format nv " \
-               "knows: pass --tool-call-parser hermes or llama3_json"
+               "knows: pass --tool-call-parser hermes, llama3_json or qwen3_coder"
     return None
 
 
@@ -267,7 +278,12 @@ def extract(spec: ToolSpec, text: str, finish_reason: str | None) -> Extracted:
         if calls is None:
             return Extracted(text, [], finish_reason)
         return Extracted("", calls, "tool_calls" if finish_reason == "stop" else finish_reason)
-    content, calls = parse_llama3_json(text) if spec.parser == LLAMA3_JSON else parse_hermes(text)
+    if spec.parser == LLAMA3_JSON:
+        content, calls = parse_llama3_json(text)
+    elif spec.parser == QWEN3_CODER:
+        content, calls = parse_qwen3_coder(text, spec.tools)
+    else:
+        content, calls = parse_hermes(text)
     if not calls:
         return Extracted(content, [], finish_reason)
     return Extracted(content, calls if spec.parallel else calls[:1], "tool_calls")
@@ -320,6 +336,94 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[dict[str, Any]]]:
                 return text, []
             at = _skip(body, at + 1)
     return None, calls
+
+
+def parse_qwen3_coder(text: str, tools: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, calls) of a Qwen3-Coder / Qwen3.5 completion, as vLLM's `qwen3_coder` parser reads it: each
+    `<function=NAME>` in the `<tool_call>` blocks (a last block or function may be unclosed; without any block, in the
+    whole text) is a call, and its `<parameter=KEY>` values (one newline stripped from each end) are read by the
+    parameter's type in that tool's schema (`_xml_value`). The content is the text before the first block (or
+    function), None if that is empty. A function or parameter without its `>` means nothing was called and the whole
+    text is content."""
+    if _XML_START not in text:
+        return text, []
+    blocks = [closed or unclosed for closed, unclosed in _HERMES_BLOCK.findall(text)] or [text]
+    functions = [closed or unclosed for block in blocks for closed, unclosed in _XML_FUNCTION.findall(block)]
+    calls = []
+    for function in functions:
+        name, found, body = function.partition(">")
+        if not found or not name:
+            return text, []
+        schemas = _parameter_schemas(tools, name)
+        args: dict[str, Any] = {}
+        for parameter in _XML_PARAMETER.findall(body):
+            key, found, value = parameter.partition(">")
+            if not found:
+                return text, []
+            value = value.removeprefix("\n").removesuffix("\n")
+            args[key] = _xml_value(value, schemas.get(key))
+        calls.append(tool_call(name, json.dumps(args, ensure_ascii=False)))
+    if not calls:
+        return text, []
+    start = text.find(_HERMES_START)
+    start = start if start >= 0 else text.find(_XML_START)
+    return text[:start] or None, calls
+
+
+def _parameter_schemas(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The named tool's parameters' schemas by name ({} for an unknown tool or one without properties)."""
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            params = tool["function"].get("parameters") or {}
+            properties = params.get("properties")
+            return properties if isinstance(properties, dict) else {}
+    return {}
+
+
+_XML_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema's type asks for (vLLM's conversions): "null" (any case) is null;
+    a parameter the tool does not define (schema None) and the string types stay text; integer and number types parse
+    as such (a whole number as an integer); boolean is whether the text is "true"; objects and arrays parse as JSON,
+    any other type as a Python literal. Text that does not parse, or parses to no JSON value, stays text."""
+    if text.lower() == "null":
+        return None
+    if schema is None:
+        return text
+    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
+    if isinstance(kind, list):  # ["integer", "null"]: the first type that is not null
+        kind = next((k for k in kind if k != "null"), "string")
+    kind = str(kind).strip().lower()
+    value: Any = text
+    try:
+        if kind in _XML_STRING_TYPES:
+            return text
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            value = int(text)
+        elif kind.startswith(("num", "float")):
+            number = float(text)
+            value = int(number) if number.is_integer() else number
+        elif kind in ("boolean", "bool", "binary"):
+            return text.lower() == "true"
+        elif kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+            value = json.loads(text)
+        else:
+            value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, OverflowError):
+        if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+            try:  # vLLM tries a Python literal next ('{"a": True}', single quotes)
+                value = ast.literal_eval(text)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return text
+        else:
+            return text
+    try:
+        json.dumps(value, allow_nan=False)  # NaN, infinity, sets, bytes: no JSON value
+    except (TypeError, ValueError, RecursionError):
+        return text
+    return value
 
 
 def _skip(text: str, at: int) -> int:

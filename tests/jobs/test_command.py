@@ -112,7 +112,7 @@ def test_bad_lines_exit_1_with_summary(tmp_path, engines):
         (["IN", "-o", "OUTDIR/nodir/out.jsonl"], "does not exist"),
         (["IN", "-o", "IN"], "the output file is the input file"),
         (["IN", "--tool-call-parser", "mistral"],
-         "--tool-call-parser: must be one of auto, hermes, llama3_json (got 'mistral')"),
+         "--tool-call-parser: must be one of auto, hermes, llama3_json, qwen3_coder, qwen3_xml (got 'mistral')"),
     ],
 )
 def test_usage_errors_exit_2(tmp_path, engines, args, words):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -414,7 +415,7 @@ def test_the_parser_comes_from_the_flag_or_the_template_and_a_template_without_t
     data = jsonl(chat("auto", "Q-auto"), chat("required", "Q-required", tool_choice="required"))
     _, (auto, required) = run(unknown, data, defaults=Defaults(sampling={"max_tokens": 500}))
     error = auto["response"]["body"]["error"]
-    assert auto["response"]["status_code"] == 400 and "pass --tool-call-parser hermes or llama3_json" in error["message"]
+    assert auto["response"]["status_code"] == 400 and "pass --tool-call-parser hermes, llama3_json or qwen3_coder" in error["message"]
     assert message(required)[1] == "tool_calls"  # no parser needed: the constraint gives the shape
     _, (auto, _) = run(unknown, data, defaults=Defaults(sampling={"max_tokens": 500}, tool_call_parser="hermes"))
     assert message(auto)[1] == "tool_calls"
@@ -425,6 +426,27 @@ def test_the_parser_comes_from_the_flag_or_the_template_and_a_template_without_t
     for line in (auto, required):
         assert line["response"]["body"]["error"]["message"].startswith("this model's chat template does not render tools")
     assert blind.rendered == []
+
+
+def test_a_qwen3_coder_template_gets_its_xml_calls_read_with_typed_arguments():
+    """A template that shows the XML format (Qwen3-Coder, Qwen3.5) picks the qwen3_coder parser under "auto": the
+    calls come back as OpenAI tool calls whose arguments follow the tool's parameter types."""
+    xml = ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nLima\n</parameter>\n<parameter=days>\n"
+           "2\n</parameter>\n</function>\n</tool_call>")
+    engine = FakeEngine(max_model_len=4000, replies={"Q-xml": xml})
+    engine.tokenizer.chat_template = ("{% if tools %}{{ tools }}<tool_call>\n<function=name>\n<parameter=key>\nvalue\n"
+                                      "</parameter>\n</function>\n</tool_call>{% endif %}")
+    weather = copy.deepcopy(WEATHER)
+    weather["function"]["parameters"]["properties"]["days"] = {"type": "integer"}
+    _, (line,) = run(engine, jsonl(chat("xml", "Q-xml", tools=[weather, NOW])),
+                     defaults=Defaults(sampling={"max_tokens": 500}))
+    msg, finish = message(line)
+    assert (msg["content"], names_and_args(msg["tool_calls"]), finish) == \
+        ("Checking.\n", [("get_weather", {"city": "Lima", "days": 2})], "tool_calls")
+    # under hermes the same text has no JSON call in its block: it is all content
+    _, (line,) = run(engine, jsonl(chat("xml", "Q-xml", tools=[weather, NOW])),
+                     defaults=Defaults(sampling={"max_tokens": 500}, tool_call_parser="hermes"))
+    assert message(line) == ({"role": "assistant", "content": xml, "tool_calls": []}, "stop")
 
 
 def test_n_completions_are_each_read_for_calls():

@@ -16,6 +16,7 @@ from nvcli.jobs.tool_calls import (
     LLAMA3_JSON,
     NAMED,
     NONE,
+    QWEN3_CODER,
     REQUIRED,
     ToolCallError,
     ToolSpec,
@@ -23,6 +24,7 @@ from nvcli.jobs.tool_calls import (
     named_schema,
     parse_hermes,
     parse_llama3_json,
+    parse_qwen3_coder,
     parse_tools,
     renders_tools,
     required_schema,
@@ -362,6 +364,73 @@ LLAMA31_LIKE = ('{%- if tools %}Given the following functions, please respond wi
                 'its proper arguments{% endif %}{%- if builtin_tools %}<|python_tag|>{% endif %}')
 
 
+# the tool-call instructions of Qwen3-Coder's and Qwen3.5's chat templates, in short
+QWEN35_LIKE = ("{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\nTo call a "
+               "function reply with:\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>"
+               "\nvalue_1\n</parameter>\n</function>\n</tool_call>{% endif %}")
+TYPED = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "nights": {"type": "integer"}, "budget": {"type": "number"},
+    "breakfast": {"type": "boolean"}, "guests": {"type": "array"}, "prefs": {"type": "object"},
+    "floor": {"type": ["integer", "null"]}, "note": {"enum": ["quiet", "view"]}, "when": {"type": "date"}}}}}
+XML_CALLS = ("I will book it.\n<tool_call>\n<function=book>\n<parameter=city>\nSão Paulo\n</parameter>\n"
+             "<parameter=nights>\n3\n</parameter>\n<parameter=budget>\n250.5\n</parameter>\n<parameter=breakfast>\n"
+             "True\n</parameter>\n<parameter=guests>\n[\"ana\", \"bo\"]\n</parameter>\n<parameter=prefs>\n"
+             "{'quiet': true}\n</parameter>\n<parameter=floor>\nnull\n</parameter>\n<parameter=note>\nview\n"
+             "</parameter>\n<parameter=code>\nif a < b:\n    print(\"x\")\n\n</parameter>\n</function>\n</tool_call>\n"
+             "<tool_call>\n<function=now>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_reads_each_call_with_values_typed_by_the_schema():
+    content, calls = parse_qwen3_coder(XML_CALLS, [TYPED, NOW])
+    assert content == "I will book it.\n"
+    assert calls_of(calls) == [("book", {"city": "São Paulo", "nights": 3, "budget": 250.5, "breakfast": True,
+                                         "guests": ["ana", "bo"], "prefs": "{'quiet': true}", "floor": None,
+                                         "note": "view", "code": 'if a < b:\n    print("x")\n'}),
+                               ("now", {})]
+    assert "São Paulo" in calls[0]["function"]["arguments"]  # not escaped, as vLLM's json.dumps(ensure_ascii=False)
+
+
+@pytest.mark.parametrize("kind, text, value", [
+    ("integer", "42", 42), ("integer", "4.5", "4.5"), ("integer", "many", "many"),
+    ("number", "2.0", 2), ("number", "1e400", "1e400"), ("number", "nan", "nan"),
+    ("boolean", "FALSE", False), ("boolean", "yes", False), ("boolean", "NULL", None),
+    ("object", '{"a": [1, 2]}', {"a": [1, 2]}), ("object", "{'a': True}", {"a": True}), ("array", "[1,", "[1,"),
+    ("array", "{1, 2}", "{1, 2}"),  # a Python set is no JSON value
+    ("date", "2026-11-24", "2026-11-24"), ("tuple", "(1, 2)", [1, 2]), ("string", "123", "123")])
+def test_qwen3_coder_value_conversions(kind: str, text: str, value) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"p": {"type": kind}}}}}
+    _, calls = parse_qwen3_coder(f"<tool_call>\n<function=f>\n<parameter=p>\n{text}\n</parameter>\n</function>",
+                                 [tool])
+    assert calls_of(calls) == [("f", {"p": value})]
+
+
+def test_qwen3_coder_unclosed_and_untagged_calls():
+    # cut short: the last parameter runs to the end
+    content, calls = parse_qwen3_coder("<tool_call>\n<function=book>\n<parameter=nights>\n2", [TYPED])
+    assert (content, calls_of(calls)) == (None, [("book", {"nights": 2})])
+    # parameters closed by the next one or by </function>; no <tool_call> block at all: the whole text is read
+    content, calls = parse_qwen3_coder("Sure. <function=book><parameter=city>Oslo<parameter=nights>1</function>", [TYPED])
+    assert (content, calls_of(calls)) == ("Sure. ", [("book", {"city": "Oslo", "nights": 1})])
+    # a parameter the tool does not define, of a tool not offered: text
+    assert calls_of(parse_qwen3_coder("<function=other>\n<parameter=n>\n7\n</parameter>", [TYPED])[1]) == \
+        [("other", {"n": "7"})]
+
+
+@pytest.mark.parametrize("text", ["It is sunny.", "<tool_call>\n{\"name\": \"now\"}\n</tool_call>",
+                                  "<tool_call>\n<function=book\n</tool_call>", "<function=>x</function>",
+                                  "<function=book>\n<parameter=city\n</function>"])
+def test_qwen3_coder_without_a_readable_call_is_all_content(text: str) -> None:
+    assert parse_qwen3_coder(text, [TYPED]) == (text, [])
+
+
+def test_extract_auto_with_the_xml_parser():
+    got = extract(ToolSpec([TYPED, NOW], AUTO, parser=QWEN3_CODER), XML_CALLS, "stop")
+    assert (got.content, got.finish_reason, [c["function"]["name"] for c in got.calls]) == \
+        ("I will book it.\n", "tool_calls", ["book", "now"])
+    got = extract(ToolSpec([TYPED, NOW], AUTO, parallel=False, parser=QWEN3_CODER), XML_CALLS, "stop")
+    assert [c["function"]["name"] for c in got.calls] == ["book"]
+
+
 def test_the_parser_from_the_template_and_the_flag():
     assert resolve_parser("auto", "{% if tools %}<tool_call>{% endif %}") == HERMES
     assert resolve_parser("auto", LLAMA31_LIKE) == LLAMA3_JSON
@@ -371,12 +440,15 @@ def test_the_parser_from_the_template_and_the_flag():
     assert resolve_parser("auto", None) is None
     assert resolve_parser("llama3_json", "<tool_call>") == LLAMA3_JSON
     assert resolve_parser("hermes", None) == HERMES
+    # Qwen3-Coder / Qwen3.5 templates show <tool_call> too: the XML format's own mark wins
+    assert resolve_parser("auto", QWEN35_LIKE) == QWEN3_CODER
+    assert resolve_parser("qwen3_xml", None) == QWEN3_CODER  # vLLM's other name for it
 
 
 def test_what_stops_a_line_with_tools():
     assert "does not render tools" in serving_problem(spec(REQUIRED), "{{ messages }}")
     assert "does not render tools" in serving_problem(spec(AUTO, parser=HERMES), None)
-    assert "pass --tool-call-parser hermes or llama3_json" in serving_problem(spec(AUTO), "{{ tools }}")
+    assert "pass --tool-call-parser hermes, llama3_json or qwen3_coder" in serving_problem(spec(AUTO), "{{ tools }}")
     assert serving_problem(spec(REQUIRED), "{{ tools }}") is None
     assert serving_problem(spec(AUTO, parser=HERMES), "{{ tools }}") is None
     assert renders_tools("{{ tools }}") and not renders_tools("{{ messages }}")
