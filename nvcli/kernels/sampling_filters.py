@@ -306,6 +306,7 @@ def filter_floors_triton(
 ) -> torch.Tensor:  # [num_rows] fp32
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1 and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    assert scan > 0 and scan & (scan - 1) == 0, f"scan={scan}: columns per load must be a power of two"
     floors = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
         return floors
