@@ -147,23 +147,25 @@ def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.const
 
 
 @triton.jit
-def _compact_lanes_or_row(row_ptr, vocab, buf_ptr, key_lo, key_hi, key_2, key_3, CAP: tl.constexpr,
+def _compact_lanes_or_row(row_ptr, vocab, buf_ptr, key_lo, key_hi, key_2, key_3, key_4, CAP: tl.constexpr,
                           KEY16: tl.constexpr, DTYPE: tl.constexpr, SCAN_N: tl.constexpr, STAGES: tl.constexpr):
     """_compact's copy and count, from the first pass's registers where they hold every value at or above key_lo:
-    `key_hi`, `key_2`, `key_3` [SCAN_N] are each lane's three largest keys, so where no lane's third reaches key_lo a
-    lane has at most two such values, its largest two. Those are stored lane after lane, the larger first (a fixed
+    `key_hi` to `key_4` [SCAN_N] are each lane's four largest keys, so where no lane's fourth reaches key_lo a lane
+    has at most three such values, its largest three. Those are stored lane after lane, the largest first (a fixed
     order, as _compact's), with no pass over the row: the compaction's passes were over half the kernel at few rows
     (benchmarks/RESULTS.md, session 37). Else _compact reads the row."""
     key_lo = key_lo.to(tl.int32)
-    if tl.max(key_3, axis=0) < key_lo:
+    if tl.max(key_4, axis=0) < key_lo:
         in_1 = key_hi >= key_lo
         in_2 = key_2 >= key_lo
-        per_lane = in_1.to(tl.int32) + in_2.to(tl.int32)
+        in_3 = key_3 >= key_lo
+        per_lane = in_1.to(tl.int32) + in_2.to(tl.int32) + in_3.to(tl.int32)
         n = tl.sum(per_lane, axis=0)
         if n <= CAP:
             pos = tl.cumsum(per_lane, axis=0) - per_lane
             tl.store(buf_ptr + pos, _key_value(key_hi, KEY16, DTYPE).to(DTYPE), mask=in_1)
             tl.store(buf_ptr + pos + 1, _key_value(key_2, KEY16, DTYPE).to(DTYPE), mask=in_2)
+            tl.store(buf_ptr + pos + 2, _key_value(key_3, KEY16, DTYPE).to(DTYPE), mask=in_3)
             tl.debug_barrier()  # the scratch is read back by other threads of this program
     else:
         n = _compact(row_ptr, vocab, buf_ptr, key_lo, CAP, KEY16, SCAN_N, STAGES)
@@ -246,20 +248,23 @@ def _filter_floor_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         buf_ptr = scratch_ptr + row.to(tl.int64) * CAP
         scale = 1.4426950408889634 / temp  # exp2((x - top) * scale) = exp((x - top) / T)
-        # the row's smallest and largest keys (the search's bounds), and each lane's three largest: the largest bound
-        # top-k from below, and where no lane's third reaches a bound, the lanes' two largest are all the tokens at or
-        # above it (_compact_lanes_or_row)
+        # the row's smallest and largest keys (the search's bounds), and each lane's four largest: the largest bound
+        # top-k from below, and where no lane's fourth reaches a bound, the lanes' three largest are all the tokens at
+        # or above it (_compact_lanes_or_row)
         key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
         key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
         key_2 = tl.full([SCAN_N], -2147483648, tl.int32)
         key_3 = tl.full([SCAN_N], -2147483648, tl.int32)
+        key_4 = tl.full([SCAN_N], -2147483648, tl.int32)
         for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
             cols = start + tl.arange(0, SCAN_N)
             valid = cols < vocab
             key = _order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), KEY16)
             key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
             key = tl.where(valid, key, -2147483648)
-            key_3 = tl.maximum(key_3, tl.minimum(key, key_2))  # insert into (key_hi >= key_2 >= key_3), old values
+            # insert into key_hi >= key_2 >= key_3 >= key_4, each from the old values
+            key_4 = tl.maximum(key_4, tl.minimum(key, key_3))
+            key_3 = tl.maximum(key_3, tl.minimum(key, key_2))
             key_2 = tl.maximum(key_2, tl.minimum(key, key_hi))
             key_hi = tl.maximum(key_hi, key)
         lo = tl.min(key_lo, axis=0).to(tl.int64)  # every token is at or above it
@@ -275,8 +280,8 @@ def _filter_floor_kernel(
             # the k-th largest of the lanes' maxima: k distinct tokens are at or above it, so top-k's floor is too,
             # and few others are (a few dozen for Qwen3's top_k 20): the search then reads only those
             lo = _kth_largest(key_hi, k, lo, hi)
-            n_lo = _compact_lanes_or_row(row_ptr, vocab, buf_ptr, lo, key_hi, key_2, key_3, CAP, KEY16, dtype,
-                                         SCAN_N, STAGES)
+            n_lo = _compact_lanes_or_row(row_ptr, vocab, buf_ptr, lo, key_hi, key_2, key_3, key_4, CAP, KEY16,
+                                         dtype, SCAN_N, STAGES)
             n_buf = n_lo
             in_buf = (n_lo <= CAP).to(tl.int32)
             lo, n_lo, in_buf, n_buf = _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, k.to(tl.float32),
@@ -296,8 +301,8 @@ def _filter_floor_kernel(
                 # tokens. It bounds the floor if the tokens at or above it hold the nucleus's mass.
                 bound = _kth_largest(key_hi, NUCLEUS_LANES, lo, hi)
                 if bound > lo:
-                    n_bound = _compact_lanes_or_row(row_ptr, vocab, buf_ptr, bound, key_hi, key_2, key_3, CAP, KEY16,
-                                                    dtype, SCAN_N, STAGES)
+                    n_bound = _compact_lanes_or_row(row_ptr, vocab, buf_ptr, bound, key_hi, key_2, key_3, key_4, CAP,
+                                                    KEY16, dtype, SCAN_N, STAGES)
                     if n_bound <= CAP:
                         at_bound = tl.full([1], 0, tl.int32) + bound.to(tl.int32)
                         held, _ = _tally(buf_ptr, n_bound, at_bound, top, scale, True, KEY16, 1, BLOCK_N, STAGES)
@@ -313,8 +318,8 @@ def _filter_floor_kernel(
                 bound = tl.minimum(tl.maximum(_order_key(t.to(dtype), KEY16).to(tl.int64) - 1, lo), hi - 1)
                 if bound > lo:
                     lo = bound
-                    n_lo = _compact_lanes_or_row(row_ptr, vocab, buf_ptr, lo, key_hi, key_2, key_3, CAP, KEY16, dtype,
-                                                 SCAN_N, STAGES)
+                    n_lo = _compact_lanes_or_row(row_ptr, vocab, buf_ptr, lo, key_hi, key_2, key_3, key_4, CAP,
+                                                 KEY16, dtype, SCAN_N, STAGES)
                     n_buf = n_lo
                     in_buf = (n_lo <= CAP).to(tl.int32)
             lo, n_lo, in_buf, n_buf = _search(row_ptr, vocab, buf_ptr, in_buf, n_buf, lo, hi, n_lo, target,

@@ -97,18 +97,20 @@ def test_candidates_crowded_into_one_lane(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_lanes_third_value_at_the_bound_is_a_candidate(dtype: torch.dtype) -> None:
-    # Where no lane's third largest value reaches the bound, the candidates are the lanes' two largest, kept in
-    # registers by the first pass; a third equal to the bound is one too. Lane 7 holds 10, 9 and 4, lanes 8-10 hold 4:
-    # top_k 4's bound is 4 (the 4th largest lane maximum) and so is its floor (four 4s tie), and top_p 0.9937 of that
-    # set's mass needs lane 7's 4 as well (without it, 10 and 9 would hold enough and the floor would be 9).
-    logits = torch.full((1, 8000), -30.0)
-    logits[0, [7, 7 + 2048, 7 + 4096]] = torch.tensor([10.0, 9.0, 4.0])
-    logits[0, 8:11] = 4.0
-    rows = [(1.0, 4, 0.9937, 0.0)]
+def test_a_lanes_fourth_value_at_the_bound_is_a_candidate(dtype: torch.dtype) -> None:
+    # Where no lane's fourth largest value reaches the bound, the candidates are the lanes' three largest, kept in
+    # registers by the first pass; a fourth equal to the bound is one too. Lane 7 holds 10, 9, 8 and 4, lanes 8-10
+    # hold 4: top_k 4's bound is 4 (the 4th largest lane maximum) and so is its floor (four 4s tie), and top_p 0.9943
+    # of that set's mass needs lane 7's 4 as well (without it, 10, 9 and 8 would hold enough and the floor would be 8).
+    # Row 1: lane 7 holds three of top_k 2's candidates (10, 9, 8), all from the registers; its floor is 9.
+    logits = torch.full((2, 10_000), -30.0)
+    logits[0, [7, 7 + 2048, 7 + 4096, 7 + 6144]] = torch.tensor([10.0, 9.0, 8.0, 4.0])
+    logits[1, [7, 7 + 2048, 7 + 4096]] = torch.tensor([10.0, 9.0, 8.0])
+    logits[:, 8:11] = 4.0
+    rows = [(1.0, 4, 0.9943, 0.0), (1.0, 2, 1.0, 0.0)]
     found = floors(logits.to(dtype), rows, kernel=True)
     assert torch.equal(found, floors(logits.to(dtype), rows, kernel=False))
-    assert found[0] == 4.0
+    assert found.tolist() == [4.0, 9.0]
 
 
 def kept(row: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> set[int]:
