@@ -248,9 +248,9 @@ def _filter_floor_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         buf_ptr = scratch_ptr + row.to(tl.int64) * CAP
         scale = 1.4426950408889634 / temp  # exp2((x - top) * scale) = exp((x - top) / T)
-        # the row's smallest and largest keys (the search's bounds), and each lane's four largest: the largest bound
-        # top-k from below, and where no lane's fourth reaches a bound, the lanes' three largest are all the tokens at
-        # or above it (_compact_lanes_or_row)
+        # the row's smallest and largest keys (the search's bounds), and each lane's four largest keys: the lanes'
+        # maxima bound top-k from below, and where no lane's fourth reaches a bound, the lanes' three largest are all
+        # the tokens at or above it (_compact_lanes_or_row)
         key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
         key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
         key_2 = tl.full([SCAN_N], -2147483648, tl.int32)
