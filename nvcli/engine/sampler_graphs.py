@@ -98,14 +98,25 @@ class SamplerGraphs:
         return sample_triton(logits, temps, seeds, floors)
 
     def capture(self, logits: torch.Tensor, pool: tuple[int, int] | None) -> None:
-        """Capture the three kinds for a decode graph whose logits are `logits` [rows, vocab] (its static output)."""
+        """Capture the three kinds for a decode graph whose logits are `logits` [rows, vocab] (its static output).
+
+        Through CUDAGraph.capture_begin / capture_end on a side stream, as torch.cuda.graph does, without its
+        synchronize, gc.collect and empty_cache before each capture: those made the 15 sampler graphs of a start-up
+        cost 0.6-1.1 s (benchmarks/RESULTS.md, session 37)."""
         rows = logits.shape[0]
         assert rows <= self.max_rows
+        side = torch.cuda.Stream(logits.device)
         for kind in KINDS:
             self._run(kind, logits)  # eager first: a Triton variant compiles outside the graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.tokens[rows, kind] = self._run(kind, logits)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=pool)
+                try:
+                    self.tokens[rows, kind] = self._run(kind, logits)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
             self.graphs[rows, kind] = graph
 
     def sample(self, rows: int, values: RowValues) -> torch.Tensor:
