@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/floor_phases_gpu.py [--configs]
 
 Times kernels that stop after each phase of `_filter_floor_kernel` for Qwen3's pair (top_k 20, top_p 0.95) on
-[rows, 151,936] bf16 logits (randn * 4, temperature 0.6): the first pass over the row (min, max, lane maxima), then
-the k-th largest lane maximum (top-k's bound), then the compaction into the scratch, then the whole kernel. us, median
+[rows, 151,936] bf16 logits (randn * 4, temperature 0.6): the first pass over the row (min, each lane's four largest
+keys), then the k-th largest lane maximum (top-k's bound), then the candidates into the scratch (from the first pass's
+registers, else by the compaction's passes), then the whole kernel; and the compaction's counting pass alone. us, median
 of do_bench_cudagraph (no launch overhead). `--configs` instead times the whole kernel per load width (lanes), warps and
 loads in flight, at few rows, where a row's one program on one SM is latency-bound. The table is printed last.
 """
@@ -30,14 +31,7 @@ def _phases_kernel(logits_ptr, out_ptr, scratch_ptr, stride_row, vocab, k, STOP:
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     buf_ptr = scratch_ptr + row.to(tl.int64) * CAP
-    key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
-    key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
-    for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
-        cols = start + tl.arange(0, SCAN_N)
-        valid = cols < vocab
-        key = sf._order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), True)
-        key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
-        key_hi = tl.maximum(key_hi, tl.where(valid, key, -2147483648))
+    key_lo, key_hi, key_2, key_3, key_4 = sf._first_pass(row_ptr, vocab, True, SCAN_N, STAGES)
     lo = tl.min(key_lo, axis=0).to(tl.int64)
     hi = tl.max(key_hi, axis=0).to(tl.int64) + 1
     result = hi
@@ -45,8 +39,9 @@ def _phases_kernel(logits_ptr, out_ptr, scratch_ptr, stride_row, vocab, k, STOP:
         lo = sf._kth_largest(key_hi, k, lo, hi)
         result = lo
     if STOP == 2:
-        result = sf._compact(row_ptr, vocab, buf_ptr, lo, CAP, True, SCAN_N, STAGES).to(tl.int64)
-    if STOP == 3:  # the compaction's counting pass alone
+        result = sf._compact_lanes_or_row(row_ptr, vocab, buf_ptr, lo, key_hi, key_2, key_3, key_4, CAP, True,
+                                          tl.bfloat16, SCAN_N, STAGES).to(tl.int64)
+    if STOP == 3:  # the compaction's counting pass alone (the path where a lane's fourth key reaches the bound)
         lo32 = lo.to(tl.int32)
         per_lane = tl.zeros([SCAN_N], dtype=tl.int32)
         for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
@@ -56,7 +51,8 @@ def _phases_kernel(logits_ptr, out_ptr, scratch_ptr, stride_row, vocab, k, STOP:
     tl.store(out_ptr + row, result)
 
 
-PHASES = ("first pass", "+ k-th lane maximum", "+ compaction", "+ k-th lane maximum + the compaction's count pass alone")
+PHASES = ("first pass", "+ k-th lane maximum", "+ candidates into the scratch",
+          "+ k-th lane maximum + the compaction's count pass alone")
 
 
 def time_rows(rows: int, logits: torch.Tensor) -> list[tuple[int, str, float]]:

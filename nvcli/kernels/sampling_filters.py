@@ -147,6 +147,31 @@ def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.const
 
 
 @triton.jit
+def _first_pass(row_ptr, vocab, KEY16: tl.constexpr, SCAN_N: tl.constexpr, STAGES: tl.constexpr):
+    """One pass over the row -> per lane (column c is lane c % SCAN_N), [SCAN_N] int32 each: its smallest key (the
+    search's lower bound, once reduced), then its four largest, in descending order. The lanes' maxima bound top-k
+    from below, and where no lane's fourth reaches a bound, the lanes' three largest are all the tokens at or above it
+    (_compact_lanes_or_row)."""
+    key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
+    key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
+    key_2 = tl.full([SCAN_N], -2147483648, tl.int32)
+    key_3 = tl.full([SCAN_N], -2147483648, tl.int32)
+    key_4 = tl.full([SCAN_N], -2147483648, tl.int32)
+    for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
+        cols = start + tl.arange(0, SCAN_N)
+        valid = cols < vocab
+        key = _order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), KEY16)
+        key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
+        key = tl.where(valid, key, -2147483648)
+        # insert into key_hi >= key_2 >= key_3 >= key_4, each from the old values
+        key_4 = tl.maximum(key_4, tl.minimum(key, key_3))
+        key_3 = tl.maximum(key_3, tl.minimum(key, key_2))
+        key_2 = tl.maximum(key_2, tl.minimum(key, key_hi))
+        key_hi = tl.maximum(key_hi, key)
+    return key_lo, key_hi, key_2, key_3, key_4
+
+
+@triton.jit
 def _compact_lanes_or_row(row_ptr, vocab, buf_ptr, key_lo, key_hi, key_2, key_3, key_4, CAP: tl.constexpr,
                           KEY16: tl.constexpr, DTYPE: tl.constexpr, SCAN_N: tl.constexpr, STAGES: tl.constexpr):
     """_compact's copy and count, from the first pass's registers where they hold every value at or above key_lo:
@@ -163,9 +188,9 @@ def _compact_lanes_or_row(row_ptr, vocab, buf_ptr, key_lo, key_hi, key_2, key_3,
         n = tl.sum(per_lane, axis=0)
         if n <= CAP:
             pos = tl.cumsum(per_lane, axis=0) - per_lane
-            tl.store(buf_ptr + pos, _key_value(key_hi, KEY16, DTYPE).to(DTYPE), mask=in_1)
-            tl.store(buf_ptr + pos + 1, _key_value(key_2, KEY16, DTYPE).to(DTYPE), mask=in_2)
-            tl.store(buf_ptr + pos + 2, _key_value(key_3, KEY16, DTYPE).to(DTYPE), mask=in_3)
+            # the keys descend within a lane, so its first per_lane of them are the ones at or above key_lo
+            _store_lanes(buf_ptr, pos, per_lane, 0, _key_value(key_hi, KEY16, DTYPE).to(DTYPE),
+                         _key_value(key_2, KEY16, DTYPE).to(DTYPE), _key_value(key_3, KEY16, DTYPE).to(DTYPE))
             tl.debug_barrier()  # the scratch is read back by other threads of this program
     else:
         n = _compact(row_ptr, vocab, buf_ptr, key_lo, CAP, KEY16, SCAN_N, STAGES)
@@ -248,25 +273,7 @@ def _filter_floor_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         buf_ptr = scratch_ptr + row.to(tl.int64) * CAP
         scale = 1.4426950408889634 / temp  # exp2((x - top) * scale) = exp((x - top) / T)
-        # the row's smallest and largest keys (the search's bounds), and each lane's four largest keys: the lanes'
-        # maxima bound top-k from below, and where no lane's fourth reaches a bound, the lanes' three largest are all
-        # the tokens at or above it (_compact_lanes_or_row)
-        key_lo = tl.full([SCAN_N], 2147483647, tl.int32)
-        key_hi = tl.full([SCAN_N], -2147483648, tl.int32)
-        key_2 = tl.full([SCAN_N], -2147483648, tl.int32)
-        key_3 = tl.full([SCAN_N], -2147483648, tl.int32)
-        key_4 = tl.full([SCAN_N], -2147483648, tl.int32)
-        for start in tl.range(0, vocab, SCAN_N, num_stages=STAGES):
-            cols = start + tl.arange(0, SCAN_N)
-            valid = cols < vocab
-            key = _order_key(tl.load(row_ptr + cols, mask=valid, other=0.0), KEY16)
-            key_lo = tl.minimum(key_lo, tl.where(valid, key, 2147483647))
-            key = tl.where(valid, key, -2147483648)
-            # insert into key_hi >= key_2 >= key_3 >= key_4, each from the old values
-            key_4 = tl.maximum(key_4, tl.minimum(key, key_3))
-            key_3 = tl.maximum(key_3, tl.minimum(key, key_2))
-            key_2 = tl.maximum(key_2, tl.minimum(key, key_hi))
-            key_hi = tl.maximum(key_hi, key)
+        key_lo, key_hi, key_2, key_3, key_4 = _first_pass(row_ptr, vocab, KEY16, SCAN_N, STAGES)
         lo = tl.min(key_lo, axis=0).to(tl.int64)  # every token is at or above it
         hi = tl.max(key_hi, axis=0).to(tl.int64) + 1  # none is
         n_lo = vocab + tl.sum(tl.zeros([SCAN_N], dtype=tl.int32), axis=0)  # tokens at or above lo
