@@ -926,10 +926,10 @@ class ModelRunner:
                                  self.g_order[:bs] if LONGEST_FIRST else None)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
-    def _graph_forward_logits(self, bs: int) -> tuple[Final, torch.Tensor]:
-        """_graph_forward's outputs and their logits [bs, vocab]."""
+    def _graph_step(self, bs: int, with_logits: bool) -> tuple[Final, torch.Tensor | None]:
+        """_graph_forward's outputs, and where `with_logits` their logits [bs, vocab] (else None)."""
         final = self._graph_forward(bs)
-        return final, self.model.compute_logits(*final)
+        return final, self.model.compute_logits(*final) if with_logits else None
 
     @torch.inference_mode()
     def _capture_cuda_graphs(self) -> None:
@@ -939,22 +939,16 @@ class ModelRunner:
             self.sampler_graphs = SamplerGraphs(self.logits_graph_max_rows, self.model_config.vocab_size, self.device)
         for bs in reversed(self.graph_batch_sizes):
             with_logits = self.sampler_graphs is not None and bs <= self.logits_graph_max_rows
-            # eager first: Triton compiles (unless compiled ahead) outside the graph
-            if with_logits:
-                self._graph_forward_logits(bs)
-            else:
-                self._graph_forward(bs)
+            self._graph_step(bs, with_logits)  # eager first: Triton compiles (unless compiled ahead) outside the graph
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                if with_logits:
-                    self.graph_outputs[bs], self.graph_logits[bs] = self._graph_forward_logits(bs)
-                else:
-                    self.graph_outputs[bs] = self._graph_forward(bs)
+                self.graph_outputs[bs], logits = self._graph_step(bs, with_logits)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
-            if with_logits:
-                self.sampler_graphs.capture(self.graph_logits[bs], pool)
+            if logits is not None:
+                self.graph_logits[bs] = logits
+                self.sampler_graphs.capture(logits, pool)
             torch.cuda.synchronize()
         for tokens in reversed(self.mixed_graph_sizes):
             self._mixed_graph_forward(tokens)

@@ -40,17 +40,17 @@ def kind_of(values: RowValues) -> str:
     return "filtered" if values.filtered else "temperature"
 
 
-def stage_row_values(f32: np.ndarray, i64: np.ndarray, values: RowValues, rows: int, vocab_size: int) -> None:
+def stage_row_values(f32: np.ndarray, i64: np.ndarray, values: RowValues, rows: int, vocab_size: int) -> str:
     """Write a step's per-row values into a graph's staged inputs: `f32` [3, >= rows] (temperatures, top_p, min_p),
-    `i64` [2, >= rows] (noise seeds, top_k). The rows past the step's (padding) are greedy; a filter no row uses, or
-    a row does not use, gets the value that means none (top_p 1, min_p 0, top_k the vocab size). Only what the
-    batch's kind reads is written."""
+    `i64` [2, >= rows] (noise seeds, top_k) -> the batch's kind (kind_of). The rows past the step's (padding) are
+    greedy; a filter no row uses, or a row does not use, gets the value that means none (top_p 1, min_p 0, top_k the
+    vocab size). Only what the batch's kind reads is written."""
     n = len(values.temperatures)
     kind = kind_of(values)
     f32[0, :n] = values.temperatures
     f32[0, n:rows] = 0.0
     if kind == "greedy":
-        return
+        return kind
     assert values.philox is not None, "a sampled row needs its noise seed"
     i64[0, :n] = values.philox
     if kind == "filtered":
@@ -58,6 +58,7 @@ def stage_row_values(f32: np.ndarray, i64: np.ndarray, values: RowValues, rows: 
         f32[2, :rows] = 0.0 if values.min_p is None else np.pad(values.min_p, (0, rows - n))
         i64[1, :rows] = (vocab_size if values.top_k is None
                          else np.pad(values.top_k, (0, rows - n), constant_values=vocab_size))
+    return kind
 
 
 class SamplerGraphs:
@@ -122,11 +123,10 @@ class SamplerGraphs:
     def sample(self, rows: int, values: RowValues) -> torch.Tensor:
         """Replay the graph of `rows` rows (a captured size) for a step whose first len(values.temperatures) rows are
         live -> its tokens [rows] int64 (the caller keeps the live ones). Enqueued on the current stream."""
-        kind = kind_of(values)
         f32, i64 = self.stages[self.num_steps % 2]
         blob = self.stage_blobs[self.num_steps % 2]
         self.num_steps += 1
-        stage_row_values(f32, i64, values, rows, self.vocab_size)
+        kind = stage_row_values(f32, i64, values, rows, self.vocab_size)
         self.blob.copy_(blob, non_blocking=True)  # a few hundred bytes: one copy's latency
         self.graphs[rows, kind].replay()
         return self.tokens[rows, kind]
