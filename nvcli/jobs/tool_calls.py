@@ -396,29 +396,24 @@ def _xml_value(text: str, schema: Any) -> Any:
     if isinstance(kind, list):  # ["integer", "null"]: the first type that is not null
         kind = next((k for k in kind if k != "null"), "string")
     kind = str(kind).strip().lower()
-    value: Any = text
+    if kind in _XML_STRING_TYPES:
+        return text
+    if kind in ("boolean", "bool", "binary"):
+        return text.lower() == "true"
     try:
-        if kind in _XML_STRING_TYPES:
-            return text
         if kind.startswith(("int", "uint", "long", "short", "unsigned")):
-            value = int(text)
+            value: Any = int(text)
         elif kind.startswith(("num", "float")):
             number = float(text)
             value = int(number) if number.is_integer() else number
-        elif kind in ("boolean", "bool", "binary"):
-            return text.lower() == "true"
         elif kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
-            value = json.loads(text)
+            value = _json(text)
+            if value is _INVALID:  # vLLM tries a Python literal next ('{"a": True}', single quotes)
+                value = ast.literal_eval(text)
         else:
             value = ast.literal_eval(text)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, OverflowError):
-        if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
-            try:  # vLLM tries a Python literal next ('{"a": True}', single quotes)
-                value = ast.literal_eval(text)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                return text
-        else:
-            return text
+        return text
     try:
         json.dumps(value, allow_nan=False)  # NaN, infinity, sets, bytes: no JSON value
     except (TypeError, ValueError, RecursionError):
