@@ -357,22 +357,23 @@ def _run_counters(tag: str) -> Iterator[list[tuple[int, float]]]:
 
 
 
-def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, int, bool, int]]]:
+def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, int, bool, int, int, int]]]:
     """Run the workload; per launched step (GPU seconds from its first input copy to its sampled tokens'
     copy, GPU idle seconds before the next step's first operation, batch size, decode-only, context
-    tokens its attention reads). CUDA events around each launch: the idle time is what host work
+    tokens its attention reads, tokens computed, one-token rows). CUDA events around each launch: the idle time is what host work
     (scheduling, input building, postprocessing) failed to hide. PROFILE_CPROFILE_STEPS=N: a host profile of
     the first N steps."""
     runner = engine.executor.runner
     launch = runner.launch
-    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int]] = []
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int, bool, int, int, int]] = []
 
     def timed_launch(batch, step, *rest):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         handle = launch(batch, step, *rest)
         e1.record()
-        marks.append((e0, e1, len(batch.seqs), batch.is_decode_only, sum(len(s) for s in batch.seqs)))
+        marks.append((e0, e1, len(batch.seqs), batch.is_decode_only, sum(len(s) for s in batch.seqs),
+                      batch.num_tokens, batch.num_single_token_rows))
         return handle
 
     runner.launch = timed_launch
@@ -401,9 +402,9 @@ def _timed_run(engine, work, tag: str) -> tuple[float, list[tuple[float, float, 
         runner.launch = launch
     torch.cuda.synchronize()
     records = []
-    for i, (e0, e1, bs, dec, ctx) in enumerate(marks):
+    for i, (e0, e1, bs, dec, ctx, tokens, rows) in enumerate(marks):
         gap = e1.elapsed_time(marks[i + 1][0]) * 1e-3 if i + 1 < len(marks) else 0.0
-        records.append((e0.elapsed_time(e1) * 1e-3, max(0.0, gap), bs, dec, ctx))
+        records.append((e0.elapsed_time(e1) * 1e-3, max(0.0, gap), bs, dec, ctx, tokens, rows))
     return total, records
 
 
@@ -454,6 +455,14 @@ def timeline_section(model_dir: str, kv_cache_dtype: str, copy_bw: float) -> lis
         pre = [r for r in records if not r[3]]
         out.append(f"  steps carrying prefill: {len(pre)}, GPU {sum(r[0] for r in pre):.3f} s, "
                    f"idle after {sum(r[1] for r in pre):.3f} s")
+        for lo, hi in buckets[1:]:  # steps carrying prompt tokens, by their one-token rows
+            rs = [r for r in pre if lo <= r[6] <= hi]
+            if rs:
+                out.append(f"    with {lo:3d}-{hi:3d} one-token rows: {len(rs):4d} steps, "
+                           f"{1000 * sum(r[0] for r in rs) / len(rs):6.3f} ms/step GPU + "
+                           f"{1000 * sum(r[1] for r in rs) / len(rs):5.3f} idle, "
+                           f"{sum(r[5] - r[6] for r in rs) / len(rs):7.0f} prompt tokens/step, "
+                           f"{sum(r[4] for r in rs) / len(rs):8.0f} context tokens/step")
         out.append(f"  all steps: GPU {sum(r[0] for r in records):.3f} s, GPU idle between steps "
                    f"{sum(r[1] for r in records):.3f} s")
         for lo, hi in buckets:

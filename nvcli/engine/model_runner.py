@@ -63,6 +63,12 @@ COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 # ~27 ms against ~8 ms of GPU work (RESULTS session 23). NV_SPLIT_MIXED=0 / NV_MIXED_GRAPHS=0 turn either off.
 SPLIT_MIXED = os.environ.get("NV_SPLIT_MIXED", "1") != "0"
 MIXED_GRAPHS = os.environ.get("NV_MIXED_GRAPHS", "1") != "0"
+# A mixed graph's prefill-attention grid is sized for its prompt-chunk capacity (half its tokens): a 768-token graph
+# launched ~3,100 programs per layer for the one or two real chunks of a long job's typical step, which cost ~39 us
+# per layer against ~10 for the work (RESULTS session 38). Graphs of up to MIXED_FEW_MAX_TOKENS tokens get a second
+# capture for steps of at most MIXED_FEW_CHUNKS chunks. NV_MIXED_FEW_CHUNKS=0 turns it off (A/B runs).
+MIXED_FEW_CHUNKS = int(os.environ.get("NV_MIXED_FEW_CHUNKS", "8"))
+MIXED_FEW_MAX_TOKENS = 2048
 # prompt_logprobs: the LM head runs over at most this many bytes of logits (in the model's dtype) at a time
 PROMPT_LOGITS_CHUNK_BYTES = 256 << 20
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -350,7 +356,8 @@ class ModelRunner:
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # mixed graphs by (tokens, prompt-chunk capacity): _mixed_graph_keys
+        self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # decode graphs of up to sampler_graphs.MAX_ROWS rows end with the LM head, and rank 0 samples their logits in
         # graphs too (engine/sampler_graphs.py); not under tensor parallelism, whose LM head gathers across ranks
         self.graph_logits: dict[int, torch.Tensor] = {}  # [rows, vocab] per graph size, rewritten by every replay
@@ -691,9 +698,9 @@ class ModelRunner:
         bs = len(step.seq_lens)
         if step.decode_only and self.graphs and bs <= self.graph_batch_sizes[-1]:
             return self._replay_graph(step), None
-        tokens = self._mixed_graph_for(step) if self.mixed_graphs and not step.decode_only else 0
-        if tokens:
-            return self._replay_mixed_graph(step, tokens)
+        key = self._mixed_graph_for(step) if self.mixed_graphs and not step.decode_only else None
+        if key is not None:
+            return self._replay_mixed_graph(step, key)
         input_ids, positions, meta = self._tensors(step)
         self._feed_back(input_ids, step)
         hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
@@ -865,7 +872,7 @@ class ModelRunner:
         # each graph's outputs: (hidden, residual) [bs, hidden] in the graphs' memory pool, rewritten by
         # every replay of that graph
         self.graph_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.mixed_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.mixed_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         if self.mixed_graph_sizes:
             self._make_mixed_graph_inputs(max_blocks)
 
@@ -903,14 +910,25 @@ class ModelRunner:
             stage["i64"][2] = -1
 
     def _mixed_capacity(self, tokens: int) -> tuple[int, int]:
-        """(decode rows, prompt chunks) a mixed graph of `tokens` rows holds: a prompt chunk has 2+ tokens (the
-        scheduler's one-token rows are decode rows)."""
+        """(decode rows, prompt chunks) a mixed graph of `tokens` rows holds at most: a prompt chunk has 2+ tokens
+        (the scheduler's one-token rows are decode rows)."""
         return min(tokens, self.config.max_num_seqs), max(1, min(self.config.max_num_seqs, tokens // 2))
 
-    def _mixed_graph_forward(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step with prompt chunks that a mixed graph of `tokens` rows holds, on the static buffers (lengths 0,
-        slots -1: reads and writes no KV)."""
-        d, p = self._mixed_capacity(tokens)
+    def _mixed_graph_keys(self) -> list[tuple[int, int]]:
+        """(tokens, prompt-chunk capacity) of every mixed graph, largest first: each size at its full capacity, and
+        sizes up to MIXED_FEW_MAX_TOKENS also at MIXED_FEW_CHUNKS chunks (a smaller prefill-attention grid)."""
+        keys = []
+        for tokens in reversed(self.mixed_graph_sizes):
+            chunks = self._mixed_capacity(tokens)[1]
+            keys.append((tokens, chunks))
+            if 0 < MIXED_FEW_CHUNKS < chunks and tokens <= MIXED_FEW_MAX_TOKENS:
+                keys.append((tokens, MIXED_FEW_CHUNKS))
+        return keys
+
+    def _mixed_graph_forward(self, tokens: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step with up to `chunks` prompt chunks that a mixed graph of `tokens` rows holds, on the static
+        buffers (lengths 0, slots -1: reads and writes no KV)."""
+        d, p = self._mixed_capacity(tokens)[0], chunks
         m = self.m
         split = DecodeSplit(d, m["dec_lens"][:d], m["dec_tables"][:d], m["dec_order"][:d], m["pre_qsl"][: p + 1],
                             m["pre_lens"][:p], m["pre_tables"][:p], tokens)
@@ -950,12 +968,12 @@ class ModelRunner:
                 self.graph_logits[bs] = logits
                 self.sampler_graphs.capture(logits, pool)
             torch.cuda.synchronize()
-        for tokens in reversed(self.mixed_graph_sizes):
-            self._mixed_graph_forward(tokens)
+        for key in self._mixed_graph_keys():
+            self._mixed_graph_forward(*key)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.mixed_outputs[tokens] = self._mixed_graph_forward(tokens)
-            self.mixed_graphs[tokens] = graph
+                self.mixed_outputs[key] = self._mixed_graph_forward(*key)
+            self.mixed_graphs[key] = graph
             torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -970,8 +988,8 @@ class ModelRunner:
                 self._make_graph_inputs()
                 for bs in reversed(self.graph_batch_sizes):
                     self._graph_forward(bs)
-                for tokens in reversed(self.mixed_graph_sizes):
-                    self._mixed_graph_forward(tokens)
+                for key in self._mixed_graph_keys():
+                    self._mixed_graph_forward(*key)
             self._warm_up_kernels(dry_run=True)
 
         with first_decoder_layers(self.model, DRY_PASS_LAYERS):
@@ -1034,20 +1052,26 @@ class ModelRunner:
             return 0
         return next(s for s in self.graph_batch_sizes if s >= bs)
 
-    def _mixed_graph_for(self, step: StepInput) -> int:
-        """The token count of the smallest mixed graph that holds `step`, or 0 (the step runs eagerly)."""
+    def _mixed_graph_for(self, step: StepInput) -> tuple[int, int] | None:
+        """The key of the smallest mixed graph that holds `step` (fewest tokens, then fewest chunks), or None (the
+        step runs eagerly)."""
         num_tokens, d = len(step.input_ids), step.num_decode_rows
         if num_tokens > self.mixed_graph_sizes[-1] or max(len(b) for b in step.block_tables) > self.g_max_blocks:
-            return 0
+            return None
         tokens = next(s for s in self.mixed_graph_sizes if s >= num_tokens)
         d_cap, p_cap = self._mixed_capacity(tokens)
-        return tokens if d <= d_cap and len(step.seq_lens) - d <= p_cap else 0
+        p = len(step.seq_lens) - d
+        if d > d_cap or p > p_cap:
+            return None
+        few = (tokens, MIXED_FEW_CHUNKS)
+        return few if p <= MIXED_FEW_CHUNKS and few in self.mixed_graphs else (tokens, p_cap)
 
-    def _replay_mixed_graph(self, step: StepInput, tokens: int) -> tuple[Final, Final | None]:
-        """Stage a step with prompt chunks into the buffers of the mixed graph of `tokens` rows and replay it;
-        (hidden, residual) of each sequence's last row, and of step.logit_rows (None without)."""
+    def _replay_mixed_graph(self, step: StepInput, key: tuple[int, int]) -> tuple[Final, Final | None]:
+        """Stage a step with prompt chunks into the buffers of the mixed graph `key` (tokens, chunk capacity) and
+        replay it; (hidden, residual) of each sequence's last row, and of step.logit_rows (None without)."""
         num_tokens, num_seqs, d = len(step.input_ids), len(step.seq_lens), step.num_decode_rows
-        d_cap, p_cap = self._mixed_capacity(tokens)
+        tokens, p_cap = key
+        d_cap = self._mixed_capacity(tokens)[0]
         p = num_seqs - d
         stage = self.m_stages[self.num_mixed_replays % 2]
         self.num_mixed_replays += 1
@@ -1083,8 +1107,8 @@ class ModelRunner:
         if p:
             m["pre_tables"][:p, :width].copy_(stage["pre_tables"][:p, :width], non_blocking=True)
         self._feed_back(m["i64"][0], step)
-        self.mixed_graphs[tokens].replay()
-        outputs = self.mixed_outputs[tokens]
+        self.mixed_graphs[key].replay()
+        outputs = self.mixed_outputs[key]
         return _rows(outputs, m["last"][:num_seqs]), self._logit_rows(outputs, step)
 
 

@@ -97,12 +97,14 @@ def test_deferred_norm_decode_graphs_match_cpu(tiny_model_dir) -> None:
     assert got == want
 
 
-@pytest.mark.parametrize("mode", ["mixed graphs", "eager split", "one prefill kernel"])
+@pytest.mark.parametrize("mode", ["mixed graphs", "mixed graphs, few-chunk captures", "eager split",
+                                  "one prefill kernel"])
 def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Two slots for six requests: new prompts are admitted beside running decodes, so most steps carry prompt
     chunks and one-token rows. float32 on the GPU gives the CPU's tokens whether such steps replay the mixed graphs
     (64-256 tokens), run eagerly with the one-token rows on the decode kernel, or run every row through the prefill
-    kernel (NV_SPLIT_MIXED=0)."""
+    kernel (NV_SPLIT_MIXED=0). With few-chunk captures of one chunk, one-chunk steps replay those graphs and
+    two-chunk steps the full ones."""
     model_dir = tiny_model_dir("qwen3")
     common = dict(max_model_len=512, max_num_seqs=2, max_num_batched_tokens=256, num_kvcache_blocks=256)
     cpu = LLM(str(model_dir), device="cpu", **common)
@@ -114,11 +116,15 @@ def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.
         monkeypatch.setattr(model_runner, "MIXED_GRAPHS", False)
     elif mode == "one prefill kernel":
         monkeypatch.setattr(model_runner, "SPLIT_MIXED", False)
+    elif mode == "mixed graphs, few-chunk captures":
+        monkeypatch.setattr(model_runner, "MIXED_FEW_CHUNKS", 1)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", **common)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         runner = llm.engine.executor.runner
-        assert (runner.num_mixed_replays > 0) == (mode == "mixed graphs")
+        if mode == "mixed graphs, few-chunk captures":
+            assert {chunks for _, chunks in runner.mixed_graphs} == {1, 2}
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        assert (runner.num_mixed_replays > 0) == mode.startswith("mixed graphs")
     finally:
         llm.shutdown()
     assert got == want
