@@ -13,18 +13,24 @@ import json
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 from pathlib import Path
 
-import numpy
 import pytest
-import triton
+
+
+def _minor(package: str) -> tuple[int, int]:
+    major, minor = version(package).split(".")[:2]
+    return int(major), int(minor)
+
 
 # DESIGN.md: Triton 3.6's interpreter breaks on loops over a runtime bound with numpy >= 2.4 (scripts/constraints-cpu.txt
-# pins numpy below it; the GPU machine's python has numpy 2.5, where tests/engine/test_cuda_graphs.py covers this path)
+# pins numpy below it; the GPU machine's python has numpy 2.5, where tests/engine/test_cuda_graphs.py covers this path).
+# Versions from the metadata: importing triton here, before tests/kernels/conftest.py switches the interpreter on,
+# would leave the kernel modules compiled for a GPU.
 pytestmark = pytest.mark.skipif(
-    tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4)
-    and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7),
-    reason=f"Triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__} (needs numpy < 2.4)")
+    _minor("numpy") >= (2, 4) and _minor("triton") < (3, 7),
+    reason=f"Triton {version('triton')}'s interpreter fails with numpy {version('numpy')} (needs numpy < 2.4)")
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys
