@@ -75,6 +75,16 @@ class _CountingEngine:
         return request_id or ""
 
 
+class _Logs:
+    """A job reporter that prints the job's log lines (a pool that failed, say) and no dashboard."""
+
+    def update(self, progress: Any) -> None:
+        pass
+
+    def log(self, message: str) -> None:
+        print(f"job: {message}", flush=True)
+
+
 def reader_rate(tokenizer: Any, lines: list[bytes]) -> tuple[float, float]:
     """(lines/s, prompt tokens/s) of the reader thread feeding an engine that costs nothing."""
     engine = _CountingEngine(tokenizer)
@@ -147,6 +157,9 @@ def main() -> None:
     ap.add_argument("--prompt-logprobs", default="none", metavar="K[,K...]",
                     help="score every prompt token (a perplexity job) with K alternatives, 'none' for no scoring; "
                          "a list runs the engine kind once per K; the engine kind alone times it")
+    ap.add_argument("--format-workers", type=int, default=None, metavar="N",
+                    help="processes formatting the lines with logprobs (the echo kind's), as `nv generate "
+                         "--format-workers`; default: the CLI's default beside a GPU")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after the timed repeats, run the engine kind once more (the last K) under cProfile and "
                          "print its N costliest functions")
@@ -188,8 +201,11 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=str(model_dir), load_format="dummy", enable_prefix_caching=False,
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_batched_tokens=args.max_num_batched_tokens))
+    from nvcli.jobs.format_pool import default_workers
+
+    workers = default_workers("cuda") if args.format_workers is None else args.format_workers
     opts = lambda: JobOptions(defaults=Defaults(sampling={"max_tokens": args.max_tokens, "ignore_eos": True}),  # noqa: E731
-                              handle_sigint=False)
+                              handle_sigint=False, format_workers=workers)
     run_job(engine, lines["ids"][:512], io.BytesIO(), opts())  # warm-up: prompt and decode shapes
     prompt_ids = [json.loads(line)["prompt_token_ids"] for line in lines["ids"]]
     for _ in range(args.repeats):
@@ -200,11 +216,12 @@ def main() -> None:
                 continue
             sink = io.BytesIO()
             before = step_counters(engine)
-            res = run_job(engine, lines[k], sink, opts())
+            res = run_job(engine, lines[k], sink, opts(), _Logs())
             assert res.written == args.lines and res.failed == 0, (k, res.written, res.errors)
             rows[k].append((res.elapsed_s, res.prompt_tokens / res.elapsed_s))
             print(f"{k}: {res.elapsed_s:.2f} s, {res.prompt_tokens / res.elapsed_s:,.0f} prompt tok/s; "
-                  f"{step_split(engine, before, res.elapsed_s)}", flush=True)
+                  f"{step_split(engine, before, res.elapsed_s)}; {res.formatted_apart} lines formatted by "
+                  f"{workers} worker processes", flush=True)
     if args.cprofile:  # one more engine run, profiled: cProfile slows the host, so it stays out of the table
         import cProfile
         import pstats

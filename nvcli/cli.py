@@ -96,6 +96,7 @@ def generate(
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard, progress or summary on stderr.", rich_help_panel=JOB)] = False,
     max_in_flight: Annotated[Optional[int], typer.Option(min=1, help="Lines read ahead of the output: in the engine plus waiting to be written in order (default: 4 x max-num-seqs).", rich_help_panel=JOB)] = None,
+    format_workers: Annotated[Optional[int], typer.Option(min=0, help="Processes that format output lines with logprobs (scoring, echo): they would hold up the engine's thread (default on a GPU: a quarter of the CPU cores, up to 4; 0: the main thread formats every line).", rich_help_panel=JOB)] = None,
 ) -> None:
     """Generate a completion for every line of INPUT; write one JSON line per input line.
 
@@ -151,6 +152,7 @@ def generate(
         retry_errors=retry_errors,
         quiet=quiet,
         max_in_flight=max_in_flight,
+        format_workers=format_workers,
         json_schema=json_schema,
         tool_call_parser=tool_call_parser,
     )

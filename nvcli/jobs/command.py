@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.jobs import jsonio
+from nvcli.jobs.format_pool import default_workers
 from nvcli.jobs.reader import iter_fd_lines
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.resume import ResumeError, scan_output
@@ -52,8 +53,14 @@ class GenerateArgs:
     retry_errors: bool = False  # with resume: error lines are served again
     quiet: bool = False
     max_in_flight: int | None = None
+    format_workers: int | None = None  # None: format_pool.default_workers()
     json_schema: str | None = None  # a JSON schema file: the output constraint of lines that set none
     tool_call_parser: str = "auto"  # how tool_choice "auto" finds tool calls in the text (tool_calls.PARSER_CHOICES)
+
+
+def _device(engine: Any) -> str:
+    config = getattr(engine, "config", None)
+    return config.resolved_device() if config is not None else "cpu"
 
 
 # The model's generation_config.json may recommend these (vLLM's `--generation-config auto`).
@@ -149,6 +156,7 @@ def _generate(args: GenerateArgs) -> int:
             max_in_flight=args.max_in_flight or max(64, 4 * max_num_seqs),
             model_name=model_name,
             done=done,
+            format_workers=default_workers(_device(engine)) if args.format_workers is None else args.format_workers,
         )
         return _run(engine, args, opts, src_path, out_path)
     finally:

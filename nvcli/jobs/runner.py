@@ -1,7 +1,8 @@
 """The job loop: the main thread steps the engine, the reader thread feeds it, lines go out.
 
     reader thread ──add_request──▶ engine ◀──step()── main thread ──▶ LineWriter ──▶ JSONL
-          └──────── events (error lines, wake-ups, eof) ─────────────▶┘
+          └──────── events (error lines, wake-ups, eof) ─────────────▶┘      ▲
+                                          lines with logprobs ──▶ FormatPool ┘ (worker processes)
 
 The engine lives on the main thread only (add_request is its one thread-safe entry point).
 Ctrl-C once: stop reading, finish the requests already in the engine, write them, exit 130.
@@ -14,12 +15,15 @@ import queue
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from nvcli.jobs.format_pool import FormatPool, has_logprobs
 from nvcli.jobs.formatting import FormatContext, error_line, result_line
 from nvcli.jobs.reader import InputReader, ReaderCounts
 from nvcli.jobs.requests import ENGINE_ERROR, Defaults, LineError, Request
@@ -41,6 +45,8 @@ class JobOptions:
     model_name: str = "model"
     done: dict[str, bool] = field(default_factory=dict)  # --resume: id key -> was an error line
     handle_sigint: bool = True
+    # processes that format lines with logprobs (format_pool.py); 0: the main thread formats every line
+    format_workers: int = 0
 
 
 @dataclass
@@ -83,6 +89,7 @@ class JobResult:
     terminated: bool = False  # ... by SIGTERM
     aborted: bool = False  # second Ctrl-C: running requests were dropped
     output_closed: bool = False  # our reader went away (BrokenPipe)
+    formatted_apart: int = 0  # lines formatted by the worker processes (format_pool.py)
     stats: Any = None
 
     @property
@@ -140,6 +147,9 @@ class _Job:
                                  # the engine's own setting: its constraint gate and this split read one value
                                  reasoning_parser=getattr(getattr(engine, "config", None), "reasoning_parser", None))
         self.result = JobResult(counts=self.reader.counts)
+        self.pool: FormatPool | None = None  # started at the first line with logprobs
+        self.pool_failed = False
+        self.formatting: deque[tuple[Request, Any, Future[bytes]]] = deque()  # in the pool, in submission order
         self.reader_done = False
         self.draining = False
         self.interrupts = 0
@@ -170,12 +180,15 @@ class _Job:
         except BaseException:
             self._abort_all()
             try:
+                self._collect(wait=True)  # finished lines still being formatted
                 self.writer.flush_buffered()
             except OutputClosed:
                 pass
             raise
         finally:
             self.reader.stop()
+            if self.pool is not None:
+                self.pool.shutdown()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             self.result.written = self.writer.written
@@ -200,12 +213,16 @@ class _Job:
             if self.interrupts >= 2:
                 self.result.aborted = True
                 self._abort_all()
+                self._collect(wait=True)
                 n = self.writer.flush_buffered()
                 self._log(f"aborted: dropped the requests in flight, wrote {n} finished lines out of order")
                 return
             if engine.has_unfinished():
                 for out in engine.step():
                     self._finish(out)
+                self._collect(wait=False)
+            elif self.formatting:  # the engine is idle: wait for the pool once no more input can come
+                self._collect(wait=(self.reader_done or self.draining) and self.events.empty())
             elif (self.reader_done or self.draining) and self.events.empty():
                 if self.pending:  # the engine forgot requests it accepted: answer them anyway
                     for rid in list(self.pending):
@@ -239,17 +256,56 @@ class _Job:
         req = self.pending.pop(out.request_id, None)
         if req is None:
             return
+        if self.opts.format_workers > 0 and not self.pool_failed and has_logprobs(out):
+            try:
+                if self.pool is None:
+                    self.pool = FormatPool(self.ctx, self.opts.format_workers)
+                if self.pool.error is not None:
+                    raise self.pool.error
+                if self.pool.ready.is_set():
+                    self.formatting.append((req, out, self.pool.submit(req, out)))
+                    return
+            except Exception as e:  # noqa: BLE001 - no pool (or a broken one): this thread formats
+                self._pool_failed(e)
+        self._put(req, out, *self._format(req, out))
+
+    def _format(self, req: Request, out: Any) -> tuple[dict[str, Any] | bytes, str | None]:
         try:
-            line = result_line(req, out, self.ctx)
-            kind = None
+            return result_line(req, out, self.ctx), None
         except Exception as e:  # noqa: BLE001 - a formatting bug must not cost the line
             err = LineError(req.line_no, req.id, req.key, req.shape, ENGINE_ERROR,
                             f"could not format the output: {e}", req.custom_id)
-            line, kind = error_line(err), ENGINE_ERROR
+            return error_line(err), ENGINE_ERROR
+
+    def _put(self, req: Request, out: Any, line: dict[str, Any] | bytes, kind: str | None) -> None:
         if kind is None:
             self.result.prompt_tokens += len(out.prompt_token_ids)
             self.result.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.writer.put(req.ordinal, line, kind)
+
+    def _collect(self, wait: bool) -> None:
+        """Write the pool's finished lines, in submission order (with `wait`, every line it holds). A line whose
+        formatting failed there is formatted here: a bug gives the same error line as on this thread, a dead
+        worker costs nothing."""
+        while self.formatting:
+            req, out, fut = self.formatting[0]
+            if not wait and not fut.done():
+                return
+            self.formatting.popleft()
+            try:
+                line = fut.result()
+            except Exception as e:  # noqa: BLE001
+                if isinstance(e, BrokenProcessPool):
+                    self._pool_failed(e)
+                self._put(req, out, *self._format(req, out))
+            else:
+                self.result.formatted_apart += 1
+                self._put(req, out, line, None)
+
+    def _pool_failed(self, e: BaseException) -> None:
+        if not self.pool_failed:
+            self.pool_failed = True
+            self._log(f"formatting processes failed ({type(e).__name__}: {e}); formatting on the main thread")
 
     def _abort_all(self) -> None:
         self.reader.stop()
@@ -284,7 +340,7 @@ class _Job:
             skipped=c.skipped,
             read=c.lines - c.blank,
             in_flight=len(self.pending),
-            buffered=self.writer.buffered,
+            buffered=self.writer.buffered + len(self.formatting),
             total=self.counter.total if self.counter is not None else None,
             prompt_tokens=self.result.prompt_tokens,
             completion_tokens=self.result.completion_tokens,

@@ -25,12 +25,13 @@ class LineWriter:
         self.ordered = ordered
         self.slots = slots
         self.next_ordinal = 0
-        self.buffer: dict[int, tuple[dict[str, Any], str | None]] = {}
+        self.buffer: dict[int, tuple[dict[str, Any] | bytes, str | None]] = {}
         self.written = 0
         self.errors: Counter[str] = Counter()  # error kind -> lines
 
-    def put(self, ordinal: int, line: dict[str, Any], error_kind: str | None = None) -> None:
-        """Hand over output line number `ordinal` (0-based over this run's output lines)."""
+    def put(self, ordinal: int, line: dict[str, Any] | bytes, error_kind: str | None = None) -> None:
+        """Hand over output line number `ordinal` (0-based over this run's output lines): its object, or its JSON
+        already serialized (format_pool.py)."""
         if not self.ordered:
             self._write(line, error_kind)
             return
@@ -51,8 +52,8 @@ class LineWriter:
     def buffered(self) -> int:
         return len(self.buffer)
 
-    def _write(self, line: dict[str, Any], error_kind: str | None) -> None:
-        data = jsonio.dumps(line) + b"\n"
+    def _write(self, line: dict[str, Any] | bytes, error_kind: str | None) -> None:
+        data = (line if isinstance(line, bytes) else jsonio.dumps(line)) + b"\n"
         try:
             self.stream.write(data)
             self.stream.flush()

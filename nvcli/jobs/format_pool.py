@@ -1,0 +1,122 @@
+"""Output lines with logprobs, formatted in worker processes.
+
+A scoring job (lm-eval-harness's `echo` with `logprobs`, or `prompt_logprobs`) turns every prompt token into a few
+JSON objects: about 2 ms of Python per 1,000-token line. On the job's main thread that time comes between engine
+steps, and the GPU waits for it (a 768-line scoring job took 2-3x its engine's time on the H100 host). Here such
+lines are formatted in `spawn`ed processes with their own interpreter: the main thread only pickles the request and
+its output (~0.1 ms) and writes the bytes that come back.
+
+Lines without logprobs stay on the main thread: their formatting costs about as much as sending them (a 1,000-token
+scoring line: 1.8 ms to format, 0.3 ms to pickle).
+A worker that dies (or a pool that cannot start) costs no line: `FormatPool.broken` turns the pool off and the
+runner formats those lines itself (runner._Job._collect).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+from nvcli.jobs import jsonio
+from nvcli.jobs.formatting import FormatContext, result_line
+from nvcli.jobs.requests import Request
+from nvcli.outputs import RequestOutput
+
+_ctx: FormatContext | None = None  # a worker's context, set by _start_worker
+
+
+def default_workers(device: str) -> int:
+    """Formatting processes for a job whose engine runs on `device`: a quarter of the cores, at most 4, none for a
+    CPU engine (its matmuls use every core) or on a machine of fewer than 4 cores."""
+    return 0 if device != "cuda" else min(4, (os.cpu_count() or 1) // 4)
+
+
+def has_logprobs(out: RequestOutput) -> bool:
+    """The output carries per-token logprobs, which are what makes a line costly to format."""
+    return out.prompt_logprobs is not None or any(c.logprobs for c in out.outputs)
+
+
+class DecodeOnly:
+    """What formatting uses of a tokenizer, `decode`, over transformers' Rust tokenizer alone: a worker then loads
+    `tokenizers` (0.4 s for Qwen3's) instead of importing transformers (2-3 s, and 10 s for two workers at once on
+    the H100 host). Equal to the tokenizer's own decode where that applies no clean-up (`decode_only`)."""
+
+    def __init__(self, backend_json: str) -> None:
+        self.backend_json = backend_json
+        self._backend: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"backend_json": self.backend_json, "_backend": None}
+
+    def decode(self, ids: Any) -> str:
+        if self._backend is None:
+            from tokenizers import Tokenizer
+
+            self._backend = Tokenizer.from_str(self.backend_json)
+        return self._backend.decode(list(ids), skip_special_tokens=False)
+
+
+def decode_only(tokenizer: Any) -> Any:
+    """A DecodeOnly for a transformers tokenizer that decodes with its Rust tokenizer and no clean-up, else the
+    tokenizer itself (sent whole: slower to start, the same lines)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return tokenizer
+    if isinstance(tokenizer, TokenizersBackend) and not tokenizer.clean_up_tokenization_spaces \
+            and type(tokenizer).decode is TokenizersBackend.decode and type(tokenizer)._decode is TokenizersBackend._decode:
+        return DecodeOnly(tokenizer.backend_tokenizer.to_str())
+    return tokenizer
+
+
+def _start_worker(ctx: FormatContext) -> None:
+    global _ctx
+    # Ctrl-C reaches the whole process group: the job drains on it and still needs its lines formatted
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if isinstance(ctx.tokenizer, DecodeOnly):
+        ctx.tokenizer.decode([])  # load it now, not in the first line's time
+    _ctx = ctx
+def format_line(req: Request, out: RequestOutput) -> bytes:
+    """The line's JSON (in a worker process)."""
+    assert _ctx is not None, "format_line runs in a FormatPool worker"
+    return jsonio.dumps(result_line(req, out, _ctx))
+
+
+class FormatPool:
+    """`workers` processes formatting lines with `ctx`; its tokenizer goes to each once, as a DecodeOnly where it
+    can.
+
+    Starting a `spawn`ed worker can block whoever submits the task that starts it until the new interpreter has read
+    its context: a thread of its own starts them, and the job formats on its main thread until `ready` (1-3 s).
+    """
+
+    def __init__(self, ctx: FormatContext, workers: int) -> None:
+        if workers < 1:
+            raise ValueError("a FormatPool needs at least one worker")
+        sent = dataclasses.replace(ctx, tokenizer=decode_only(ctx.tokenizer)) if ctx.tokenizer is not None else ctx
+        self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_start_worker, initargs=(sent,))
+        self.ready = threading.Event()
+        self.error: BaseException | None = None  # why the workers did not start
+        threading.Thread(target=self._start, args=(workers,), name="nv-format-pool", daemon=True).start()
+
+    def _start(self, workers: int) -> None:
+        try:
+            for fut in [self.executor.submit(os.getpid) for _ in range(workers)]:
+                fut.result()
+        except BaseException as e:  # noqa: BLE001 - reported through `error`; the job formats on its own thread
+            self.error = e
+        else:
+            self.ready.set()
+
+    def submit(self, req: Request, out: RequestOutput) -> Future[bytes]:
+        return self.executor.submit(format_line, req, out)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,152 @@
+"""Lines with logprobs formatted in worker processes (jobs/format_pool.py): the same lines the main thread writes,
+in input order, and none lost when a worker dies or the pool cannot start. Each test starts real processes (~2 s)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+
+import pytest
+from fake_engine import FakeEngine
+
+from nvcli.jobs import runner
+from nvcli.jobs.format_pool import FormatPool, default_workers
+from nvcli.jobs.requests import Defaults
+from nvcli.jobs.runner import JobOptions, JobResult
+
+
+def jsonl(*objs: dict) -> bytes:
+    return b"".join(json.dumps(o).encode() + b"\n" for o in objs)
+
+
+MSGS = [{"role": "user", "content": "hi"}]
+DATA = jsonl(
+    *[{"id": f"n{i}", "prompt": f"p{i}", "max_tokens": 3 + i % 5, "logprobs": 1} for i in range(16)],
+    {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": MSGS, "max_tokens": 3, "logprobs": True, "top_logprobs": 1}},
+    {"custom_id": "c2", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "abc", "max_tokens": 2, "logprobs": 1, "echo": True}},
+    {"id": "plain", "prompt": "no logprobs"},
+    {"id": "bad", "prompt": 3},
+)
+
+
+def _normalized(raw: bytes) -> list[str]:
+    """Output lines with what differs between runs (ids, request ids, creation times) blanked."""
+    text = re.sub(rb'"(chatcmpl|cmpl)-[0-9a-f]+"', rb'"\1-X"', raw)
+    text = re.sub(rb'"request_id":"[^"]+"', rb'"request_id":"X"', text)
+    text = re.sub(rb'"created":\d+', rb'"created":0', text)
+    return text.decode().splitlines()
+
+
+def _job(engine: FakeEngine, workers: int, pool: FormatPool | None = None) -> tuple[JobResult, list[str]]:
+    dst = io.BytesIO()
+    opts = JobOptions(defaults=Defaults(sampling={"max_tokens": 4, "temperature": 0}), handle_sigint=False,
+                      format_workers=workers)
+    job = runner._Job(engine, io.BytesIO(DATA), dst, opts, None, None)
+    if pool is not None:
+        job.pool = pool
+    return job.run(), _normalized(dst.getvalue())
+
+
+def _started_pool(engine: FakeEngine, workers: int = 2) -> FormatPool:
+    from nvcli.jobs.formatting import FormatContext
+
+    pool = FormatPool(FormatContext(model_name="model", tokenizer=engine.tokenizer), workers)
+    assert pool.ready.wait(60), pool.error
+    return pool
+
+
+def test_the_pool_writes_the_main_thread_s_lines() -> None:
+    """Every line with logprobs (native, chat and completions with echo) comes from the pool, and the job writes
+    what formatting on the main thread writes, line for line in input order; lines without logprobs and error lines
+    are the main thread's."""
+    want_result, want = _job(FakeEngine(max_num_seqs=3), workers=0)
+    engine = FakeEngine(max_num_seqs=3)
+    result, got = _job(engine, workers=2, pool=_started_pool(engine))
+    assert got == want
+    assert result.formatted_apart == 18 and want_result.formatted_apart == 0
+    assert result.written == want_result.written == 20 and result.exit_code == want_result.exit_code
+
+
+class _KillsItsReader:
+    """Unpickled in a worker, it ends that process (a worker that dies mid-job: out of memory, killed)."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+class _DeadlyEngine(FakeEngine):
+    def step(self):
+        outs = super().step()
+        for out in outs:
+            if out.request_id == "nv-5":  # the reader's request id of line n5 (its sixth output line)
+                out.metrics["poison"] = _KillsItsReader()  # type: ignore[assignment]
+        return outs
+
+
+def test_a_worker_that_dies_costs_no_line() -> None:
+    """A worker dies while it holds a line: that line and every later one are formatted on the main thread, and the
+    job writes the same lines as without the pool."""
+    want_result, want = _job(FakeEngine(max_num_seqs=3), workers=0)
+    engine = _DeadlyEngine(max_num_seqs=3)
+    result, got = _job(engine, workers=2, pool=_started_pool(engine))
+    assert got == want
+    assert 0 < result.formatted_apart < 18 and result.exit_code == want_result.exit_code
+
+
+def test_a_pool_that_cannot_start_costs_no_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker processes that fail to start (here: their initializer raises) leave the main thread formatting."""
+    from nvcli.jobs import format_pool
+
+    def no_start(self, workers):
+        self.error = OSError("cannot start processes")
+
+    monkeypatch.setattr(format_pool.FormatPool, "_start", no_start)
+    _, want = _job(FakeEngine(max_num_seqs=3), workers=0)
+    result, got = _job(FakeEngine(max_num_seqs=3), workers=2)
+    assert got == want and result.formatted_apart == 0
+
+
+def test_default_workers_only_beside_a_gpu_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_workers("cuda") == 4 and default_workers("cpu") == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert default_workers("cuda") == 0
+
+
+def test_the_workers_tokenizer_decodes_as_the_model_s() -> None:
+    """Workers get Qwen3's tokenizer as a DecodeOnly (its Rust tokenizer: no transformers import in the worker), and
+    it decodes as the tokenizer does: single tokens (logprobs' token texts), whole prompts (echo), special tokens,
+    byte-level pieces of split characters."""
+    import pickle
+    import random
+
+    from nvcli.jobs.format_pool import DecodeOnly, decode_only
+    from nvcli.models.tokenizer import load_tokenizer
+    from nvcli.testing.tiny_models import qwen_tokenizer_dir
+
+    tok = load_tokenizer(qwen_tokenizer_dir())
+    sent = pickle.loads(pickle.dumps(decode_only(tok)))
+    assert isinstance(sent, DecodeOnly)
+    rng = random.Random(0)
+    vocab = len(tok)
+    cases = [[t] for t in range(0, vocab, 997)] + [[vocab - 1], [151643], [151644, 872, 198]]
+    cases += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(200)]
+    cases += [tok.encode("naïve café 日本語 🙂 <think>\n</think> x")]
+    for ids in cases:
+        assert sent.decode(ids) == tok.decode(ids), ids
+
+
+def test_a_tokenizer_that_cleans_up_is_sent_whole() -> None:
+    from nvcli.jobs.format_pool import decode_only
+    from nvcli.models.tokenizer import load_tokenizer
+    from nvcli.testing.tiny_models import qwen_tokenizer_dir
+
+    tok = load_tokenizer(qwen_tokenizer_dir())
+    tok.clean_up_tokenization_spaces = True
+    assert decode_only(tok) is tok
+    fake = FakeEngine().tokenizer
+    assert decode_only(fake) is fake
