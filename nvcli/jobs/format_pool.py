@@ -79,6 +79,8 @@ def _start_worker(ctx: FormatContext) -> None:
     # Ctrl-C reaches the whole process group: the job drains on it and still needs its lines formatted
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # the job may write its lines to stdout: nothing a worker prints (a library's notice) may land among them
+    os.dup2(2, 1)
     if isinstance(ctx.tokenizer, DecodeOnly):
         ctx.tokenizer.decode([])  # load it now, not in the first line's time
     _ctx = ctx

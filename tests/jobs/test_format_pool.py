@@ -150,3 +150,25 @@ def test_a_tokenizer_that_cleans_up_is_sent_whole() -> None:
     assert decode_only(tok) is tok
     fake = FakeEngine().tokenizer
     assert decode_only(fake) is fake
+
+
+def _prints() -> str:
+    import sys
+
+    print("a stray notice")
+    sys.stdout.flush()
+    return "done"
+
+
+def test_a_worker_prints_nothing_to_the_job_s_stdout(capfd: pytest.CaptureFixture[str]) -> None:
+    """`nv generate` writes its lines to stdout by default: a worker's stdout goes to stderr."""
+    from nvcli.jobs.formatting import FormatContext
+
+    pool = FormatPool(FormatContext(model_name="model"), 1)
+    try:
+        assert pool.ready.wait(60), pool.error
+        assert pool.executor.submit(_prints).result(timeout=60) == "done"
+    finally:
+        pool.shutdown()
+    out, err = capfd.readouterr()
+    assert "a stray notice" not in out and "a stray notice" in err
