@@ -64,9 +64,9 @@ COMPILE_AHEAD = os.environ.get("NV_COMPILE_AHEAD", "processes")
 SPLIT_MIXED = os.environ.get("NV_SPLIT_MIXED", "1") != "0"
 MIXED_GRAPHS = os.environ.get("NV_MIXED_GRAPHS", "1") != "0"
 # A mixed graph's prefill-attention grid is sized for its prompt-chunk capacity (half its tokens): a 768-token graph
-# launched ~3,100 programs per layer for the one or two real chunks of a long job's typical step, which cost ~39 us
-# per layer against ~10 for the work (RESULTS session 38). Graphs of up to MIXED_FEW_MAX_TOKENS tokens get a second
-# capture for steps of at most MIXED_FEW_CHUNKS chunks. NV_MIXED_FEW_CHUNKS=0 turns it off (A/B runs).
+# launched ~3,100 programs per layer for the one or two real chunks of a long job's typical step: 39 us per layer
+# for a 562-token prompt, 21 with 8 chunk slots (RESULTS session 38). Graphs of up to MIXED_FEW_MAX_TOKENS tokens get
+# a second capture for steps of at most MIXED_FEW_CHUNKS chunks. NV_MIXED_FEW_CHUNKS=0 turns it off (A/B runs).
 MIXED_FEW_CHUNKS = int(os.environ.get("NV_MIXED_FEW_CHUNKS", "8"))
 MIXED_FEW_MAX_TOKENS = 2048
 # prompt_logprobs: the LM head runs over at most this many bytes of logits (in the model's dtype) at a time
