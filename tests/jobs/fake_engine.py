@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
 
+def jsonl(*objs) -> bytes:
+    """An input file's bytes: one JSON line per object (bytes objects go in as they are)."""
+    return b"".join((o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n" for o in objs)
+
+
 class FakeTokenizer:
     name_or_path = ""
     # what tool calling looks for in a template: it renders tools, in Hermes' <tool_call> format

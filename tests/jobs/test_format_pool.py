@@ -4,22 +4,16 @@ in input order, and none lost when a worker dies or the pool cannot start. Each 
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, jsonl
 
 from nvcli.jobs import runner
 from nvcli.jobs.format_pool import FormatPool, default_workers
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.runner import JobOptions, JobResult
-
-
-def jsonl(*objs: dict) -> bytes:
-    return b"".join(json.dumps(o).encode() + b"\n" for o in objs)
-
 
 MSGS = [{"role": "user", "content": "hi"}]
 DATA = jsonl(

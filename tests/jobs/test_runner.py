@@ -9,16 +9,12 @@ import threading
 import time
 
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, jsonl
 
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.runner import EXIT_LINE_ERRORS, EXIT_OK, EXIT_OUTPUT_CLOSED, JobOptions, run_job
 from nvcli.jobs.tool_calls import required_schema
 from nvcli.sampling_params import StructuredOutputsParams
-
-
-def jsonl(*objs) -> bytes:
-    return b"".join((o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n" for o in objs)
 
 
 def run(engine, data: bytes, **kw):
