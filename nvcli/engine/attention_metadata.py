@@ -38,3 +38,7 @@ class AttentionMetadata:
     # sequences in (decode graphs; None: batch order)
     decode_order: Optional[torch.Tensor] = None
     split: Optional[DecodeSplit] = None  # a step with prompt chunks and one-token rows, on the GPU
+    # Decode steps on the GPU whose sequences all begin with the same cached pages: [1] int32, that many tokens
+    # (whole pages, fewer than any sequence's length) are read once for many sequences
+    # (kernels/shared_prefix_attention.py); None: the ordinary decode kernel
+    shared_prefix_len: Optional[torch.Tensor] = None

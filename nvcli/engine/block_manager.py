@@ -87,6 +87,14 @@ class BlockManager:
             parent = h
         return hits
 
+    def first_uncached_block_hash(self, seq: Sequence, cached: list[int]) -> int | None:
+        """The hash the first full block after `cached` (find_cached_prefix's hits) will have once computed; None if
+        the prompt has no such block (its last token is never part of one)."""
+        if not self.enable_prefix_caching or len(cached) >= (seq.num_tokens - 1) // self.block_size:
+            return None
+        parent = self.blocks[cached[-1]].hash if cached else NO_HASH
+        return block_hash(seq.block_tokens(len(cached)), parent)
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         cached = cached or []
         total = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)

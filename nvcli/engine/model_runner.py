@@ -69,6 +69,14 @@ MIXED_GRAPHS = os.environ.get("NV_MIXED_GRAPHS", "1") != "0"
 # a second capture for steps of at most MIXED_FEW_CHUNKS chunks. NV_MIXED_FEW_CHUNKS=0 turns it off (A/B runs).
 MIXED_FEW_CHUNKS = int(os.environ.get("NV_MIXED_FEW_CHUNKS", "8"))
 MIXED_FEW_MAX_TOKENS = 2048
+# Decode steps whose sequences all begin with the same cached pages (one instruction in front of every line of a job)
+# replay a second set of decode graphs, captured the first time a batch size needs one, whose attention reads those
+# pages once per 16 query rows (kernels/shared_prefix_attention.py). It pays where the shared pages are at least half
+# of the step's KV; below SHARED_PREFIX_MIN_ROWS rows the ordinary kernel's splits fill the GPU better.
+# NV_SHARED_PREFIX=0 turns it off (A/B runs).
+SHARED_PREFIX = os.environ.get("NV_SHARED_PREFIX", "1") != "0"
+SHARED_PREFIX_MIN_ROWS = 32
+SHARED_PREFIX_MIN_TOKENS = 256
 # prompt_logprobs: the LM head runs over at most this many bytes of logits (in the model's dtype) at a time
 PROMPT_LOGITS_CHUNK_BYTES = 256 << 20
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -192,6 +200,23 @@ class StepResult:
     logprobs: FlatLogprobs | None  # of the rows that asked (logprob_rows), one position each
     logprob_rows: list[int]
     prompt_logprobs: FlatLogprobs | None  # the rows of the batch's prompt_logit_spans, one after another
+
+
+def shared_prefix_tokens(tables: np.ndarray, lens: np.ndarray, block_size: int) -> int:
+    """Tokens (whole pages) at the front of every row of a decode step that are the same pages in every row's
+    table, if the shared-prefix kernel should read them; else 0. tables [rows, width], lens [rows]: the step's."""
+    rows = len(lens)
+    if rows < SHARED_PREFIX_MIN_ROWS:
+        return 0
+    limit = int(lens.min() - 1) // block_size  # pages full in every row, leaving each row its own last token
+    if limit * block_size < SHARED_PREFIX_MIN_TOKENS:
+        return 0
+    same = (tables[:rows, :limit] == tables[0, :limit]).all(axis=0)
+    tokens = (limit if same.all() else int(same.argmin())) * block_size
+    # at least SHARED_PREFIX_MIN_TOKENS, and at least half of the step's KV
+    if tokens < SHARED_PREFIX_MIN_TOKENS or 2 * tokens * rows < int(lens.sum()):
+        return 0
+    return tokens
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -356,6 +381,12 @@ class ModelRunner:
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # decode graphs whose attention reads a shared prefix once per group of rows, by batch size (captured when
+        # first needed), their outputs, and the memory pool every graph shares
+        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.shared_outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.graph_pool = None
+        self.shared_prefix_ok = False  # set once the cache exists
         # mixed graphs by (tokens, prompt-chunk capacity): _mixed_graph_keys
         self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # decode graphs of up to sampler_graphs.MAX_ROWS rows end with the LM head, and rank 0 samples their logits in
@@ -381,6 +412,11 @@ class ModelRunner:
                      f"{workers.num_workers} processes" if workers is not None else "threads")
         self.num_kvcache_blocks = self._allocate_kv_cache()
         phase("kv_cache")
+        from nvcli.kernels.shared_prefix_attention import supports_shared_prefix  # triton: imported on demand
+
+        self.shared_prefix_ok = (SHARED_PREFIX and self.device.type == "cuda" and not config.enforce_eager
+                                 and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
+                                 and supports_shared_prefix(self.attn_layers[0].k_cache, self.attn_layers[0].v_cache))
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
             phase("cuda_graphs")
@@ -847,19 +883,20 @@ class ModelRunner:
         max_blocks = self._max_table_width()
         self.g_max_blocks = max_blocks
         # byte layout: int64 [3, max_bs] (input ids, positions, slots) | int32 [max_bs] seq lens |
-        # int32 [max_bs] decode order | int32 [max_bs, max_blocks] block tables; a step of bs rows needs the
-        # bytes below tables row bs
+        # int32 [max_bs] decode order | int32 [4]: shared prefix tokens, 3 unused | int32 [max_bs, max_blocks] block
+        # tables; a step of bs rows needs the bytes below tables row bs
         self.g_off_lens = 3 * max_bs * 8
-        self.g_off_tables = self.g_off_lens + 2 * max_bs * 4
+        self.g_off_tables = self.g_off_lens + 2 * max_bs * 4 + 16
         size = self.g_off_tables + max_bs * max_blocks * 4
 
-        def views(blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        def views(blob: torch.Tensor) -> tuple[torch.Tensor, ...]:
             lens_order = blob[self.g_off_lens : self.g_off_tables].view(torch.int32)
             return (blob[: self.g_off_lens].view(torch.int64).view(3, max_bs), lens_order[:max_bs],
-                    lens_order[max_bs:], blob[self.g_off_tables :].view(torch.int32).view(max_bs, max_blocks))
+                    lens_order[max_bs : 2 * max_bs], blob[self.g_off_tables :].view(torch.int32).view(max_bs, max_blocks),
+                    lens_order[2 * max_bs : 2 * max_bs + 1])
 
         self.g_blob = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        self.g_i64, self.g_seq_lens, self.g_order, self.g_block_tables = views(self.g_blob)
+        self.g_i64, self.g_seq_lens, self.g_order, self.g_block_tables, self.g_shared_len = views(self.g_blob)
         self.g_i64[2] = -1
         self.g_input_ids, self.g_positions, self.g_slots = self.g_i64[0], self.g_i64[1], self.g_i64[2]
         # Pinned host staging buffers, filled through numpy views and copied without a sync. Two sets,
@@ -936,13 +973,31 @@ class ModelRunner:
                                  tokens, self.g_max_blocks * self.block_size, False, None, split)
         return self.model(m["i64"][0, :tokens], m["i64"][1, :tokens], meta)
 
-    def _graph_forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _graph_forward(self, bs: int, shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decode step a graph of `bs` rows holds, on the static buffers (seq_len 0, slot -1: reads and
-        writes no KV)."""
+        writes no KV); `shared_prefix`: its attention reads g_shared_len shared tokens once per group of rows."""
         meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
                                  self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True,
-                                 self.g_order[:bs] if LONGEST_FIRST else None)
+                                 self.g_order[:bs] if LONGEST_FIRST else None,
+                                 shared_prefix_len=self.g_shared_len if shared_prefix else None)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+
+    @torch.inference_mode()
+    def _shared_prefix_graph(self, bs: int) -> torch.cuda.CUDAGraph:
+        """The shared-prefix decode graph of `bs` rows, captured the first time a step needs it. Called before the
+        step's inputs are uploaded: the static buffers are first set to read and write no KV (the step before, whose
+        inputs they still hold, is already queued), so the eager pass and the capture touch no cache."""
+        if bs not in self.shared_graphs:
+            self.g_slots.fill_(-1)
+            self.g_seq_lens.zero_()
+            self.g_shared_len.zero_()
+            self._graph_forward(bs, shared_prefix=True)  # eager first: Triton compiles outside the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graph_pool):
+                self.shared_outputs[bs] = self._graph_forward(bs, shared_prefix=True)
+            self.shared_graphs[bs] = graph
+            log.info("captured the shared-prefix decode graph of %d rows", bs)
+        return self.shared_graphs[bs]
 
     def _graph_step(self, bs: int, with_logits: bool) -> tuple[Final, torch.Tensor | None]:
         """_graph_forward's outputs, and where `with_logits` their logits [bs, vocab] (else None)."""
@@ -963,6 +1018,7 @@ class ModelRunner:
                 self.graph_outputs[bs], logits = self._graph_step(bs, with_logits)
             if pool is None:
                 pool = graph.pool()
+                self.graph_pool = pool
             self.graphs[bs] = graph
             if logits is not None:
                 self.graph_logits[bs] = logits
@@ -1004,6 +1060,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
             self.mixed_graphs.clear()
+            self.shared_graphs.clear()
             self.graph_logits.clear()
             self.sampler_graphs = None
             torch.cuda.empty_cache()
@@ -1016,7 +1073,8 @@ class ModelRunner:
         if width > self.g_max_blocks:
             raise RuntimeError("sequence longer than max_model_len reached the decode graph")
         i = self.num_replays % 2
-        stage_blob, (stage_i64, stage_seq_lens, stage_order, stage_tables) = self.stage_blobs[i], self.stages[i]
+        stage_blob, (stage_i64, stage_seq_lens, stage_order, stage_tables, stage_shared) = (self.stage_blobs[i],
+                                                                                             self.stages[i])
         self.num_replays += 1
         ints = stage_i64.numpy()  # [3, max_bs]: input ids, positions, slots
         ints[0, :bs] = step.input_ids
@@ -1032,6 +1090,9 @@ class ModelRunner:
         stage_order.numpy()[:graph_bs] = np.argsort(-lens[:graph_bs], kind="stable")
         tables = stage_tables.numpy()  # [max_bs, max_blocks]
         _fill_tables(tables, step.block_tables)
+        shared = shared_prefix_tokens(tables, lens[:bs], self.block_size) if self.shared_prefix_ok else 0
+        stage_shared.numpy()[0] = shared
+        graph = self._shared_prefix_graph(graph_bs) if shared else self.graphs[graph_bs]
         prefix = self.g_off_tables + bs * self.g_max_blocks * 4  # bytes up to the last table row used
         if prefix <= SINGLE_UPLOAD_BYTES:  # one copy: a latency, not bandwidth, for a few rows
             self.g_blob[:prefix].copy_(stage_blob[:prefix], non_blocking=True)
@@ -1041,8 +1102,8 @@ class ModelRunner:
             self.g_blob[lens_order].copy_(stage_blob[lens_order], non_blocking=True)
             self.g_block_tables[:bs, :width].copy_(stage_tables[:bs, :width], non_blocking=True)
         self._feed_back(self.g_input_ids, step)
-        self.graphs[graph_bs].replay()
-        hidden, residual = self.graph_outputs[graph_bs]
+        graph.replay()
+        hidden, residual = (self.shared_outputs if shared else self.graph_outputs)[graph_bs]
         return hidden[:bs], residual[:bs] if residual is not None else None
 
     def _logits_graph_for(self, step: StepInput) -> int:

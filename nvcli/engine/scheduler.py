@@ -67,6 +67,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prompt chunks that did not finish their prompt
+        # Prompts being computed, by the hash their first uncached block will have: (sequence, that block's index). A
+        # waiting prompt that would compute the same block instead waits a step or two and then reads it from the
+        # prefix cache: a job whose lines share an instruction computes it once, and every sequence's table then
+        # starts with the same pages, which decode reads once (kernels/shared_prefix_attention.py).
+        self._computing: dict[int, tuple[Sequence, int]] = {}
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens > self.max_model_len:
@@ -111,6 +116,9 @@ class Scheduler:
             budget -= n
             i += 1
 
+        if len(self._computing) > 2 * self.max_num_seqs:  # forget the prompts whose blocks are registered
+            for h in list(self._computing):
+                self._being_computed(h)  # drops the entry unless its prompt still computes it
         # Admit waiting sequences, unless this step already had to give blocks back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
@@ -118,6 +126,9 @@ class Scheduler:
                 break  # preempted while its token was in flight: readmit once the token is known
             # prompt_logprobs need every prompt position's logits: such a prompt is computed, not read from the cache
             cached = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 and not seq.needs_prompt_logits else []
+            first_miss = bm.first_uncached_block_hash(seq, cached) if seq.num_computed_tokens == 0 else None
+            if first_miss is not None and self._being_computed(first_miss):
+                break  # another prompt computes this block now: read it from the cache next step
             remaining = seq.num_tokens - len(cached) * bm.block_size
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
@@ -135,8 +146,21 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            if first_miss is not None and n >= bm.block_size:
+                self._computing[first_miss] = (seq, len(cached))
 
         return self._advance(seqs, counts)
+
+    def _being_computed(self, block_hash: int) -> bool:
+        """Whether a running prompt is computing the block of this hash (and has not registered it yet)."""
+        entry = self._computing.get(block_hash)
+        if entry is None:
+            return False
+        seq, index = entry
+        if seq.status == SequenceStatus.RUNNING and len(seq.block_hashes) <= index:
+            return True
+        self._computing.pop(block_hash, None)  # registered (now a cache hit), finished or preempted
+        return False
 
     def _advance(self, seqs: list[Sequence], counts: list[int]) -> ScheduledBatch:
         # One-token rows first: a step that also carries prompt chunks runs its first rows through the decode

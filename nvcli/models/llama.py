@@ -111,7 +111,8 @@ class DecoderAttention(nn.Module):
             k_w = self.k_norm.weight if self.qk_norm else None
             eps = self.q_norm.eps if self.qk_norm else 0.0
             attn = self.attn
-            if meta.decode_only and FUSED_DECODE_ROPE and q.shape[0] <= FUSED_DECODE_ROPE_MAX_ROWS:
+            if (meta.decode_only and FUSED_DECODE_ROPE and q.shape[0] <= FUSED_DECODE_ROPE_MAX_ROWS
+                    and meta.shared_prefix_len is None):
                 # norm + rotary + KV store inside the attention kernel
                 from nvcli.kernels.decode_attention import DecodeRope
 

@@ -19,6 +19,15 @@ PROMPTS = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([
 PARAMS = [SamplingParams(temperature=0, max_tokens=8 + 7 * i, ignore_eos=True) for i in range(len(PROMPTS))]
 
 
+def _cpu_tokens(model_dir, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """The CPU float32 reference: each prompt's greedy tokens."""
+    cpu = LLM(str(model_dir), device="cpu", max_model_len=512, num_kvcache_blocks=256)
+    try:
+        return [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    finally:
+        cpu.shutdown()
+
+
 def _generate(model_dir, **kw) -> list[list[int]]:
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, max_num_batched_tokens=256,
               num_kvcache_blocks=256, **kw)
@@ -83,11 +92,7 @@ def test_deferred_norm_decode_graphs_match_cpu(tiny_model_dir) -> None:
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(len(prompts))]
     assert len(prompts) >= llama.DEFERRED_NORM_MIN_ROWS
     model_dir = tiny_model_dir("qwen3")
-    cpu = LLM(str(model_dir), device="cpu", max_model_len=512, num_kvcache_blocks=256)
-    try:
-        want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
-    finally:
-        cpu.shutdown()
+    want = _cpu_tokens(model_dir, prompts, params)
     got = []
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
     try:
@@ -95,6 +100,31 @@ def test_deferred_norm_decode_graphs_match_cpu(tiny_model_dir) -> None:
     finally:
         llm.shutdown()
     assert got == want
+
+
+def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
+    """40 sequences behind one 320-token instruction (20 cached pages every block table shares) replay the
+    shared-prefix decode graphs, captured when first needed (kernels/shared_prefix_attention.py): float32 on the
+    GPU gives the CPU's tokens with them, and without them."""
+    prefix = list(range(3000, 3320))
+    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(40)]
+    params = [SamplingParams(temperature=0, max_tokens=12 + i % 5, ignore_eos=True) for i in range(len(prompts))]
+    assert len(prompts) >= model_runner.SHARED_PREFIX_MIN_ROWS
+    model_dir = tiny_model_dir("qwen3")
+    want = _cpu_tokens(model_dir, prompts, params)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
+    try:
+        runner = llm.engine.executor.runner
+        assert runner.shared_prefix_ok and not runner.shared_graphs
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert runner.shared_graphs  # the shared pages were found and their graphs replayed
+        runner.shared_prefix_ok = False
+        llm.engine.reset_prefix_cache()
+        got_plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert got_plain == want
 
 
 @pytest.mark.parametrize("mode", ["mixed graphs", "mixed graphs, few-chunk captures", "eager split",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from nvcli.engine.model_runner import ModelRunner, StepInput
+from nvcli.engine import model_runner
+from nvcli.engine.model_runner import ModelRunner, StepInput, shared_prefix_tokens
 
 
 def _step(n: int, pending: list[tuple[int, int]]) -> StepInput:
@@ -253,3 +255,41 @@ def test_the_kv_cache_leaves_room_for_a_step_that_samples_with_everything(tiny_m
         assert torch.cuda.max_memory_allocated() + outside <= util * total
     finally:
         llm.shutdown()
+
+
+def _shared_tables(rows: int, shared_pages: int, own_pages: int) -> np.ndarray:
+    """Tables whose first shared_pages entries are the same blocks in every row, then blocks of each row's own."""
+    tables = np.zeros((rows, shared_pages + own_pages + 2), dtype=np.int32)
+    tables[:, :shared_pages] = np.arange(shared_pages)
+    tables[:, shared_pages:shared_pages + own_pages] = (1000 + np.arange(rows * own_pages)).reshape(rows, own_pages)
+    return tables
+
+
+def test_shared_prefix_tokens_finds_the_pages_every_row_shares() -> None:
+    rows = model_runner.SHARED_PREFIX_MIN_ROWS
+    tables = _shared_tables(rows, 32, 2)
+    lens = np.full(rows, 32 * 16 + 20, dtype=np.int32)
+    assert shared_prefix_tokens(tables, lens, 16) == 512
+    tables[5, 30] = 7  # one row leaves the shared run at page 30
+    assert shared_prefix_tokens(tables, lens, 16) == 480
+
+
+def test_shared_prefix_tokens_counts_only_pages_full_in_every_row() -> None:
+    rows = model_runner.SHARED_PREFIX_MIN_ROWS
+    tables = _shared_tables(rows, 32, 2)  # the tables share more pages than the shortest row has filled
+    lens = np.full(rows, 600, dtype=np.int32)
+    lens[3] = 20 * 16  # this row's 20th page holds its last token: 19 pages are whole and leave it a token
+    assert shared_prefix_tokens(tables, lens, 16) == 19 * 16
+
+
+@pytest.mark.parametrize("case", ["few rows", "short prefix", "prefix under half the KV", "no shared page"])
+def test_shared_prefix_tokens_declines(case: str) -> None:
+    rows = model_runner.SHARED_PREFIX_MIN_ROWS - (1 if case == "few rows" else 0)
+    shared_pages = {"short prefix": model_runner.SHARED_PREFIX_MIN_TOKENS // 16 - 1}.get(case, 32)
+    tables = _shared_tables(rows, shared_pages, 40)
+    lens = np.full(rows, shared_pages * 16 + 30, dtype=np.int32)
+    if case == "prefix under half the KV":
+        lens[:] = shared_pages * 16 + 33 * 16
+    if case == "no shared page":
+        tables[1, 0] = 99
+    assert shared_prefix_tokens(tables, lens, 16) == 0

@@ -189,3 +189,39 @@ def test_prefix_cache_hit_through_scheduler() -> None:
     assert b.num_cached_tokens == 12 and batch.num_new_tokens == [1]
     run_to_end(sched)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_prompt_waits_for_the_prefix_another_prompt_is_computing() -> None:
+    """Lines behind one instruction: the first computes it, the next is admitted a step later and reads it from the
+    prefix cache, so both block tables start with the same pages (what shared-prefix decode needs)."""
+    sched, bm = make()
+    instruction = list(range(500, 512))  # three full blocks
+    a = Sequence(instruction + [1, 2], SamplingParams(max_tokens=4, ignore_eos=True), BS)
+    b = Sequence(instruction + [3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True), BS)
+    other = seq(6, first=900)
+    for s in (a, b, other):
+        sched.add(s)
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [a.seq_id]  # b waits, and FIFO keeps `other` behind it
+    sched.postprocess(batch, [7])
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [a.seq_id, b.seq_id, other.seq_id]
+    assert b.num_cached_tokens == 3 * BS and b.block_table[:3] == a.block_table[:3]
+    assert batch.num_new_tokens == [1, 3, 6]
+
+
+def test_prompts_with_their_own_first_block_are_admitted_together() -> None:
+    sched, _ = make()
+    seqs = [seq(9, first=100 * i) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    assert len(sched.schedule().seqs) == 4
+
+
+def test_the_prefix_wait_forgets_registered_prompts() -> None:
+    """A million-line job admits a prompt per line: the record of prompts in computation stays bounded."""
+    sched, _ = make(num_blocks=256, max_seqs=4, budget=256, max_len=64)
+    for i in range(200):
+        sched.add(seq(9, max_tokens=1, first=1000 + 100 * i))
+    run_to_end(sched)
+    assert len(sched._computing) <= 2 * sched.max_num_seqs + 4

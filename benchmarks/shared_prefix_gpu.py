@@ -1,0 +1,161 @@
+"""What a shared prompt prefix costs decode: attention over pages many sequences share, against the same lengths
+unshared.
+
+    PYTHONPATH=. python3 benchmarks/shared_prefix_gpu.py [--sections kernel,e2e]
+
+Batch jobs often repeat one long instruction in front of every line. Prefix caching computes it once, and every
+sequence's block table then starts with the same physical pages. Decode attention still reads those pages once per
+sequence and KV head. If the sequences that share them run close together, the reads may come from L2 (a layer's
+1,024-token prefix is 4 MB of bf16 KV), and a dedicated shared-prefix pass (vLLM's cascade attention) would gain
+little; if not, it would cut a step's KV reads by up to the shared fraction. This measures which.
+
+- kernel: the engine's decode attention (bf16, 16-token pages, longest first) at B sequences of P shared + S own
+  tokens, against B sequences of P + S tokens each on pages of their own; us per call, median of do_bench.
+- e2e: dummy Qwen3-0.6B, 512 requests of a 1,024-token shared prefix + 64 own tokens, 256 output tokens each, with
+  the shared-prefix decode graphs (kernels/shared_prefix_attention.py) and with the ordinary ones, against 512
+  prompts of 1,088 own tokens; output tok/s, and the median wall time of the decode-only steps. The warm-up job
+  (300 shared-prefix requests) captures the shared-prefix graphs of the batch sizes the runs meet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from nvcli.kernels.decode_attention import paged_decode_attention_triton
+from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
+
+PAGE = 16
+
+
+def tables(batch: int, shared: int, own: int, share: bool, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Block tables [batch, pages] (shuffled blocks): the first shared // PAGE pages the same for every row if
+    `share`, and the number of blocks they use."""
+    p_pages, o_pages = shared // PAGE, -(-own // PAGE)
+    rows = p_pages + o_pages
+    num_blocks = (p_pages if share else batch * p_pages) + batch * o_pages + 1
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    t = torch.empty(batch, rows, dtype=torch.int32)
+    i = 0
+    if share:
+        t[:, :p_pages] = perm[:p_pages]
+        i = p_pages
+    for b in range(batch):
+        if not share:
+            t[b, :p_pages] = perm[i:i + p_pages]
+            i += p_pages
+        t[b, p_pages:] = perm[i:i + o_pages]
+        i += o_pages
+    return t, num_blocks
+
+
+def kernel_section() -> list[str]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for batch, shared, own in ((256, 1024, 64), (256, 2048, 128), (128, 1024, 64), (64, 3072, 128)):
+        rng = random.Random(batch + shared)
+        res = {}
+        for share in (False, True):
+            t, num_blocks = tables(batch, shared, own, share, gen)
+            lens = torch.tensor([shared + rng.randint(1, own) for _ in range(batch)], dtype=torch.int32)
+            k = torch.randn(num_blocks, PAGE, 8, 128, device="cuda").to(torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, 16, 128, device="cuda").to(torch.bfloat16)
+            order = torch.argsort(lens, descending=True).to(torch.int32).cuda()
+            tt, ll = t.cuda(), lens.cuda()
+            ms = triton.testing.do_bench(
+                lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order: paged_decode_attention_triton(
+                    q, k, v, tt, ll, 128 ** -0.5, order=order), warmup=50, rep=300)
+            gb = float(lens.sum()) * 8 * 128 * 2 * 2 / 1e9
+            res[share] = ms
+            out.append(f"| kernel | {batch} x ({shared} {'shared' if share else 'own'} + 1-{own} own) | "
+                       f"{ms * 1e3:.1f} us | {gb / ms:.2f} TB/s of logical KV |")
+            if share:
+                ref = paged_decode_attention_triton(q, k, v, tt, ll, 128 ** -0.5, order=order)
+                n_shared = torch.tensor([shared], dtype=torch.int32, device="cuda")
+                got = shared_prefix_decode_attention_triton(q, k, v, tt, ll, n_shared, 128 ** -0.5, order)
+                err = (got.float() - ref.float()).abs().max().item()
+                ms_sp = triton.testing.do_bench(
+                    lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order, n=n_shared: shared_prefix_decode_attention_triton(
+                        q, k, v, tt, ll, n, 128 ** -0.5, order), warmup=50, rep=300)
+                res["kernel"] = ms_sp
+                out.append(f"| kernel | same, shared-prefix kernel (max diff {err:.1e}) | {ms_sp * 1e3:.1f} us | "
+                           f"{gb / ms_sp:.2f} TB/s of logical KV |")
+            del k, v
+        out.append(f"| kernel | shared / own: engine kernel {res[True] / res[False]:.2f}, shared-prefix kernel "
+                   f"{res['kernel'] / res[False]:.2f} | | |")
+        print("\n".join(out[-4:]), flush=True)
+    return out
+
+
+def e2e_section() -> list[str]:
+    from nvcli import LLM, SamplingParams
+    from nvcli.bench import Workload
+    from nvcli.models.presets import preset_dir
+
+    tmp = tempfile.mkdtemp()
+    llm = LLM(str(preset_dir("qwen3-0.6b", Path(tmp))), load_format="dummy", max_model_len=4096, max_num_seqs=256,
+              max_num_batched_tokens=16384)
+    engine = llm.engine
+    runner = engine.executor.runner
+    shared_ok = runner.shared_prefix_ok
+    rng = random.Random(0)
+    prefix = [rng.randint(0, 10000) for _ in range(1024)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=256) for _ in range(512)]
+    shared = Workload([prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(512)], params)
+    unique = Workload([[rng.randint(0, 10000) for _ in range(1088)] for _ in range(512)], params)
+    out = []
+    on, off = "shared 1,024-token prefix, shared-prefix graphs", "shared 1,024-token prefix, ordinary graphs"
+    for name, work in (("warm-up", Workload(shared.prompts[:300], params[:300])), ("own prompts", unique), (on, shared),
+                       (off, shared), ("own prompts", unique), (off, shared), (on, shared)):
+        engine.reset_prefix_cache()
+        runner.shared_prefix_ok = shared_ok and name != off
+        steps: list[float] = []  # wall seconds of each decode-only step
+        s0 = llm.stats()
+        t0 = time.perf_counter()
+        for i, (p, sp) in enumerate(zip(work.prompts, work.params)):
+            engine.add_request(p, sp, request_id=f"{name}-{time.monotonic_ns()}-{i}")
+        last, decodes = time.perf_counter(), llm.stats().num_decode_steps
+        while engine.has_unfinished():
+            engine.step()
+            now, dec = time.perf_counter(), llm.stats().num_decode_steps
+            if dec > decodes:
+                steps.append(now - last)
+            last, decodes = now, dec
+        dt = time.perf_counter() - t0
+        if name == "warm-up":
+            continue
+        steps.sort()
+        s1 = llm.stats()
+        line = (f"| e2e | {name} | {work.output_tokens / dt:,.0f} output tok/s ({dt:.2f} s) | decode-only steps: "
+                f"{len(steps)}, median {steps[len(steps) // 2] * 1e3:.2f} ms; host: schedule "
+                f"{s1.schedule_s - s0.schedule_s:.2f} s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s |")
+        print(line, flush=True)
+        out.append(line)
+    out.append(f"| e2e | shared-prefix graphs captured | {sorted(runner.shared_graphs)} | |")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="kernel,e2e")
+    args = ap.parse_args()
+    rows = []
+    if "kernel" in args.sections:
+        rows += kernel_section()
+    if "e2e" in args.sections:
+        rows += e2e_section()
+    print("\n| what | case | time | |\n| --- | --- | --- | --- |")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

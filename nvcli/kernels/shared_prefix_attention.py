@@ -1,0 +1,153 @@
+"""Decode attention for steps whose sequences all begin with the same cached pages (one long instruction in front
+of every line of a job, computed once by prefix caching).
+
+The engine's decode kernel (decode_attention.py) takes one (sequence, KV head) per program, its query rows padded
+to tl.dot's 16, so a page that 256 sequences share is read 256 times per layer; L2 absorbs about half of that
+(benchmarks/shared_prefix_gpu.py: 0.49x the time of unshared pages). Here a program takes one KV head of
+SEQS = 16 // GROUP sequences at once, their GROUP query heads each stacked into the 16 rows that the other kernel
+pads:
+1. the shared pages, read once for the SEQS sequences: every row attends to them;
+2. then each sequence's own pages, its rows alone unmasked (the others' scores -inf).
+One online softmax runs across both parts, so no merge of partial results is needed. The shared length is a
+device scalar, so a CUDA graph replays with whatever prefix the step has.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nvcli.kernels.reference import is_fp8
+
+
+@triton.jit
+def _softmax_tile(q, k_tile, v_tile, mask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+    """Online-softmax step over one KV tile; rows whose scores are all masked keep their state (no NaN)."""
+    if DOT_F32:  # float32 models: full-precision products (tl.dot would take TF32 on the GPU)
+        s = tl.dot(q.to(tl.float32), tl.trans(k_tile.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k_tile))
+    s = tl.where(mask, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        acc = tl.dot(p, v_tile.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _kv_tile(k_head, v_head, bt_row, pos, in_range, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+             PAGE: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_DIM] of one KV head at token positions `pos` of a sequence, through its block table."""
+    blk = tl.load(bt_row + pos // PAGE, mask=in_range, other=0).to(tl.int64)
+    k = tl.load(k_head + (blk * stride_kb + (pos % PAGE) * stride_kt)[:, None] + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    v = tl.load(v_head + (blk * stride_vb + (pos % PAGE) * stride_vt)[:, None] + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _shared_prefix_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, shared_ptr, out_ptr, num_seqs, qk_scale,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_os,
+    stride_oh,
+    GROUP: tl.constexpr, SEQS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    g = tl.program_id(0)  # SEQS consecutive entries of `order`
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    slot = rows // GROUP  # which of the program's sequences a row belongs to
+    idx = g * SEQS + slot
+    valid = (slot < SEQS) & (idx < num_seqs)
+    seq = tl.load(order_ptr + idx, mask=valid, other=0)
+    n = tl.load(lens_ptr + seq, mask=valid, other=0)
+    valid = valid & (n > 0)  # a CUDA graph's padding rows have length 0
+    heads = kvh * GROUP + rows % GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=valid[:, None], other=0.0)  # [ROWS, HEAD_DIM]
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    k_head = k_ptr + kvh * stride_kh
+    v_head = v_ptr + kvh * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    shared = tl.load(shared_ptr)  # tokens, whole pages, below every sequence's length (the caller's contract)
+    # 1. the shared pages, from the first sequence's table (every sequence of the step has the same ones)
+    bt_first = bt_ptr + tl.load(order_ptr + g * SEQS).to(tl.int64) * stride_bt
+    for t in range(0, shared, BLOCK_N):
+        pos = t + offs_n
+        in_range = pos < shared
+        k, v = _kv_tile(k_head, v_head, bt_first, pos, in_range, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+                        PAGE)
+        m_i, l_i, acc = _softmax_tile(q, k, v, valid[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale, DOT_F32)
+    # 2. each sequence's own pages, its rows alone
+    for i in range(0, SEQS):
+        own = valid & (slot == i)
+        i_idx = g * SEQS + i
+        s_i = tl.load(order_ptr + i_idx, mask=i_idx < num_seqs, other=0)
+        n_i = tl.load(lens_ptr + s_i, mask=i_idx < num_seqs, other=0)
+        bt_row = bt_ptr + s_i.to(tl.int64) * stride_bt
+        for t in range(shared, n_i, BLOCK_N):
+            pos = t + offs_n
+            in_range = pos < n_i
+            k, v = _kv_tile(k_head, v_head, bt_row, pos, in_range, offs_d, stride_kb, stride_kt, stride_vb,
+                            stride_vt, PAGE)
+            m_i, l_i, acc = _softmax_tile(q, k, v, own[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale,
+                                          DOT_F32)
+    out = tl.where(valid[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # empty rows: zeros
+    row_exists = (slot < SEQS) & (idx < num_seqs)
+    tl.store(out_ptr + seq.to(tl.int64)[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_exists[:, None])
+
+
+def supports_shared_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches this kernel reads: token-major pages of the model's dtype (not fp8: its pages are scaled and its V
+    dims-major)."""
+    return not is_fp8(k_cache.dtype) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+
+
+def shared_prefix_decode_attention_triton(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], token-major
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a graph's padding row)
+    shared_len: torch.Tensor,  # [1] int32: the first shared_len tokens (whole pages) are the same pages in every
+    # row's table, and every row with a length is longer than that
+    scale: float,
+    order: torch.Tensor | None = None,  # [num_seqs] int32 permutation: the rows grouped into programs in this order
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert supports_shared_prefix(k_cache, v_cache) and num_heads % num_kv_heads == 0
+    group = num_heads // num_kv_heads
+    seqs = max(1, 16 // group)
+    rows = max(16, triton.next_power_of_2(seqs * group))
+    if out is None:
+        out = torch.empty_like(q)
+    if order is None:
+        order = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
+    if num_seqs == 0:
+        return out
+    dot_f32 = q.dtype == torch.float32
+    block_n = 32 if dot_f32 else 64
+    grid = (triton.cdiv(num_seqs, seqs), num_kv_heads)
+    _shared_prefix_decode_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, order, shared_len, out, num_seqs, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, SEQS=seqs, ROWS=rows, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=block_n, DOT_F32=dot_f32,
+        num_warps=4,
+    )
+    return out
+

@@ -1,0 +1,91 @@
+"""Decode attention over pages every sequence shares (kernels/shared_prefix_attention.py) against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import on_device
+
+from nvcli.kernels import shared_prefix_attention
+from nvcli.kernels.reference import paged_decode_attention_ref
+
+HEAD_DIM = 32
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def shared_case(own: list[int], shared_pages: int, num_kv_heads: int, page: int, gen: torch.Generator,
+                dtype: torch.dtype = torch.float32, width_extra: int = 1):
+    """Caches and tables where every row's first `shared_pages` pages are the same blocks, then pages of its own;
+    a row of own length 0 is a graph's padding row (length 0)."""
+    own_pages = [-(-(n) // page) for n in own]
+    num_blocks = shared_pages + sum(own_pages) + 2
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    width = shared_pages + max(own_pages) + width_extra
+    tables = torch.full((len(own), width), int(perm[-1]), dtype=torch.int32)
+    i = shared_pages
+    for s, n in enumerate(own_pages):
+        tables[s, :shared_pages] = perm[:shared_pages]
+        tables[s, shared_pages:shared_pages + n] = perm[i:i + n]
+        i += n
+    lens = torch.tensor([shared_pages * page + n if n else 0 for n in own], dtype=torch.int32)
+    shape = (num_blocks, page, num_kv_heads, HEAD_DIM)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    return k, v, tables, lens
+
+
+def reference(q, k, v, tables, lens) -> torch.Tensor:
+    out = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, lens, HEAD_DIM**-0.5)
+    out[lens == 0] = 0.0
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1), (32, 2)])
+@pytest.mark.parametrize("page", [16, 32])
+def test_matches_reference_across_groupings(num_heads: int, num_kv_heads: int, page: int) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 100 + page)
+    # 11 rows: not a multiple of any program's sequence count; own parts from one token to past a page
+    own = [1, page, page + 3, 5, 2 * page - 1, 7, 1, 40, 3, page + 1, 9]
+    k, v, tables, lens = shared_case(own, 3, num_kv_heads, page, gen)
+    q = torch.randn(len(own), num_heads, HEAD_DIM, generator=gen)
+    order = torch.argsort(lens, descending=True).to(torch.int32)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    out = run(q, k, v, tables, lens, torch.tensor([3 * page], dtype=torch.int32), HEAD_DIM**-0.5, order)
+    torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
+
+
+def test_no_shared_pages_is_plain_decode_and_padding_rows_are_zero() -> None:
+    gen = torch.Generator().manual_seed(7)
+    own = [20, 0, 5, 33, 0]  # two padding rows (length 0), as a CUDA graph pads a step
+    k, v, tables, lens = shared_case(own, 0, 2, 16, gen)
+    q = torch.randn(len(own), 4, HEAD_DIM, generator=gen)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    out = run(q, k, v, tables, lens, torch.tensor([0], dtype=torch.int32), HEAD_DIM**-0.5)
+    torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
+    assert (out[lens == 0] == 0).all()
+
+
+def test_half_precision() -> None:
+    gen = torch.Generator().manual_seed(3)
+    own = [4, 17, 30, 1, 16, 2, 9, 12, 25]
+    k, v, tables, lens = shared_case(own, 4, 2, 16, gen, dtype=torch.float16)
+    q = torch.randn(len(own), 4, HEAD_DIM, generator=gen).to(torch.float16)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    out = run(q, k, v, tables, lens, torch.tensor([64], dtype=torch.int32), HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens), atol=2e-2, rtol=2e-2)
+
+
+def test_a_wrong_shared_length_changes_the_answer() -> None:
+    """The kernel trusts the caller: told that pages are shared which are not, rows read the first row's pages."""
+    gen = torch.Generator().manual_seed(5)
+    k, v, tables, lens = shared_case([6, 6, 6], 0, 1, 16, gen)
+    q = torch.randn(3, 2, HEAD_DIM, generator=gen)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    out = run(q, k, v, tables, lens, torch.tensor([0], dtype=torch.int32), HEAD_DIM**-0.5)
+    torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
+    lens16 = lens + 16
+    tables16 = torch.cat([tables[:, :1], tables], dim=1)  # one more page in front, different per row
+    tables16[:, 0] = torch.tensor([tables[0, 0], tables[1, 0], tables[2, 0]])
+    wrong = run(q, k, v, tables16, lens16, torch.tensor([16], dtype=torch.int32), HEAD_DIM**-0.5)
+    assert not torch.allclose(wrong, reference(q, k, v, tables16, lens16), atol=1e-3)
+
