@@ -414,8 +414,7 @@ class ModelRunner:
         phase("kv_cache")
         from nvcli.kernels.shared_prefix_attention import supports_shared_prefix  # triton: imported on demand
 
-        self.shared_prefix_ok = (SHARED_PREFIX and self.device.type == "cuda" and not config.enforce_eager
-                                 and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
+        self.shared_prefix_ok = (bool(self._shared_prefix_graph_sizes())
                                  and supports_shared_prefix(self.attn_layers[0].k_cache, self.attn_layers[0].v_cache))
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
@@ -982,6 +981,15 @@ class ModelRunner:
                                  shared_prefix_len=self.g_shared_len if shared_prefix else None)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
 
+    def _shared_prefix_graph_sizes(self) -> list[int]:
+        """The decode graph sizes that may replay a shared-prefix graph (none where the kernel cannot serve: the CPU,
+        eager mode, the torch attention backend, an fp8 cache)."""
+        if not (SHARED_PREFIX and self.device.type == "cuda" and not self.config.enforce_eager
+                and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
+                and self.kv_dtype() not in (torch.float8_e4m3fn, torch.float8_e5m2)):
+            return []
+        return [bs for bs in self.graph_batch_sizes if bs >= SHARED_PREFIX_MIN_ROWS]
+
     @torch.inference_mode()
     def _shared_prefix_graph(self, bs: int) -> torch.cuda.CUDAGraph:
         """The shared-prefix decode graph of `bs` rows, captured the first time a step needs it. Called before the
@@ -1044,6 +1052,8 @@ class ModelRunner:
                 self._make_graph_inputs()
                 for bs in reversed(self.graph_batch_sizes):
                     self._graph_forward(bs)
+                for bs in self._shared_prefix_graph_sizes():  # captured when a job first needs one: compiled now
+                    self._graph_forward(bs, shared_prefix=True)
                 for key in self._mixed_graph_keys():
                     self._mixed_graph_forward(*key)
             self._warm_up_kernels(dry_run=True)

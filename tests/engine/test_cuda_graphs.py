@@ -308,9 +308,14 @@ for i in range(5, 60, 10):  # top-k / top-p / min-p (a generation_config's defau
     params[i].top_k, params[i].top_p, params[i].min_p = 20, 0.95, 0.05
     params[i + 1].top_p, params[i + 1].presence_penalty = 0.9, 0.5  # ... over the penalties' float32 copy
 llm.generate(prompts, params)
+# 40 lines behind one instruction: shared-prefix decode graphs, captured mid-run, their kernels compiled at start-up
+instruction = [rng.randrange(10, 1000) for _ in range(320)]
+llm.generate([instruction + [rng.randrange(10, 1000) for _ in range(1 + i % 5)] for i in range(40)],
+             SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
+shared_graphs = sorted(llm.engine.executor.runner.shared_graphs)
 llm.shutdown()
 print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" for fn, key in compiled],
-                  "split_rows": sorted(set(split_rows))}))
+                  "split_rows": sorted(set(split_rows)), "shared_graphs": shared_graphs}))
 '''
 
 
@@ -320,7 +325,8 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     running decodes beside new prompts (the DESIGN workload's prompt phase): decode attention over long tables
     (KV split, merged in the kernel) and prefill attention on metadata offset by the decode-row count. Both were
     compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24). Some requests are
-    constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws."""
+    constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws. A
+    second job's lines share one instruction (shared-prefix decode graphs)."""
     import json
     import subprocess
     import sys
@@ -331,6 +337,7 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert any(rows > 1 and rows % 4 for rows in result["split_rows"]), result  # eager split steps did run
+    assert result["shared_graphs"], result  # shared-prefix decode steps did run
     assert result["compiled"] == [], "\n".join(result["compiled"])
 
 
