@@ -676,6 +676,10 @@ class ModelRunner:
                     apply_token_bitmask_(logits, one, torch.full((1, words), -1, dtype=torch.int32, device=self.device))
             else:
                 logits = self.model.compute_logits(*final)
+            if rows <= SKINNY_MAX_M:
+                # a prompt step's few last rows under the deferred norm (no residual): the final RMSNorm alone, with
+                # PDL at these row counts; a job whose first prompt step held one sequence compiled it mid-run
+                self.model.compute_logits(final[0], None)
             if self.rank == 0 and rows == 1:  # logprobs and prompt_logprobs: each top-k width, in the dry pass too
                 from nvcli.kernels.token_logprobs import TOP_WIDTHS
 
