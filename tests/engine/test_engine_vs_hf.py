@@ -94,6 +94,20 @@ def test_shared_prefix_hits_the_cache_with_unchanged_output(tiny_model_dir) -> N
     assert_all_blocks_free(llm)
 
 
+def test_lines_sent_together_compute_their_shared_instruction_once(tiny_model_dir) -> None:
+    """Prompts submitted at once behind the same instruction: the first computes it, the others wait for it and read
+    it from the prefix cache (they would each have computed a copy in the same step), and every output is HF's."""
+    model_dir = tiny_model_dir("qwen3")
+    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256)
+    prefix = list(range(6000, 6050))  # 3 full blocks and 2 tokens
+    prompts = [prefix + list(range(7000 + 10 * i, 7001 + 10 * i + i % 3)) for i in range(5)]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 48, 48, 48, 48]
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt)
+    assert_all_blocks_free(llm)
+
+
 def test_freed_blocks_are_reused_across_many_requests(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=16, max_model_len=128)
     prompts = [list(range(i * 100, i * 100 + 30)) for i in range(12)]  # 12 x 4 blocks >> 16 blocks
