@@ -1003,7 +1003,7 @@ class ModelRunner:
             self.g_slots.fill_(-1)
             self.g_seq_lens.zero_()
             self.g_shared_len.zero_()
-            self._graph_forward(bs, shared_prefix=True)  # eager first: Triton compiles outside the graph
+            self._graph_forward(bs, shared_prefix=True)  # eager first, as at start-up: nothing may initialize in a capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.graph_pool):
                 self.shared_outputs[bs] = self._graph_forward(bs, shared_prefix=True)
