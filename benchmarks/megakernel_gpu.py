@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
 
 import torch
@@ -494,11 +493,6 @@ def cpu_check() -> int:
     return 0 if ok else 1
 
 
-def workload_lens(n: int, step: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(100, 1024) + step for _ in range(n)]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-check", action="store_true")
@@ -513,6 +507,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.cpu_check:
         return cpu_check()
+    from decode_variants import workload_lens
     from kernels import graph_medians_in_turn
 
     dev = "cuda"
@@ -535,9 +530,9 @@ def main() -> int:
     for spec in args.ms.split(","):
         m, step = (int(x) for x in spec.split(":"))
         d = Dims(small=False)
-        p = Problem(d, workload_lens(m, step), args.layers, args.nkv, dev)
+        p = Problem(d, workload_lens(m, step, 0), args.layers, args.nkv, dev)
         # correctness on two layers first (the reference is slow)
-        p2 = Problem(d, workload_lens(m, step)[: min(m, 64)], 2, 2, dev)
+        p2 = Problem(d, workload_lens(m, step, 0)[: min(m, 64)], 2, 2, dev)
         ref = reference(p2, 2)
         base_h = p2.h0.clone()
         engine_chain(p2, base_h)()

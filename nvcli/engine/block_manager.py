@@ -72,8 +72,13 @@ class BlockManager:
         The last token is never covered, so at least one token is computed and there are
         logits to sample from.
         """
+        return self.lookup_prefix(seq)[0]
+
+    def lookup_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """find_cached_prefix's hits, and the hash the first full block after them will have once computed (None if
+        the prompt has no such block: its last token is never part of one)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], None
         hits: list[int] = []
         parent = NO_HASH
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -82,18 +87,10 @@ class BlockManager:
             h = block_hash(tokens, parent)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
+                return hits, h
             hits.append(block_id)
             parent = h
-        return hits
-
-    def first_uncached_block_hash(self, seq: Sequence, cached: list[int]) -> int | None:
-        """The hash the first full block after `cached` (find_cached_prefix's hits) will have once computed; None if
-        the prompt has no such block (its last token is never part of one)."""
-        if not self.enable_prefix_caching or len(cached) >= (seq.num_tokens - 1) // self.block_size:
-            return None
-        parent = self.blocks[cached[-1]].hash if cached else NO_HASH
-        return block_hash(seq.block_tokens(len(cached)), parent)
+        return hits, None
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         cached = cached or []

@@ -124,11 +124,10 @@ class Scheduler:
             seq = self.waiting[0]
             if PENDING in seq.token_ids[-2:]:
                 break  # preempted while its token was in flight: readmit once the token is known
-            # prompt_logprobs need every prompt position's logits: such a prompt is computed, not read from the cache
-            cached = bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 and not seq.needs_prompt_logits else []
-            # (a prompt that wants prompt_logprobs computes its blocks anyway: it never waits)
-            first_miss = (bm.first_uncached_block_hash(seq, cached)
-                          if seq.num_computed_tokens == 0 and not seq.needs_prompt_logits else None)
+            # prompt_logprobs need every prompt position's logits: such a prompt is computed, not read from the cache (and
+            # never waits for another prompt's blocks)
+            fresh = seq.num_computed_tokens == 0 and not seq.needs_prompt_logits
+            cached, first_miss = bm.lookup_prefix(seq) if fresh else ([], None)
             if first_miss is not None and self._being_computed(first_miss):
                 break  # another prompt computes this block now: read it from the cache next step
             remaining = seq.num_tokens - len(cached) * bm.block_size

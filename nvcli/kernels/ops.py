@@ -77,23 +77,6 @@ def paged_decode_attention(
     )
 
 
-def shared_prefix_decode_attention(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor,  # [num_seqs]
-    shared_len: torch.Tensor,  # [1] int32: leading tokens whose pages every sequence shares
-    scale: float,
-    order: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode attention that reads the pages every sequence shares once per group of sequences (GPU only: the
-    engine takes this path only in CUDA graphs)."""
-    from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
-
-    return shared_prefix_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, shared_len, scale, order)
-
-
 def paged_split_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,

@@ -43,9 +43,12 @@ class Attention(nn.Module):
         if meta.split is not None:
             return ops.paged_split_attention(q, self.k_cache, self.v_cache, meta.split, self.scale, self.k_scale,
                                              self.v_scale)
-        if meta.decode_only and meta.shared_prefix_len is not None:
-            return ops.shared_prefix_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                                      meta.shared_prefix_len, self.scale, meta.decode_order)
+        if meta.decode_only and meta.shared_prefix_len is not None:  # GPU only: the model runner's decode graphs
+            from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
+
+            return shared_prefix_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                         meta.seq_lens, meta.shared_prefix_len, self.scale,
+                                                         meta.decode_order)
         if meta.decode_only:
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
