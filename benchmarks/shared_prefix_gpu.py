@@ -1,7 +1,7 @@
 """What a shared prompt prefix costs decode: attention over pages many sequences share, against the same lengths
 unshared.
 
-    PYTHONPATH=. python3 benchmarks/shared_prefix_gpu.py [--sections kernel,e2e]
+    PYTHONPATH=. python3 benchmarks/shared_prefix_gpu.py [--sections kernel,e2e,stream]
 
 Batch jobs often repeat one long instruction in front of every line. Prefix caching computes it once, and every
 sequence's block table then starts with the same physical pages. Decode attention still reads those pages once per
@@ -15,6 +15,10 @@ little; if not, it would cut a step's KV reads by up to the shared fraction. Thi
   the shared-prefix decode graphs (kernels/shared_prefix_attention.py) and with the ordinary ones, against 512
   prompts of 1,088 own tokens; output tok/s, and the median wall time of the decode-only steps. The warm-up job
   (300 shared-prefix requests) captures the shared-prefix graphs of the batch sizes the runs meet.
+- stream: a long job's steady state. 1,024 lines of the same 1,024-token prefix + 64 own tokens through 256 slots,
+  output lengths randint(64, 448): lines finish at different steps and new ones join beside running decodes, so most
+  steps carry prompt chunks (mixed graphs). With the shared-prefix kernel in decode and mixed steps, in decode steps
+  only, and not at all; output tok/s of each run, variants in turn, twice.
 """
 
 from __future__ import annotations
@@ -143,15 +147,80 @@ def e2e_section() -> list[str]:
     return out
 
 
+def stream_section() -> list[str]:
+    from nvcli import LLM, SamplingParams
+    from nvcli.engine import model_runner
+    from nvcli.models.presets import preset_dir
+
+    tmp = tempfile.mkdtemp()
+    llm = LLM(str(preset_dir("qwen3-0.6b", Path(tmp))), load_format="dummy", max_model_len=4096, max_num_seqs=256,
+              max_num_batched_tokens=16384)
+    engine = llm.engine
+    runner = engine.executor.runner
+    shared_ok = runner.shared_prefix_ok
+    rng = random.Random(1)
+    prefix = [rng.randint(0, 10000) for _ in range(1024)]
+    prompts = [prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(1024)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(64, 448)) for _ in prompts]
+    output_tokens = sum(p.max_tokens for p in params)
+    found = {"decode": 0, "mixed": 0}  # steps whose rows shared their first pages, by kind
+    tokens_of = model_runner.shared_prefix_tokens
+    replay_mixed = runner._replay_mixed_graph
+    mode = {"mixed": True, "counting": "decode"}
+
+    def counting(tables, lens, block_size):  # noqa: ANN001, ANN202
+        n = tokens_of(tables, lens, block_size)
+        found[mode["counting"]] += bool(n)
+        return n
+
+    def mixed(step, key):  # noqa: ANN001, ANN202
+        ok, mode["counting"] = runner.shared_prefix_ok, "mixed"
+        runner.shared_prefix_ok = ok and mode["mixed"]
+        try:
+            return replay_mixed(step, key)
+        finally:
+            runner.shared_prefix_ok, mode["counting"] = ok, "decode"
+
+    model_runner.shared_prefix_tokens = counting
+    runner._replay_mixed_graph = mixed
+    out = []
+    variants = {"decode and mixed steps": (True, True), "decode steps only": (True, False), "off": (False, False)}
+    for name in ["warm-up", *variants, *reversed(variants)]:
+        engine.reset_prefix_cache()
+        on, mode["mixed"] = variants.get(name, (True, True))
+        runner.shared_prefix_ok = shared_ok and on
+        found.update(decode=0, mixed=0)
+        mixed0, s0 = runner.num_mixed_replays, llm.stats()
+        t0 = time.perf_counter()
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=f"{name}-{time.monotonic_ns()}-{i}")
+        while engine.has_unfinished():
+            engine.step()
+        dt = time.perf_counter() - t0
+        if name == "warm-up":
+            continue
+        s1 = llm.stats()
+        line = (f"| stream | shared-prefix kernel: {name} | {output_tokens / dt:,.0f} output tok/s ({dt:.2f} s) | "
+                f"decode-only steps {s1.num_decode_steps - s0.num_decode_steps} ({found['decode']} shared), mixed "
+                f"graph steps {runner.num_mixed_replays - mixed0} ({found['mixed']} shared) |")
+        print(line, flush=True)
+        out.append(line)
+    out.append(f"| stream | shared-prefix graphs captured | decode {sorted(runner.shared_graphs)}, mixed "
+               f"{sorted(runner.shared_mixed_graphs)} | |")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="kernel,e2e")
+    ap.add_argument("--sections", default="kernel,e2e,stream")
     args = ap.parse_args()
     rows = []
     if "kernel" in args.sections:
         rows += kernel_section()
     if "e2e" in args.sections:
         rows += e2e_section()
+    if "stream" in args.sections:
+        rows += stream_section()
     print("\n| what | case | time | |\n| --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0

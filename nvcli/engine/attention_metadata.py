@@ -23,6 +23,9 @@ class DecodeSplit:
     prefill_seq_lens: torch.Tensor  # [num_prefill] int32 (0: unused entry of a graph)
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
     prefill_max_query_len: int  # bound on the prompt chunks' lengths (a graph: its token count)
+    # the one-token rows all begin with this many shared tokens ([1] int32): read once per group of rows
+    # (AttentionMetadata.shared_prefix_len); None: the ordinary decode kernel
+    shared_prefix_len: Optional[torch.Tensor] = None
 
 
 @dataclass

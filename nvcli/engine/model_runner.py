@@ -72,8 +72,9 @@ MIXED_FEW_MAX_TOKENS = 2048
 # Decode steps whose sequences all begin with the same cached pages (one instruction in front of every line of a job)
 # replay a second set of decode graphs, captured the first time a batch size needs one, whose attention reads those
 # pages once per 16 query rows (kernels/shared_prefix_attention.py). It pays where the shared pages are at least half
-# of the step's KV; below SHARED_PREFIX_MIN_ROWS rows the ordinary kernel's splits fill the GPU better.
-# NV_SHARED_PREFIX=0 turns it off (A/B runs).
+# of the step's KV; below SHARED_PREFIX_MIN_ROWS rows the ordinary kernel's splits fill the GPU better. Mixed graphs
+# (prompt chunks beside one-token rows: a long job's steady state, where new lines join most steps) get the same
+# second capture for their one-token rows. NV_SHARED_PREFIX=0 turns it off (A/B runs).
 SHARED_PREFIX = os.environ.get("NV_SHARED_PREFIX", "1") != "0"
 SHARED_PREFIX_MIN_ROWS = 32
 SHARED_PREFIX_MIN_TOKENS = 256
@@ -389,6 +390,9 @@ class ModelRunner:
         self.shared_prefix_ok = False  # set once the cache exists
         # mixed graphs by (tokens, prompt-chunk capacity): _mixed_graph_keys
         self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # mixed graphs whose one-token rows read a shared prefix once per group of rows (captured when first needed)
+        self.shared_mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.shared_mixed_outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         # decode graphs of up to sampler_graphs.MAX_ROWS rows end with the LM head, and rank 0 samples their logits in
         # graphs too (engine/sampler_graphs.py); not under tensor parallelism, whose LM head gathers across ranks
         self.graph_logits: dict[int, torch.Tensor] = {}  # [rows, vocab] per graph size, rewritten by every replay
@@ -920,12 +924,12 @@ class ModelRunner:
         """The mixed graphs' static inputs: one device byte buffer and two pinned staging copies of it.
 
         Byte layout: int64 [3, T] (input ids, positions, slots) | int64 [D + P] each sequence's last row | int32 decode
-        rows' lengths [D] and program order [D], prompt chunks' query starts [P + 1] and lengths [P] | int32 decode
-        rows' tables [D, max_blocks] | int32 prompt chunks' tables [P, max_blocks]; T the largest graph's tokens,
-        D and P its decode-row and prompt-chunk capacities."""
+        rows' lengths [D] and program order [D], prompt chunks' query starts [P + 1] and lengths [P], the decode rows'
+        shared prefix tokens [1] | int32 decode rows' tables [D, max_blocks] | int32 prompt chunks' tables
+        [P, max_blocks]; T the largest graph's tokens, D and P its decode-row and prompt-chunk capacities."""
         t_max = self.mixed_graph_sizes[-1]
         d_max, p_max = self._mixed_capacity(t_max)
-        sizes = [("i64", 3 * t_max * 8), ("last", (d_max + p_max) * 8), ("i32", (2 * d_max + 2 * p_max + 1) * 4),
+        sizes = [("i64", 3 * t_max * 8), ("last", (d_max + p_max) * 8), ("i32", (2 * d_max + 2 * p_max + 2) * 4),
                  ("dec_tables", d_max * max_blocks * 4), ("pre_tables", p_max * max_blocks * 4)]
         offsets, at = {}, 0
         for name, n in sizes:
@@ -937,7 +941,8 @@ class ModelRunner:
             i32 = v["i32"].view(torch.int32)
             return {"i64": v["i64"].view(torch.int64).view(3, t_max), "last": v["last"].view(torch.int64),
                     "i32": v["i32"], "dec_lens": i32[:d_max], "dec_order": i32[d_max : 2 * d_max],
-                    "pre_qsl": i32[2 * d_max : 2 * d_max + p_max + 1], "pre_lens": i32[2 * d_max + p_max + 1 :],
+                    "pre_qsl": i32[2 * d_max : 2 * d_max + p_max + 1],
+                    "pre_lens": i32[2 * d_max + p_max + 1 : 2 * d_max + 2 * p_max + 1], "shared": i32[-1:],
                     "dec_tables": v["dec_tables"].view(torch.int32).view(d_max, max_blocks),
                     "pre_tables": v["pre_tables"].view(torch.int32).view(p_max, max_blocks)}
 
@@ -965,13 +970,16 @@ class ModelRunner:
                 keys.append((tokens, MIXED_FEW_CHUNKS))
         return keys
 
-    def _mixed_graph_forward(self, tokens: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _mixed_graph_forward(self, tokens: int, chunks: int, shared_prefix: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step with up to `chunks` prompt chunks that a mixed graph of `tokens` rows holds, on the static
-        buffers (lengths 0, slots -1: reads and writes no KV)."""
+        buffers (lengths 0, slots -1: reads and writes no KV); `shared_prefix`: its one-token rows' attention reads
+        the shared tokens m["shared"] once per group of rows."""
         d, p = self._mixed_capacity(tokens)[0], chunks
         m = self.m
         split = DecodeSplit(d, m["dec_lens"][:d], m["dec_tables"][:d], m["dec_order"][:d], m["pre_qsl"][: p + 1],
-                            m["pre_lens"][:p], m["pre_tables"][:p], tokens)
+                            m["pre_lens"][:p], m["pre_tables"][:p], tokens,
+                            shared_prefix_len=m["shared"] if shared_prefix else None)
         meta = AttentionMetadata(m["i64"][2, :tokens], m["pre_qsl"][: p + 1], m["pre_lens"][:p], m["pre_tables"][:p],
                                  tokens, self.g_max_blocks * self.block_size, False, None, split)
         return self.model(m["i64"][0, :tokens], m["i64"][1, :tokens], meta)
@@ -1010,6 +1018,29 @@ class ModelRunner:
             self.shared_graphs[bs] = graph
             log.info("captured the shared-prefix decode graph of %d rows", bs)
         return self.shared_graphs[bs]
+
+    @torch.inference_mode()
+    def _shared_mixed_graph(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
+        """The shared-prefix variant of the mixed graph `key`, captured the first time a step needs it; like
+        _shared_prefix_graph, before the step's inputs are uploaded, on static buffers set to touch no KV."""
+        if key not in self.shared_mixed_graphs:
+            self.m["i64"][2].fill_(-1)
+            self.m["i32"].zero_()  # lengths 0, chunks empty, no shared tokens
+            self._mixed_graph_forward(*key, shared_prefix=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graph_pool):
+                self.shared_mixed_outputs[key] = self._mixed_graph_forward(*key, shared_prefix=True)
+            self.shared_mixed_graphs[key] = graph
+            log.info("captured the shared-prefix mixed graph of %d tokens, %d prompt chunks", *key)
+        return self.shared_mixed_graphs[key]
+
+    def _shared_mixed_keys(self) -> list[tuple[int, int]]:
+        """One mixed graph key per decode-row capacity that may take the shared-prefix kernel: the compile-ahead pass
+        runs these (the kernel's variants differ by row count, not by the graph's tokens or chunks)."""
+        if not self._shared_prefix_graph_sizes():
+            return []
+        by_rows = {self._mixed_capacity(key[0])[0]: key for key in self._mixed_graph_keys()}
+        return [key for rows, key in by_rows.items() if rows >= SHARED_PREFIX_MIN_ROWS]
 
     def _graph_step(self, bs: int, with_logits: bool) -> tuple[Final, torch.Tensor | None]:
         """_graph_forward's outputs, and where `with_logits` their logits [bs, vocab] (else None)."""
@@ -1060,6 +1091,8 @@ class ModelRunner:
                     self._graph_forward(bs, shared_prefix=True)
                 for key in self._mixed_graph_keys():
                     self._mixed_graph_forward(*key)
+                for key in self._shared_mixed_keys():
+                    self._mixed_graph_forward(*key, shared_prefix=True)
             self._warm_up_kernels(dry_run=True)
 
         with first_decoder_layers(self.model, DRY_PASS_LAYERS):
@@ -1075,6 +1108,7 @@ class ModelRunner:
             self.graphs.clear()
             self.mixed_graphs.clear()
             self.shared_graphs.clear()
+            self.shared_mixed_graphs.clear()
             self.graph_logits.clear()
             self.sampler_graphs = None
             torch.cuda.empty_cache()
@@ -1173,6 +1207,9 @@ class ModelRunner:
         dec_tables, pre_tables = stage["dec_tables"].numpy(), stage["pre_tables"].numpy()
         _fill_tables(dec_tables, step.block_tables[:d])
         _fill_tables(pre_tables, step.block_tables[d:])
+        shared = shared_prefix_tokens(dec_tables, dec_lens[:d], self.block_size) if self.shared_prefix_ok else 0
+        stage["shared"].numpy()[0] = shared
+        graph = self._shared_mixed_graph(key) if shared else self.mixed_graphs[key]
         m = self.m
         m["i64"][:, :tokens].copy_(stage["i64"][:, :tokens], non_blocking=True)
         m["last"][:num_seqs].copy_(stage["last"][:num_seqs], non_blocking=True)
@@ -1182,8 +1219,8 @@ class ModelRunner:
         if p:
             m["pre_tables"][:p, :width].copy_(stage["pre_tables"][:p, :width], non_blocking=True)
         self._feed_back(m["i64"][0], step)
-        self.mixed_graphs[key].replay()
-        outputs = self.mixed_outputs[key]
+        graph.replay()
+        outputs = (self.shared_mixed_outputs if shared else self.mixed_outputs)[key]
         return _rows(outputs, m["last"][:num_seqs]), self._logit_rows(outputs, step)
 
 

@@ -96,7 +96,12 @@ def paged_split_attention(
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     d = split.num_rows
-    if d:
+    if d and split.shared_prefix_len is not None:
+        from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
+
+        shared_prefix_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens,
+                                              split.shared_prefix_len, scale, split.order, out=out[:d])
+    elif d:
         paged_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens, scale, k_scale,
                                       v_scale, order=split.order, out=out[:d])
     if split.prefill_seq_lens.shape[0]:

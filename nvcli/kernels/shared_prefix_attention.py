@@ -125,6 +125,7 @@ def shared_prefix_decode_attention_triton(
     # row's table, and every row with a length is longer than that
     scale: float,
     order: torch.Tensor | None = None,  # [num_seqs] int32 permutation: the rows grouped into programs in this order
+    out: torch.Tensor | None = None,  # like q: written in place (a mixed step's leading rows of its output)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -132,7 +133,8 @@ def shared_prefix_decode_attention_triton(
     group = num_heads // num_kv_heads
     seqs = max(1, 16 // group)
     rows = max(16, triton.next_power_of_2(seqs * group))
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     if order is None:
         order = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
     if num_seqs == 0:

@@ -127,6 +127,27 @@ def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
     assert got_plain == want
 
 
+def test_shared_prefix_mixed_graphs_match_cpu(tiny_model_dir) -> None:
+    """A long job's steady state behind one instruction: 90 lines through 40 slots, of different output lengths, so
+    new lines are admitted beside running decodes and most steps carry prompt chunks. Those steps replay the
+    shared-prefix variant of the mixed graphs, captured when first needed: float32 on the GPU gives the CPU's
+    tokens with them."""
+    prefix = list(range(3000, 3320))
+    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(90)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, ignore_eos=True) for i in range(len(prompts))]
+    model_dir = tiny_model_dir("qwen3")
+    want = _cpu_tokens(model_dir, prompts, params)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, max_num_seqs=40,
+              num_kvcache_blocks=256)
+    try:
+        runner = llm.engine.executor.runner
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert runner.shared_mixed_graphs, runner.num_mixed_replays  # mixed steps with shared pages replayed them
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
 @pytest.mark.parametrize("mode", ["mixed graphs", "mixed graphs, few-chunk captures", "eager split",
                                   "one prefill kernel"])
 def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
@@ -308,11 +329,13 @@ for i in range(5, 60, 10):  # top-k / top-p / min-p (a generation_config's defau
     params[i].top_k, params[i].top_p, params[i].min_p = 20, 0.95, 0.05
     params[i + 1].top_p, params[i + 1].presence_penalty = 0.9, 0.5  # ... over the penalties' float32 copy
 llm.generate(prompts, params)
-# 40 lines behind one instruction: shared-prefix decode graphs, captured mid-run, their kernels compiled at start-up
+# 100 lines behind one instruction through 64 slots: shared-prefix decode graphs and, as lines join beside running
+# decodes, shared-prefix mixed graphs, captured mid-run, their kernels compiled at start-up
 instruction = [rng.randrange(10, 1000) for _ in range(320)]
-llm.generate([instruction + [rng.randrange(10, 1000) for _ in range(1 + i % 5)] for i in range(40)],
-             SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
-shared_graphs = sorted(llm.engine.executor.runner.shared_graphs)
+llm.generate([instruction + [rng.randrange(10, 1000) for _ in range(1 + i % 5)] for i in range(100)],
+             [SamplingParams(temperature=0.7, max_tokens=8 + i % 9, ignore_eos=True) for i in range(100)])
+runner = llm.engine.executor.runner
+shared_graphs = sorted(runner.shared_graphs) + sorted(runner.shared_mixed_graphs)
 llm.shutdown()
 print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" for fn, key in compiled],
                   "split_rows": sorted(set(split_rows)), "shared_graphs": shared_graphs}))
@@ -326,7 +349,7 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     (KV split, merged in the kernel) and prefill attention on metadata offset by the decode-row count. Both were
     compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24). Some requests are
     constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws. A
-    second job's lines share one instruction (shared-prefix decode graphs)."""
+    second job's lines share one instruction (shared-prefix decode and mixed graphs)."""
     import json
     import subprocess
     import sys
@@ -337,7 +360,8 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert any(rows > 1 and rows % 4 for rows in result["split_rows"]), result  # eager split steps did run
-    assert result["shared_graphs"], result  # shared-prefix decode steps did run
+    assert any(isinstance(g, int) for g in result["shared_graphs"]), result  # shared-prefix decode steps did run
+    assert any(isinstance(g, list) for g in result["shared_graphs"]), result  # ... and mixed ones
     assert result["compiled"] == [], "\n".join(result["compiled"])
 
 

@@ -89,3 +89,52 @@ def test_a_wrong_shared_length_changes_the_answer() -> None:
     wrong = run(q, k, v, tables16, lens16, torch.tensor([16], dtype=torch.int32), HEAD_DIM**-0.5)
     assert not torch.allclose(wrong, reference(q, k, v, tables16, lens16), atol=1e-3)
 
+
+
+def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step of a job behind one instruction (its steady state: new lines join while others decode): the
+    one-token rows go to the shared-prefix kernel (DecodeSplit.shared_prefix_len), written into the leading rows of
+    the step's output, and the prompt chunks (new lines, their instruction cached) to the prefill kernel. As a CUDA
+    graph holds it, the decode capacity reaches into the prompt rows and the step ends in padding rows. Every real row
+    equals the reference over the whole step."""
+    from kernel_device import DEVICE
+
+    from nvcli.engine.attention_metadata import DecodeSplit
+    from nvcli.kernels.ops import paged_split_attention
+    from nvcli.kernels.reference import paged_attention_ref
+
+    gen = torch.Generator().manual_seed(29)
+    page, shared_pages, num_heads, num_kv_heads = 16, 3, 4, 2
+    own = [5, 17, 1, 30, 9, 12, 16, 2, 40, 20, 7]  # decode rows, then two prompt chunks' sequences
+    q_lens = [1] * 9 + [20, 7]  # the chunks: a whole line after the instruction, and one's last 7 tokens
+    k, v, tables, lens = shared_case(own, shared_pages, num_kv_heads, page, gen)
+    d, num_tokens = q_lens.count(1), sum(q_lens)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
+    want = paged_attention_ref(q, k, v, qsl, lens, tables, HEAD_DIM**-0.5)
+    d_cap, pad = d + 4, 3  # a graph's decode capacity past the real rows, and its padding token rows
+    dec_lens = torch.zeros(d_cap, dtype=torch.int32)
+    dec_lens[:d] = lens[:d]
+    dec_tables = torch.zeros(d_cap, tables.shape[1], dtype=torch.int32)
+    dec_tables[:d] = tables[:d]
+    order = torch.argsort(-dec_lens, stable=True).to(torch.int32)
+    pre_qsl = torch.cat([qsl[d:], torch.tensor([num_tokens], dtype=torch.int32)])
+    pre_lens = torch.cat([lens[d:], torch.zeros(1, dtype=torch.int32)])
+    pre_tables = torch.cat([tables[d:], torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    q_in = torch.cat([q, torch.randn(pad, num_heads, HEAD_DIM, generator=gen)])
+    calls = []
+    kernel = shared_prefix_attention.shared_prefix_decode_attention_triton
+    monkeypatch.setattr(shared_prefix_attention, "shared_prefix_decode_attention_triton",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
+
+    def run(shared: int | None) -> torch.Tensor:
+        dev = lambda t: t.to(DEVICE)  # noqa: E731
+        split = DecodeSplit(d_cap, dev(dec_lens), dev(dec_tables), dev(order), dev(pre_qsl), dev(pre_lens),
+                            dev(pre_tables), max(q_lens[d:]),
+                            shared_prefix_len=None if shared is None else dev(torch.tensor([shared], dtype=torch.int32)))
+        return paged_split_attention(dev(q_in), dev(k), dev(v), split, HEAD_DIM**-0.5).cpu()[:num_tokens]
+
+    torch.testing.assert_close(run(shared_pages * page), want, atol=2e-4, rtol=1e-3)
+    assert calls == [d_cap]  # the one-token rows (the graph's capacity of them) went to the shared-prefix kernel
+    torch.testing.assert_close(run(None), want, atol=2e-4, rtol=1e-3)
+    assert calls == [d_cap]
