@@ -1,7 +1,7 @@
 """What a shared prompt prefix costs decode: attention over pages many sequences share, against the same lengths
 unshared.
 
-    PYTHONPATH=. python3 benchmarks/shared_prefix_gpu.py [--sections kernel,e2e,stream]
+    PYTHONPATH=. python3 benchmarks/shared_prefix_gpu.py [--sections kernel,e2e,stream] [--kv-cache-dtype fp8]
 
 Batch jobs often repeat one long instruction in front of every line. Prefix caching computes it once, and every
 sequence's block table then starts with the same physical pages. Decode attention still reads those pages once per
@@ -19,6 +19,8 @@ little; if not, it would cut a step's KV reads by up to the shared fraction. Thi
   output lengths randint(64, 448): lines finish at different steps and new ones join beside running decodes, so most
   steps carry prompt chunks (mixed graphs). With the shared-prefix kernel in decode and mixed steps, in decode steps
   only, and not at all; output tok/s of each run, variants in turn, twice.
+
+--kv-cache-dtype fp8: every section over an fp8 cache (32-token pages, V dims-major once a page is full).
 """
 
 from __future__ import annotations
@@ -36,7 +38,24 @@ import triton.testing
 from nvcli.kernels.decode_attention import paged_decode_attention_triton
 from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
-PAGE = 16
+PAGE = 16  # 32 with --kv-cache-dtype fp8
+KV_DTYPE = "auto"
+
+
+def kv_cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Random K and V caches of 8 KV heads of 128 dims, as the engine lays them out, and the attention kernels'
+    scale arguments: bf16, or fp8 with V dims-major (open pages then read token-major: the values differ, the
+    bytes read do not)."""
+    shape = (num_blocks, PAGE, 8, 128)
+    if KV_DTYPE != "fp8":
+        k = torch.randn(shape, device="cuda").to(torch.bfloat16)
+        return k, torch.randn_like(k), {}
+    from nvcli.kernels.kv_layout import page_view
+
+    k = torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
+    v = page_view(torch.randn(num_blocks, PAGE * 8 * 128, device="cuda").to(torch.float8_e4m3fn), PAGE, 8, 128, True)
+    one = torch.ones(1, device="cuda")
+    return k, v, {"k_scale": one, "v_scale": one}
 
 
 def tables(batch: int, shared: int, own: int, share: bool, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -69,26 +88,26 @@ def kernel_section() -> list[str]:
         for share in (False, True):
             t, num_blocks = tables(batch, shared, own, share, gen)
             lens = torch.tensor([shared + rng.randint(1, own) for _ in range(batch)], dtype=torch.int32)
-            k = torch.randn(num_blocks, PAGE, 8, 128, device="cuda").to(torch.bfloat16)
-            v = torch.randn_like(k)
+            k, v, scales = kv_cache(num_blocks)
             q = torch.randn(batch, 16, 128, device="cuda").to(torch.bfloat16)
             order = torch.argsort(lens, descending=True).to(torch.int32).cuda()
             tt, ll = t.cuda(), lens.cuda()
             ms = triton.testing.do_bench(
-                lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order: paged_decode_attention_triton(
-                    q, k, v, tt, ll, 128 ** -0.5, order=order), warmup=50, rep=300)
-            gb = float(lens.sum()) * 8 * 128 * 2 * 2 / 1e9
+                lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order, scales=scales: paged_decode_attention_triton(
+                    q, k, v, tt, ll, 128 ** -0.5, order=order, **scales), warmup=50, rep=300)
+            gb = float(lens.sum()) * 8 * 128 * 2 * k.element_size() / 1e9
             res[share] = ms
             out.append(f"| kernel | {batch} x ({shared} {'shared' if share else 'own'} + 1-{own} own) | "
                        f"{ms * 1e3:.1f} us | {gb / ms:.2f} TB/s of logical KV |")
             if share:
-                ref = paged_decode_attention_triton(q, k, v, tt, ll, 128 ** -0.5, order=order)
+                ref = paged_decode_attention_triton(q, k, v, tt, ll, 128 ** -0.5, order=order, **scales)
                 n_shared = torch.tensor([shared], dtype=torch.int32, device="cuda")
-                got = shared_prefix_decode_attention_triton(q, k, v, tt, ll, n_shared, 128 ** -0.5, order)
+                got = shared_prefix_decode_attention_triton(q, k, v, tt, ll, n_shared, 128 ** -0.5, order, **scales)
                 err = (got.float() - ref.float()).abs().max().item()
                 ms_sp = triton.testing.do_bench(
-                    lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order, n=n_shared: shared_prefix_decode_attention_triton(
-                        q, k, v, tt, ll, n, 128 ** -0.5, order), warmup=50, rep=300)
+                    lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order, n=n_shared, scales=scales: (
+                        shared_prefix_decode_attention_triton(q, k, v, tt, ll, n, 128 ** -0.5, order, **scales)),
+                    warmup=50, rep=300)
                 res["kernel"] = ms_sp
                 out.append(f"| kernel | same, shared-prefix kernel (max diff {err:.1e}) | {ms_sp * 1e3:.1f} us | "
                            f"{gb / ms_sp:.2f} TB/s of logical KV |")
@@ -106,7 +125,7 @@ def e2e_section() -> list[str]:
 
     tmp = tempfile.mkdtemp()
     llm = LLM(str(preset_dir("qwen3-0.6b", Path(tmp))), load_format="dummy", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384)
+              max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
     engine = llm.engine
     runner = engine.executor.runner
     shared_ok = runner.shared_prefix_ok
@@ -154,7 +173,7 @@ def stream_section() -> list[str]:
 
     tmp = tempfile.mkdtemp()
     llm = LLM(str(preset_dir("qwen3-0.6b", Path(tmp))), load_format="dummy", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384)
+              max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
     engine = llm.engine
     runner = engine.executor.runner
     shared_ok = runner.shared_prefix_ok
@@ -213,7 +232,11 @@ def stream_section() -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="kernel,e2e,stream")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = ap.parse_args()
+    global PAGE, KV_DTYPE
+    KV_DTYPE = args.kv_cache_dtype
+    PAGE = 32 if KV_DTYPE == "fp8" else 16
     rows = []
     if "kernel" in args.sections:
         rows += kernel_section()

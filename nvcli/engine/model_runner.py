@@ -995,10 +995,9 @@ class ModelRunner:
 
     def _shared_prefix_graph_sizes(self) -> list[int]:
         """The decode graph sizes that may replay a shared-prefix graph (none where the kernel cannot serve: the CPU,
-        eager mode, the torch attention backend, an fp8 cache)."""
+        eager mode, the torch attention backend)."""
         if not (SHARED_PREFIX and self.device.type == "cuda" and not self.config.enforce_eager
-                and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
-                and self.kv_dtype() not in (torch.float8_e4m3fn, torch.float8_e5m2)):
+                and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"):
             return []
         return [bs for bs in self.graph_batch_sizes if bs >= SHARED_PREFIX_MIN_ROWS]
 

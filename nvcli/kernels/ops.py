@@ -100,7 +100,8 @@ def paged_split_attention(
         from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
         shared_prefix_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens,
-                                              split.shared_prefix_len, scale, split.order, out=out[:d])
+                                              split.shared_prefix_len, scale, split.order, out=out[:d],
+                                              k_scale=k_scale, v_scale=v_scale)
     elif d:
         paged_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens, scale, k_scale,
                                       v_scale, order=split.order, out=out[:d])

@@ -10,6 +10,10 @@ pads:
 2. then each sequence's own pages, its rows alone unmasked (the others' scores -inf).
 One online softmax runs across both parts, so no merge of partial results is needed. The shared length is a
 device scalar, so a CUDA graph replays with whatever prefix the step has.
+
+fp8 caches: tiles are converted to fp16 for the dots (as decode_attention.py's F16_DOT) and the per-tensor scales
+applied to the scores and the output. With 32-token pages V is dims-major (kv_layout.py): a tile is one page, a full
+page read as V transposed and a sequence's open page as token-major rows.
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.reference import is_fp8
+from nvcli.kernels.kv_layout import is_dims_major
+from nvcli.kernels.kv_store import Scale, load_scales, scale_args
 
 
 @triton.jit
 def _softmax_tile(q, k_tile, v_tile, mask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
-    """Online-softmax step over one KV tile; rows whose scores are all masked keep their state (no NaN)."""
+    """Online-softmax step over one KV tile (q and the tiles in the dots' dtype); rows whose scores are all masked
+    keep their state (no NaN)."""
     if DOT_F32:  # float32 models: full-precision products (tl.dot would take TF32 on the GPU)
-        s = tl.dot(q.to(tl.float32), tl.trans(k_tile.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k_tile), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k_tile))
     s = tl.where(mask, s * qk_scale, float("-inf"))
@@ -35,31 +41,48 @@ def _softmax_tile(q, k_tile, v_tile, mask, m_i, l_i, acc, qk_scale, DOT_F32: tl.
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT_F32:
-        acc = tl.dot(p, v_tile.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p, v_tile, acc * alpha[:, None], input_precision="ieee")
     else:
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None])
     return m_new, l_i, acc
 
 
 @triton.jit
-def _kv_tile(k_head, v_head, bt_row, pos, in_range, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-             PAGE: tl.constexpr):
-    """K and V [BLOCK_N, HEAD_DIM] of one KV head at token positions `pos` of a sequence, through its block table."""
-    blk = tl.load(bt_row + pos // PAGE, mask=in_range, other=0).to(tl.int64)
-    k = tl.load(k_head + (blk * stride_kb + (pos % PAGE) * stride_kt)[:, None] + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
-    v = tl.load(v_head + (blk * stride_vb + (pos % PAGE) * stride_vt)[:, None] + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)
-    return k, v
+def _kv_tile(k_head, v_head, bt_row, t, end, full_end, offs_n, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """K and V [BLOCK_N, HEAD_DIM] of one KV head at positions t + offs_n (those below `end`) of a sequence, through
+    its block table, in the dots' dtype; and which positions are in range. V_T: the tile is the page at t
+    (BLOCK_N == PAGE), dims-major if it ends by `full_end` (a whole page, every slot finite: kv_layout.py), else the
+    sequence's open page, token-major."""
+    pos = t + offs_n
+    in_range = pos < end
+    if V_T:
+        blk = tl.load(bt_row + t // PAGE).to(tl.int64)
+        k = tl.load(k_head + blk * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None],
+                    other=0.0)
+        if t < full_end:
+            v = tl.trans(tl.load(v_head + blk * stride_vb + offs_d[:, None] * PAGE + offs_n[None, :]))
+        else:
+            v = tl.load(v_head + blk * stride_vb + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=in_range[:, None], other=0.0)
+    else:
+        blk = tl.load(bt_row + pos // PAGE, mask=in_range, other=0).to(tl.int64)
+        k = tl.load(k_head + (blk * stride_kb + (pos % PAGE) * stride_kt)[:, None] + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+        v = tl.load(v_head + (blk * stride_vb + (pos % PAGE) * stride_vt)[:, None] + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)
+    return k.to(DOT_DTYPE), v.to(DOT_DTYPE), in_range
 
 
 @triton.jit
 def _shared_prefix_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, shared_ptr, out_ptr, num_seqs, qk_scale,
+    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_os,
     stride_oh,
     GROUP: tl.constexpr, SEQS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DOT_DTYPE: tl.constexpr, SCALE_IS_PTR: tl.constexpr,
+    V_T: tl.constexpr,
 ):
     g = tl.program_id(0)  # SEQS consecutive entries of `order`
     kvh = tl.program_id(1)
@@ -73,7 +96,9 @@ def _shared_prefix_decode_kernel(
     heads = kvh * GROUP + rows % GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=valid[:, None], other=0.0)  # [ROWS, HEAD_DIM]
+                mask=valid[:, None], other=0.0).to(DOT_DTYPE)  # [ROWS, HEAD_DIM]
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
+    qk_scale = qk_scale * k_scale
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -84,10 +109,8 @@ def _shared_prefix_decode_kernel(
     # 1. the shared pages, from the first sequence's table (every sequence of the step has the same ones)
     bt_first = bt_ptr + tl.load(order_ptr + g * SEQS).to(tl.int64) * stride_bt
     for t in range(0, shared, BLOCK_N):
-        pos = t + offs_n
-        in_range = pos < shared
-        k, v = _kv_tile(k_head, v_head, bt_first, pos, in_range, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-                        PAGE)
+        k, v, in_range = _kv_tile(k_head, v_head, bt_first, t, shared, shared, offs_n, offs_d, stride_kb, stride_kt,
+                                  stride_vb, stride_vt, HEAD_DIM, PAGE, V_T, DOT_DTYPE)
         m_i, l_i, acc = _softmax_tile(q, k, v, valid[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale, DOT_F32)
     # 2. each sequence's own pages, its rows alone
     for i in range(0, SEQS):
@@ -97,22 +120,19 @@ def _shared_prefix_decode_kernel(
         n_i = tl.load(lens_ptr + s_i, mask=i_idx < num_seqs, other=0)
         bt_row = bt_ptr + s_i.to(tl.int64) * stride_bt
         for t in range(shared, n_i, BLOCK_N):
-            pos = t + offs_n
-            in_range = pos < n_i
-            k, v = _kv_tile(k_head, v_head, bt_row, pos, in_range, offs_d, stride_kb, stride_kt, stride_vb,
-                            stride_vt, PAGE)
+            k, v, in_range = _kv_tile(k_head, v_head, bt_row, t, n_i, n_i // PAGE * PAGE, offs_n, offs_d, stride_kb,
+                                      stride_kt, stride_vb, stride_vt, HEAD_DIM, PAGE, V_T, DOT_DTYPE)
             m_i, l_i, acc = _softmax_tile(q, k, v, own[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale,
                                           DOT_F32)
-    out = tl.where(valid[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # empty rows: zeros
+    out = tl.where(valid[:, None], acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # empty rows: zeros
     row_exists = (slot < SEQS) & (idx < num_seqs)
     tl.store(out_ptr + seq.to(tl.int64)[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_exists[:, None])
 
 
 def supports_shared_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Caches this kernel reads: token-major pages of the model's dtype (not fp8: its pages are scaled and its V
-    dims-major)."""
-    return not is_fp8(k_cache.dtype) and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    """Caches this kernel reads: token-major K pages, and V token-major or dims-major (kv_layout.py)."""
+    return k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or is_dims_major(v_cache))
 
 
 def shared_prefix_decode_attention_triton(
@@ -126,6 +146,8 @@ def shared_prefix_decode_attention_triton(
     scale: float,
     order: torch.Tensor | None = None,  # [num_seqs] int32 permutation: the rows grouped into programs in this order
     out: torch.Tensor | None = None,  # like q: written in place (a mixed step's leading rows of its output)
+    k_scale: Scale = None,  # an fp8 cache's per-tensor scales (float or [1] float32 tensor)
+    v_scale: Scale = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -140,14 +162,22 @@ def shared_prefix_decode_attention_triton(
     if num_seqs == 0:
         return out
     dot_f32 = q.dtype == torch.float32
-    block_n = 32 if dot_f32 else 64
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # fp8 tiles are converted for the dots: to fp16, whose mantissa holds every e4m3 value (bf16's does not)
+    dot_dtype = tl.float32 if dot_f32 else tl.float16 if fp8 or q.dtype == torch.float16 else tl.bfloat16
+    v_t = is_dims_major(v_cache)
+    block_n = block_size if v_t else 32 if dot_f32 else 64
+    if not fp8:
+        k_scale = v_scale = None
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
     grid = (triton.cdiv(num_seqs, seqs), num_kv_heads)
     _shared_prefix_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, order, shared_len, out, num_seqs, scale * 1.4426950408889634,
+        k_ptr, v_ptr, k_val, v_val,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, SEQS=seqs, ROWS=rows, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=block_n, DOT_F32=dot_f32,
-        num_warps=4,
+        DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, num_warps=4,
     )
     return out
 

@@ -300,6 +300,27 @@ def test_fp8_steps_with_prompt_chunks_match_one_prefill_kernel(tiny_model_dir, m
     assert results[0] == results[1]
 
 
+def test_fp8_shared_prefix_graphs_match_the_ordinary_kernel(tiny_model_dir) -> None:
+    """An fp8 cache (32-token pages, V dims-major once a page is full) behind one instruction, through fewer slots
+    than lines: the shared-prefix decode and mixed graphs give the tokens of the ordinary decode kernel over the same
+    quantized cache (float32 model)."""
+    prefix = list(range(3000, 3320))
+    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(90)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, ignore_eos=True) for i in range(len(prompts))]
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", dtype="float32", kv_cache_dtype="fp8", max_model_len=512,
+              max_num_seqs=40, num_kvcache_blocks=128)
+    try:
+        runner = llm.engine.executor.runner
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert runner.shared_graphs and runner.shared_mixed_graphs
+        runner.shared_prefix_ok = False
+        llm.engine.reset_prefix_cache()
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
 NO_COMPILE_SCRIPT = '''
 import json, os, random, sys, tempfile
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a machine's first job: nothing compiled yet

@@ -7,6 +7,7 @@ import torch
 from kernel_device import on_device
 
 from nvcli.kernels import shared_prefix_attention
+from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.reference import paged_decode_attention_ref
 
 HEAD_DIM = 32
@@ -75,6 +76,33 @@ def test_half_precision() -> None:
     torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("page", [32, 16])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_cache(page: int, q_dtype: torch.dtype) -> None:
+    """An fp8 cache with per-tensor scales (device scalars, as the engine's layers hold them). With 32-token pages V
+    is kept as the engine keeps it: full pages dims-major, each sequence's open page token-major (kv_layout.py);
+    with 16-token pages token-major. The kernel reads the shared pages once and the own pages of each sequence, full
+    and open, and equals the reference over the dequantized cache."""
+    from test_attention_kernels import quantize
+    from test_kv_layout import engine_layout
+
+    gen = torch.Generator().manual_seed(page + (q_dtype == torch.float32))
+    own = [page, 2 * page, 5, page + 3, 1, 0, 3 * page - 1, 9, page - 1]  # whole pages, open pages, padding
+    k, v, tables, lens = shared_case(own, 2, 2, page, gen)
+    k8, k_deq = quantize(k, 0.05)
+    v8, v_deq = quantize(v, 0.07)
+    if page == 32:
+        v8 = engine_layout(v8, tables, lens.tolist())
+        assert is_dims_major(v8)
+    q = torch.randn(len(own), 4, HEAD_DIM, generator=gen).to(q_dtype)
+    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    out = run(q, k8, v8, tables, lens, torch.tensor([2 * page], dtype=torch.int32), HEAD_DIM**-0.5, order,
+              k_scale=torch.tensor([0.05]), v_scale=torch.tensor([0.07]))
+    tol = 1e-4 if q_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), reference(q, k_deq, v_deq, tables, lens), atol=tol, rtol=tol)
+
+
 def test_a_wrong_shared_length_changes_the_answer() -> None:
     """The kernel trusts the caller: told that pages are shared which are not, rows read the first row's pages."""
     gen = torch.Generator().manual_seed(5)
@@ -91,12 +119,15 @@ def test_a_wrong_shared_length_changes_the_answer() -> None:
 
 
 
-def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypatch: pytest.MonkeyPatch,
+                                                                        fp8: bool) -> None:
     """A mixed step of a job behind one instruction (its steady state: new lines join while others decode): the
     one-token rows go to the shared-prefix kernel (DecodeSplit.shared_prefix_len), written into the leading rows of
     the step's output, and the prompt chunks (new lines, their instruction cached) to the prefill kernel. As a CUDA
     graph holds it, the decode capacity reaches into the prompt rows and the step ends in padding rows. Every real row
-    equals the reference over the whole step."""
+    equals the reference over the whole step. fp8: 32-token pages, V as the engine keeps it (dims-major but the open
+    pages), the per-tensor scales passed through."""
     from kernel_device import DEVICE
 
     from nvcli.engine.attention_metadata import DecodeSplit
@@ -104,14 +135,23 @@ def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypa
     from nvcli.kernels.reference import paged_attention_ref
 
     gen = torch.Generator().manual_seed(29)
-    page, shared_pages, num_heads, num_kv_heads = 16, 3, 4, 2
+    page, shared_pages, num_heads, num_kv_heads = 32 if fp8 else 16, 3, 4, 2
     own = [5, 17, 1, 30, 9, 12, 16, 2, 40, 20, 7]  # decode rows, then two prompt chunks' sequences
     q_lens = [1] * 9 + [20, 7]  # the chunks: a whole line after the instruction, and one's last 7 tokens
     k, v, tables, lens = shared_case(own, shared_pages, num_kv_heads, page, gen)
+    scales = {}
+    if fp8:
+        from test_attention_kernels import quantize
+        from test_kv_layout import engine_layout
+
+        (k, k_deq), (v, v_deq) = quantize(k, 0.05), quantize(v, 0.07)
+        v = engine_layout(v, tables, lens.tolist())
+        scales = dict(k_scale=torch.tensor([0.05], device=DEVICE), v_scale=torch.tensor([0.07], device=DEVICE))
     d, num_tokens = q_lens.count(1), sum(q_lens)
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
-    want = paged_attention_ref(q, k, v, qsl, lens, tables, HEAD_DIM**-0.5)
+    want = paged_attention_ref(q, k_deq, v_deq, qsl, lens, tables, HEAD_DIM**-0.5) if fp8 else paged_attention_ref(
+        q, k, v, qsl, lens, tables, HEAD_DIM**-0.5)
     d_cap, pad = d + 4, 3  # a graph's decode capacity past the real rows, and its padding token rows
     dec_lens = torch.zeros(d_cap, dtype=torch.int32)
     dec_lens[:d] = lens[:d]
@@ -132,7 +172,7 @@ def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypa
         split = DecodeSplit(d_cap, dev(dec_lens), dev(dec_tables), dev(order), dev(pre_qsl), dev(pre_lens),
                             dev(pre_tables), max(q_lens[d:]),
                             shared_prefix_len=None if shared is None else dev(torch.tensor([shared], dtype=torch.int32)))
-        return paged_split_attention(dev(q_in), dev(k), dev(v), split, HEAD_DIM**-0.5).cpu()[:num_tokens]
+        return paged_split_attention(dev(q_in), dev(k), dev(v), split, HEAD_DIM**-0.5, **scales).cpu()[:num_tokens]
 
     torch.testing.assert_close(run(shared_pages * page), want, atol=2e-4, rtol=1e-3)
     assert calls == [d_cap]  # the one-token rows (the graph's capacity of them) went to the shared-prefix kernel

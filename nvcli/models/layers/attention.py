@@ -48,7 +48,8 @@ class Attention(nn.Module):
 
             return shared_prefix_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables,
                                                          meta.seq_lens, meta.shared_prefix_len, self.scale,
-                                                         meta.decode_order)
+                                                         meta.decode_order, k_scale=self.k_scale,
+                                                         v_scale=self.v_scale)
         if meta.decode_only:
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
