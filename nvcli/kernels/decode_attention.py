@@ -429,7 +429,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 132  # CPU / interpreter: pretend H100 so tests exercise the same split logic
@@ -523,7 +523,7 @@ def paged_decode_attention_triton(
         block_n = 64 if head_dim <= 128 else 32
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * page
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_kv_len, block_n, _sm_count(q.device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_kv_len, block_n, sm_count(q.device))
     if num_warps is None:
         num_warps = 4
     if num_stages is None:

@@ -3,13 +3,17 @@ of every line of a job, computed once by prefix caching).
 
 The engine's decode kernel (decode_attention.py) takes one (sequence, KV head) per program, its query rows padded
 to tl.dot's 16, so a page that 256 sequences share is read 256 times per layer; L2 absorbs about half of that
-(benchmarks/shared_prefix_gpu.py: 0.49x the time of unshared pages). Here a program takes one KV head of
-SEQS = 16 // GROUP sequences at once, their GROUP query heads each stacked into the 16 rows that the other kernel
-pads:
-1. the shared pages, read once for the SEQS sequences: every row attends to them;
-2. then each sequence's own pages, its rows alone unmasked (the others' scores -inf).
-One online softmax runs across both parts, so no merge of partial results is needed. The shared length is a
-device scalar, so a CUDA graph replays with whatever prefix the step has.
+(benchmarks/shared_prefix_gpu.py: 0.49x the time of unshared pages). Here a group of SEQS = 16 // GROUP
+sequences shares one KV head's 16 query rows (their GROUP query heads each stacked into the rows that the other
+kernel pads), and the group's work is split between programs:
+1. SHARED_SPLITS programs each read a share of the shared pages once for the whole group: every row attends to them
+   (more shares where there are few groups, so the shared pages alone about fill the GPU twice over);
+2. SEQS programs each read one sequence's own pages, its rows alone unmasked (the others' scores -inf), in parallel
+   as the engine kernel reads every sequence's pages (a program that walked the group's own pages one sequence after
+   another was 2x slower than the engine kernel at 64-128 rows over fp8 pages: RESULTS session 40).
+Each writes its rows' normalized partial output and log-sum-exp; the group's last program to arrive (an acq_rel
+counter, kernels/arrival_counters.py) merges them. The shared length is a device scalar, so a CUDA graph replays
+with whatever prefix the step has.
 
 fp8 caches: tiles are converted to fp16 for the dots (as decode_attention.py's F16_DOT) and the per-tensor scales
 applied to the scores and the output. With 32-token pages V is dims-major (kv_layout.py): a tile is one page, a full
@@ -22,8 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.arrival_counters import arrival_counters
+from nvcli.kernels.decode_attention import sm_count
 from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import Scale, load_scales, scale_args
+
+MAX_SHARED_SPLITS = 8
 
 
 @triton.jit
@@ -76,58 +84,88 @@ def _kv_tile(k_head, v_head, bt_row, t, end, full_end, offs_n, offs_d, stride_kb
 
 @triton.jit
 def _shared_prefix_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, shared_ptr, out_ptr, num_seqs, qk_scale,
-    k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, order_ptr, shared_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
+    num_seqs, qk_scale, k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_os,
     stride_oh,
     GROUP: tl.constexpr, SEQS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DOT_DTYPE: tl.constexpr, SCALE_IS_PTR: tl.constexpr,
-    V_T: tl.constexpr,
+    V_T: tl.constexpr, SHARED_SPLITS: tl.constexpr,
 ):
     g = tl.program_id(0)  # SEQS consecutive entries of `order`
     kvh = tl.program_id(1)
+    part = tl.program_id(2)  # [0, SHARED_SPLITS): a share of the shared pages; then one sequence's own pages each
+    num_kv_heads = tl.num_programs(1)
     rows = tl.arange(0, ROWS)
-    slot = rows // GROUP  # which of the program's sequences a row belongs to
+    slot = rows // GROUP  # which of the group's sequences a row belongs to
     idx = g * SEQS + slot
-    valid = (slot < SEQS) & (idx < num_seqs)
-    seq = tl.load(order_ptr + idx, mask=valid, other=0)
-    n = tl.load(lens_ptr + seq, mask=valid, other=0)
-    valid = valid & (n > 0)  # a CUDA graph's padding rows have length 0
+    row_exists = (slot < SEQS) & (idx < num_seqs)
+    seq = tl.load(order_ptr + idx, mask=row_exists, other=0)
+    n = tl.load(lens_ptr + seq, mask=row_exists, other=0)
+    valid = row_exists & (n > 0)  # a CUDA graph's padding rows have length 0
     heads = kvh * GROUP + rows % GROUP
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=valid[:, None], other=0.0).to(DOT_DTYPE)  # [ROWS, HEAD_DIM]
-    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
-    qk_scale = qk_scale * k_scale
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
+    k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     shared = tl.load(shared_ptr)  # tokens, whole pages, below every sequence's length (the caller's contract)
-    # 1. the shared pages, from the first sequence's table (every sequence of the step has the same ones)
-    bt_first = bt_ptr + tl.load(order_ptr + g * SEQS).to(tl.int64) * stride_bt
-    for t in range(0, shared, BLOCK_N):
-        k, v, in_range = _kv_tile(k_head, v_head, bt_first, t, shared, shared, offs_n, offs_d, stride_kb, stride_kt,
-                                  stride_vb, stride_vt, HEAD_DIM, PAGE, V_T, DOT_DTYPE)
-        m_i, l_i, acc = _softmax_tile(q, k, v, valid[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale, DOT_F32)
-    # 2. each sequence's own pages, its rows alone
-    for i in range(0, SEQS):
-        own = valid & (slot == i)
+    if part < SHARED_SPLITS:  # every row of the group attends to its share of the shared pages
+        mine = valid
+        share = tl.cdiv(tl.cdiv(shared, SHARED_SPLITS), BLOCK_N) * BLOCK_N
+        lo = part * share
+        hi = tl.minimum(lo + share, shared)
+        # the shared pages from the group's first sequence's table (every sequence of the step has the same ones)
+        bt_row = bt_ptr + tl.load(order_ptr + g * SEQS).to(tl.int64) * stride_bt
+        full_end = shared
+    else:  # one sequence's own pages, its rows alone
+        i = part - SHARED_SPLITS
+        mine = valid & (slot == i)
         i_idx = g * SEQS + i
         s_i = tl.load(order_ptr + i_idx, mask=i_idx < num_seqs, other=0)
         n_i = tl.load(lens_ptr + s_i, mask=i_idx < num_seqs, other=0)
+        lo = shared
+        hi = tl.maximum(n_i, shared)  # a padding row (length 0): no tiles
         bt_row = bt_ptr + s_i.to(tl.int64) * stride_bt
-        for t in range(shared, n_i, BLOCK_N):
-            k, v, in_range = _kv_tile(k_head, v_head, bt_row, t, n_i, n_i // PAGE * PAGE, offs_n, offs_d, stride_kb,
-                                      stride_kt, stride_vb, stride_vt, HEAD_DIM, PAGE, V_T, DOT_DTYPE)
-            m_i, l_i, acc = _softmax_tile(q, k, v, own[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale,
-                                          DOT_F32)
-    out = tl.where(valid[:, None], acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)  # empty rows: zeros
-    row_exists = (slot < SEQS) & (idx < num_seqs)
-    tl.store(out_ptr + seq.to(tl.int64)[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_exists[:, None])
+        full_end = n_i // PAGE * PAGE
+    q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mine[:, None], other=0.0).to(DOT_DTYPE)  # [ROWS, HEAD_DIM]
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for t in range(lo, hi, BLOCK_N):
+        k, v, in_range = _kv_tile(k_head, v_head, bt_row, t, hi, full_end, offs_n, offs_d, stride_kb, stride_kt,
+                                  stride_vb, stride_vt, HEAD_DIM, PAGE, V_T, DOT_DTYPE)
+        m_i, l_i, acc = _softmax_tile(q, k, v, mine[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale * k_scale,
+                                      DOT_F32)
+    # this part's (normalized output, log2-sum-exp) of its rows; parts [group, KV head, SHARED_SPLITS + 1, ROWS]:
+    # the shared shares, then the rows' own part (each own program writes its sequence's rows)
+    empty = l_i == 0.0
+    base = ((g * num_kv_heads + kvh) * (SHARED_SPLITS + 1) + tl.minimum(part, SHARED_SPLITS)) * ROWS + rows
+    tl.store(mid_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
+             mask=mine[:, None])
+    tl.store(mid_lse_ptr + base, tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=mine)
+    # acq_rel: the parts above are visible before the count moves, and the last part to arrive sees all of them; it
+    # merges the group's rows and resets the counter for the next call (a CUDA graph replays the same counters)
+    cnt = counter_ptr + g * num_kv_heads + kvh
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == SHARED_SPLITS + SEQS - 1:
+        tl.atomic_xchg(cnt, 0)
+        first = (g * num_kv_heads + kvh) * (SHARED_SPLITS + 1) * ROWS + rows
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        for p in range(SHARED_SPLITS + 1):
+            m = tl.maximum(m, tl.load(mid_lse_ptr + first + p * ROWS, mask=valid, other=float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        out = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for p in range(SHARED_SPLITS + 1):
+            w = tl.exp2(tl.load(mid_lse_ptr + first + p * ROWS, mask=valid, other=float("-inf")) - m)
+            o = tl.load(mid_o_ptr + (first + p * ROWS)[:, None] * HEAD_DIM + offs_d[None, :], mask=valid[:, None],
+                        other=0.0)
+            total += w
+            out += w[:, None] * o
+        out = tl.where(valid[:, None], out * v_scale / tl.where(total > 0, total, 1.0)[:, None], 0.0)  # empty: 0
+        tl.store(out_ptr + seq.to(tl.int64)[:, None] * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_exists[:, None])
 
 
 def supports_shared_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -170,14 +208,22 @@ def shared_prefix_decode_attention_triton(
     if not fp8:
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
-    grid = (triton.cdiv(num_seqs, seqs), num_kv_heads)
+    groups = triton.cdiv(num_seqs, seqs)
+    # the shared pages split so that their programs alone about fill the GPU twice over (the own pages add
+    # seqs programs per group beside them)
+    shared_splits = max(1, min(MAX_SHARED_SPLITS, 2 * sm_count(q.device) // (groups * num_kv_heads)))
+    mid_o = torch.empty(groups * num_kv_heads * (shared_splits + 1) * rows, head_dim, dtype=torch.float32,
+                        device=q.device)
+    mid_lse = torch.empty(groups * num_kv_heads * (shared_splits + 1) * rows, dtype=torch.float32, device=q.device)
+    counters = arrival_counters(q.device, groups * num_kv_heads)
+    grid = (groups, num_kv_heads, shared_splits + seqs)
     _shared_prefix_decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, order, shared_len, out, num_seqs, scale * 1.4426950408889634,
-        k_ptr, v_ptr, k_val, v_val,
+        q, k_cache, v_cache, block_tables, seq_lens, order, shared_len, out, mid_o, mid_lse, counters, num_seqs,
+        scale * 1.4426950408889634, k_ptr, v_ptr, k_val, v_val,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, SEQS=seqs, ROWS=rows, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=block_n, DOT_F32=dot_f32,
-        DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, num_warps=4,
+        DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, SHARED_SPLITS=shared_splits, num_warps=4,
     )
     return out
 

@@ -55,6 +55,26 @@ def test_matches_reference_across_groupings(num_heads: int, num_kv_heads: int, p
     torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("num_seqs", [5, 40])
+def test_a_long_shared_prefix_split_across_programs(num_seqs: int) -> None:
+    """The shared pages are split between programs (the fewer the groups, the more splits: 8 here), several tiles
+    each, whose partial results the last program of a group to finish merges with its sequences' own parts (one
+    group, and five). The result is the reference's, and the arrival counters are left at zero for the next call (a
+    CUDA graph replays them)."""
+    from nvcli.kernels import arrival_counters
+
+    gen = torch.Generator().manual_seed(num_seqs)
+    own = [1 + (7 * i) % 40 for i in range(num_seqs)]
+    k, v, tables, lens = shared_case(own, 45, 2, 16, gen)  # 720 shared tokens: several 64-token tiles per split
+    q = torch.randn(num_seqs, 4, HEAD_DIM, generator=gen)
+    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    for _ in range(2):
+        out = run(q, k, v, tables, lens, torch.tensor([45 * 16], dtype=torch.int32), HEAD_DIM**-0.5, order)
+        torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
+        assert arrival_counters.all_zero()
+
+
 def test_no_shared_pages_is_plain_decode_and_padding_rows_are_zero() -> None:
     gen = torch.Generator().manual_seed(7)
     own = [20, 0, 5, 33, 0]  # two padding rows (length 0), as a CUDA graph pads a step
