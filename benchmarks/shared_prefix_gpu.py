@@ -82,7 +82,8 @@ def tables(batch: int, shared: int, own: int, share: bool, gen: torch.Generator)
 def kernel_section() -> list[str]:
     gen = torch.Generator().manual_seed(0)
     out = []
-    for batch, shared, own in ((256, 1024, 64), (256, 2048, 128), (128, 1024, 64), (64, 3072, 128)):
+    for batch, shared, own in ((256, 1024, 64), (256, 2048, 128), (128, 1024, 64), (64, 3072, 128), (256, 1024, 512),
+                               (128, 1024, 512)):
         rng = random.Random(batch + shared)
         res = {}
         for share in (False, True):
@@ -229,6 +230,47 @@ def stream_section() -> list[str]:
     return out
 
 
+def profile_section() -> list[str]:
+    """Kernels of 30 steady-state steps of the stream job (600 lines), with the shared-prefix kernel and without."""
+    from profile_gpu import kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    from nvcli import LLM, SamplingParams
+    from nvcli.models.presets import preset_dir
+
+    llm = LLM(str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp()))), load_format="dummy", max_model_len=4096,
+              max_num_seqs=256, max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
+    engine, runner = llm.engine, llm.engine.executor.runner
+    shared_ok = runner.shared_prefix_ok
+    rng = random.Random(2)
+    prefix = [rng.randint(0, 10000) for _ in range(1024)]
+    prompts = [prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(600)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(64, 448)) for _ in prompts]
+    out = []
+    for name in ("warm-up", "on", "off", "on"):
+        engine.reset_prefix_cache()
+        runner.shared_prefix_ok = shared_ok and name != "off"
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=f"prof-{name}-{time.monotonic_ns()}-{i}")
+        for _ in range(200):
+            engine.step()
+        torch.cuda.synchronize()
+        if name != "warm-up":
+            n = 30
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    engine.step()
+                torch.cuda.synchronize()
+            count, busy, rows = kernel_table(prof, n)
+            out.append(f"| profile | shared-prefix kernel {name}: GPU busy {busy:.0f} us/step, {count} kernels/step | "
+                       + "; ".join(f"{k} {calls:.0f}x {us:.0f} us" for k, calls, us in rows[:9]) + " | |")
+            print(out[-1], flush=True)
+        while engine.has_unfinished():
+            engine.step()
+    llm.shutdown()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="kernel,e2e,stream")
@@ -244,6 +286,8 @@ def main() -> int:
         rows += e2e_section()
     if "stream" in args.sections:
         rows += stream_section()
+    if "profile" in args.sections:
+        rows += profile_section()
     print("\n| what | case | time | |\n| --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0

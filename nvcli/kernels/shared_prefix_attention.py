@@ -16,8 +16,9 @@ counter, kernels/arrival_counters.py) merges them. The shared length is a device
 with whatever prefix the step has.
 
 fp8 caches: tiles are converted to fp16 for the dots (as decode_attention.py's F16_DOT) and the per-tensor scales
-applied to the scores and the output. With 32-token pages V is dims-major (kv_layout.py): a tile is one page, a full
-page read as V transposed and a sequence's open page as token-major rows.
+applied to the scores and the output. With 32-token pages V is dims-major (kv_layout.py): tiles of two whole pages
+read V transposed, one address per page, and a sequence's open page is a tile of its own, token-major rows, taken
+first, as the engine kernel does.
 """
 
 from __future__ import annotations
@@ -56,29 +57,52 @@ def _softmax_tile(q, k_tile, v_tile, mask, m_i, l_i, acc, qk_scale, DOT_F32: tl.
 
 
 @triton.jit
-def _kv_tile(k_head, v_head, bt_row, t, end, full_end, offs_n, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
-             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, V_T: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _kv_tile(k_head, v_head, bt_row, t, end, offs_n, offs_d, stride_kb, stride_kt, stride_vb, stride_vt,
+             PAGE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """K and V [BLOCK_N, HEAD_DIM] of one KV head at positions t + offs_n (those below `end`) of a sequence, through
-    its block table, in the dots' dtype; and which positions are in range. V_T: the tile is the page at t
-    (BLOCK_N == PAGE), dims-major if it ends by `full_end` (a whole page, every slot finite: kv_layout.py), else the
-    sequence's open page, token-major."""
+    its block table (token-major pages), in the dots' dtype; and which positions are in range."""
     pos = t + offs_n
     in_range = pos < end
-    if V_T:
-        blk = tl.load(bt_row + t // PAGE).to(tl.int64)
-        k = tl.load(k_head + blk * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None],
-                    other=0.0)
-        if t < full_end:
-            v = tl.trans(tl.load(v_head + blk * stride_vb + offs_d[:, None] * PAGE + offs_n[None, :]))
-        else:
-            v = tl.load(v_head + blk * stride_vb + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=in_range[:, None], other=0.0)
-    else:
-        blk = tl.load(bt_row + pos // PAGE, mask=in_range, other=0).to(tl.int64)
-        k = tl.load(k_head + (blk * stride_kb + (pos % PAGE) * stride_kt)[:, None] + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
-        v = tl.load(v_head + (blk * stride_vb + (pos % PAGE) * stride_vt)[:, None] + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
+    blk = tl.load(bt_row + pos // PAGE, mask=in_range, other=0).to(tl.int64)
+    k = tl.load(k_head + (blk * stride_kb + (pos % PAGE) * stride_kt)[:, None] + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    v = tl.load(v_head + (blk * stride_vb + (pos % PAGE) * stride_vt)[:, None] + offs_d[None, :],
+                mask=in_range[:, None], other=0.0)
+    return k.to(DOT_DTYPE), v.to(DOT_DTYPE), in_range
+
+
+@triton.jit
+def _dims_major_tile(k_head, v_head, bt_row, t, end, offs_d, stride_kb, stride_kt, stride_vb,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, RUNS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """K and V [RUNS * PAGE, HEAD_DIM] of the whole pages at positions [t, t + RUNS * PAGE) below `end` (a page
+    boundary), V dims-major (kv_layout.py) read transposed: one address per page, like decode_attention.py's
+    RUN_ADDR; and which positions are in range."""
+    offs_r = tl.arange(0, RUNS)
+    offs_s = tl.arange(0, PAGE)
+    run_start = t + offs_r * PAGE  # [RUNS]
+    run_ok = run_start < end
+    blk = tl.load(bt_row + run_start // PAGE, mask=run_ok, other=0).to(tl.int64)
+    k = tl.load(k_head + (blk * stride_kb)[:, None, None] + (offs_s * stride_kt)[None, :, None] + offs_d[None, None, :],
+                mask=run_ok[:, None, None], other=0.0)  # [RUNS, PAGE, HEAD_DIM]
+    vt = tl.load(v_head + (blk * stride_vb)[None, :, None] + (offs_d * PAGE)[:, None, None] + offs_s[None, None, :],
+                 mask=run_ok[None, :, None], other=0.0)  # [HEAD_DIM, RUNS, PAGE]
+    k = tl.reshape(k, [RUNS * PAGE, HEAD_DIM])
+    v = tl.trans(tl.reshape(vt, [HEAD_DIM, RUNS * PAGE]))
+    return k.to(DOT_DTYPE), v.to(DOT_DTYPE), t + tl.arange(0, RUNS * PAGE) < end
+
+
+@triton.jit
+def _open_page_tile(k_head, v_head, bt_row, t, end, offs_d, stride_kb, stride_kt, stride_vb,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """K and V [PAGE, HEAD_DIM] of a sequence's open page (positions [t, end), t a page boundary) in a cache whose
+    full V pages are dims-major: its V still token-major rows in the same bytes (kv_layout.py)."""
+    offs_p = tl.arange(0, PAGE)
+    in_range = t + offs_p < end
+    blk = tl.load(bt_row + t // PAGE).to(tl.int64)
+    k = tl.load(k_head + blk * stride_kb + offs_p[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None],
+                other=0.0)
+    v = tl.load(v_head + blk * stride_vb + offs_p[:, None] * HEAD_DIM + offs_d[None, :], mask=in_range[:, None],
+                other=0.0)
     return k.to(DOT_DTYPE), v.to(DOT_DTYPE), in_range
 
 
@@ -115,9 +139,9 @@ def _shared_prefix_decode_kernel(
         share = tl.cdiv(tl.cdiv(shared, SHARED_SPLITS), BLOCK_N) * BLOCK_N
         lo = part * share
         hi = tl.minimum(lo + share, shared)
+        full_hi = hi  # whole pages
         # the shared pages from the group's first sequence's table (every sequence of the step has the same ones)
         bt_row = bt_ptr + tl.load(order_ptr + g * SEQS).to(tl.int64) * stride_bt
-        full_end = shared
     else:  # one sequence's own pages, its rows alone
         i = part - SHARED_SPLITS
         mine = valid & (slot == i)
@@ -126,18 +150,31 @@ def _shared_prefix_decode_kernel(
         n_i = tl.load(lens_ptr + s_i, mask=i_idx < num_seqs, other=0)
         lo = shared
         hi = tl.maximum(n_i, shared)  # a padding row (length 0): no tiles
+        full_hi = tl.maximum(n_i // PAGE * PAGE, shared)  # then the open page, if any
         bt_row = bt_ptr + s_i.to(tl.int64) * stride_bt
-        full_end = n_i // PAGE * PAGE
     q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mine[:, None], other=0.0).to(DOT_DTYPE)  # [ROWS, HEAD_DIM]
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for t in range(lo, hi, BLOCK_N):
-        k, v, in_range = _kv_tile(k_head, v_head, bt_row, t, hi, full_end, offs_n, offs_d, stride_kb, stride_kt,
-                                  stride_vb, stride_vt, HEAD_DIM, PAGE, V_T, DOT_DTYPE)
-        m_i, l_i, acc = _softmax_tile(q, k, v, mine[:, None] & in_range[None, :], m_i, l_i, acc, qk_scale * k_scale,
-                                      DOT_F32)
+    score_scale = qk_scale * k_scale
+    if V_T:
+        if full_hi < hi:  # the open page first, before the loop's state is live (as decode_attention.py does)
+            k, v, in_range = _open_page_tile(k_head, v_head, bt_row, full_hi, hi, offs_d, stride_kb, stride_kt,
+                                             stride_vb, HEAD_DIM, PAGE, DOT_DTYPE)
+            m_i, l_i, acc = _softmax_tile(q, k, v, mine[:, None] & in_range[None, :], m_i, l_i, acc, score_scale,
+                                          DOT_F32)
+        for t in range(lo, full_hi, BLOCK_N):
+            k, v, in_range = _dims_major_tile(k_head, v_head, bt_row, t, full_hi, offs_d, stride_kb, stride_kt,
+                                              stride_vb, HEAD_DIM, PAGE, BLOCK_N // PAGE, DOT_DTYPE)
+            m_i, l_i, acc = _softmax_tile(q, k, v, mine[:, None] & in_range[None, :], m_i, l_i, acc, score_scale,
+                                          DOT_F32)
+    else:
+        for t in range(lo, hi, BLOCK_N):
+            k, v, in_range = _kv_tile(k_head, v_head, bt_row, t, hi, offs_n, offs_d, stride_kb, stride_kt, stride_vb,
+                                      stride_vt, PAGE, DOT_DTYPE)
+            m_i, l_i, acc = _softmax_tile(q, k, v, mine[:, None] & in_range[None, :], m_i, l_i, acc, score_scale,
+                                          DOT_F32)
     # this part's (normalized output, log2-sum-exp) of its rows; parts [group, KV head, SHARED_SPLITS + 1, ROWS]:
     # the shared shares, then the rows' own part (each own program writes its sequence's rows)
     empty = l_i == 0.0
@@ -204,7 +241,8 @@ def shared_prefix_decode_attention_triton(
     # fp8 tiles are converted for the dots: to fp16, whose mantissa holds every e4m3 value (bf16's does not)
     dot_dtype = tl.float32 if dot_f32 else tl.float16 if fp8 or q.dtype == torch.float16 else tl.bfloat16
     v_t = is_dims_major(v_cache)
-    block_n = block_size if v_t else 32 if dot_f32 else 64
+    # dims-major V: two pages per tile (fp8's 32-token pages), as the engine kernel's 64-token tiles
+    block_n = 2 * block_size if v_t else 32 if dot_f32 else 64
     if not fp8:
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
@@ -224,6 +262,7 @@ def shared_prefix_decode_attention_triton(
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, SEQS=seqs, ROWS=rows, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=block_n, DOT_F32=dot_f32,
         DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, SHARED_SPLITS=shared_splits, num_warps=4,
+        num_stages=3,  # Triton's default on Hopper, which the bf16 measurements used; the engine's fp8 kernel too
     )
     return out
 

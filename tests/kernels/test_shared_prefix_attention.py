@@ -108,7 +108,7 @@ def test_fp8_cache(page: int, q_dtype: torch.dtype) -> None:
 
     gen = torch.Generator().manual_seed(page + (q_dtype == torch.float32))
     own = [page, 2 * page, 5, page + 3, 1, 0, 3 * page - 1, 9, page - 1]  # whole pages, open pages, padding
-    k, v, tables, lens = shared_case(own, 2, 2, page, gen)
+    k, v, tables, lens = shared_case(own, 9, 2, page, gen)  # 9 pages: split 5 ways, the last share one page
     k8, k_deq = quantize(k, 0.05)
     v8, v_deq = quantize(v, 0.07)
     if page == 32:
@@ -117,7 +117,7 @@ def test_fp8_cache(page: int, q_dtype: torch.dtype) -> None:
     q = torch.randn(len(own), 4, HEAD_DIM, generator=gen).to(q_dtype)
     order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
-    out = run(q, k8, v8, tables, lens, torch.tensor([2 * page], dtype=torch.int32), HEAD_DIM**-0.5, order,
+    out = run(q, k8, v8, tables, lens, torch.tensor([9 * page], dtype=torch.int32), HEAD_DIM**-0.5, order,
               k_scale=torch.tensor([0.05]), v_scale=torch.tensor([0.07]))
     tol = 1e-4 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), reference(q, k_deq, v_deq, tables, lens), atol=tol, rtol=tol)
