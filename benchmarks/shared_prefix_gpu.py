@@ -222,7 +222,8 @@ def stream_section() -> list[str]:
         s1 = llm.stats()
         line = (f"| stream | shared-prefix kernel: {name} | {output_tokens / dt:,.0f} output tok/s ({dt:.2f} s) | "
                 f"decode-only steps {s1.num_decode_steps - s0.num_decode_steps} ({found['decode']} shared), mixed "
-                f"graph steps {runner.num_mixed_replays - mixed0} ({found['mixed']} shared) |")
+                f"graph steps {runner.num_mixed_replays - mixed0} ({found['mixed']} shared); host: schedule "
+                f"{s1.schedule_s - s0.schedule_s:.2f} s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s |")
         print(line, flush=True)
         out.append(line)
     out.append(f"| stream | shared-prefix graphs captured | decode {sorted(runner.shared_graphs)}, mixed "
