@@ -1,6 +1,6 @@
 """End-to-end checks and timings on one GPU, in one run (see benchmarks/RESULTS.md).
 
-    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming,sampling,structured]
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming,streaming-fp8,sampling,structured]
 
 1. correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU
    float32 path, GPU bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
@@ -115,16 +115,17 @@ def bench_throughput(model_dir: str, repeats: int, kv_cache_dtype: str = "auto",
     free(llm)
 
 
-def bench_streaming(model_dir: str) -> None:
+def bench_streaming(model_dir: str, kv_cache_dtype: str = "auto", label: str = "bf16") -> None:
     """A long job in miniature: 1,024 requests through 128 slots, so most steps admit new prompts beside running
     decodes, each with a token count of its own. Run 1 meets the GEMMs' row counts for the first time; run 2
     (fresh prompts from the same distribution) is a long job's steady state."""
-    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=BATCHED_TOKENS)
+    llm = LLM(model_dir, load_format="dummy", max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=BATCHED_TOKENS,
+              kv_cache_dtype=kv_cache_dtype)
     run_workload(llm.engine, make_workload(1, (16, 16), (8, 8), seed=1))
     for run in (1, 2):
         work = make_workload(1024, (100, 1024), (100, 400), seed=run - 1)
         dt = run_workload(llm.engine, work)
-        row(f"streaming bf16 run {run} (1,024 requests, 128 slots, outputs 100-400)",
+        row(f"streaming {label} run {run} (1,024 requests, 128 slots, outputs 100-400)",
             f"{work.output_tokens / dt:,.0f} output tok/s, {dt:.2f} s")
     free(llm)
 
@@ -313,6 +314,7 @@ def main() -> None:
         ("fp8", lambda: bench_throughput(model_dir, args.repeats, "fp8", "fp8")),
         ("hf", lambda: bench_hf(model_dir)),
         ("streaming", lambda: bench_streaming(model_dir)),
+        ("streaming-fp8", lambda: bench_streaming(model_dir, "fp8", "fp8")),
         ("sampling", lambda: bench_sampling_features(model_dir, args.repeats, args.sampling_rows)),
         ("structured", lambda: bench_structured_outputs(model_dir, args.repeats)),
         ("profile1", lambda: profile_steps(model_dir, 1)),
