@@ -31,12 +31,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import triton.testing
 
 from nvcli.kernels.decode_attention import paged_decode_attention_triton
 from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
+
+if TYPE_CHECKING:
+    from nvcli import LLM
 
 PAGE = 16  # 32 with --kv-cache-dtype fp8
 KV_DTYPE = "auto"
@@ -119,14 +123,30 @@ def kernel_section() -> list[str]:
     return out
 
 
-def e2e_section() -> list[str]:
-    from nvcli import LLM, SamplingParams
-    from nvcli.bench import Workload
+def dummy_llm() -> LLM:
+    """Dummy Qwen3-0.6B weights, 256 slots, 16,384-token steps, the chosen KV cache dtype."""
+    from nvcli import LLM
     from nvcli.models.presets import preset_dir
 
-    tmp = tempfile.mkdtemp()
-    llm = LLM(str(preset_dir("qwen3-0.6b", Path(tmp))), load_format="dummy", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
+    return LLM(str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp()))), load_format="dummy", max_model_len=4096,
+               max_num_seqs=256, max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
+
+
+def stream_job(lines: int, seed: int) -> tuple[list[list[int]], list]:
+    """`lines` prompts of one 1,024-token instruction + 64 own tokens, output lengths randint(64, 448)."""
+    from nvcli import SamplingParams
+
+    rng = random.Random(seed)
+    prefix = [rng.randint(0, 10000) for _ in range(1024)]
+    prompts = [prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(lines)]
+    return prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(64, 448)) for _ in prompts]
+
+
+def e2e_section() -> list[str]:
+    from nvcli import SamplingParams
+    from nvcli.bench import Workload
+
+    llm = dummy_llm()
     engine = llm.engine
     runner = engine.executor.runner
     shared_ok = runner.shared_prefix_ok
@@ -168,20 +188,13 @@ def e2e_section() -> list[str]:
 
 
 def stream_section() -> list[str]:
-    from nvcli import LLM, SamplingParams
     from nvcli.engine import model_runner
-    from nvcli.models.presets import preset_dir
 
-    tmp = tempfile.mkdtemp()
-    llm = LLM(str(preset_dir("qwen3-0.6b", Path(tmp))), load_format="dummy", max_model_len=4096, max_num_seqs=256,
-              max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
+    llm = dummy_llm()
     engine = llm.engine
     runner = engine.executor.runner
     shared_ok = runner.shared_prefix_ok
-    rng = random.Random(1)
-    prefix = [rng.randint(0, 10000) for _ in range(1024)]
-    prompts = [prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(1024)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(64, 448)) for _ in prompts]
+    prompts, params = stream_job(1024, seed=1)
     output_tokens = sum(p.max_tokens for p in params)
     found = {"decode": 0, "mixed": 0}  # steps whose rows shared their first pages, by kind
     tokens_of = model_runner.shared_prefix_tokens
@@ -236,17 +249,10 @@ def profile_section() -> list[str]:
     from profile_gpu import kernel_table
     from torch.profiler import ProfilerActivity, profile
 
-    from nvcli import LLM, SamplingParams
-    from nvcli.models.presets import preset_dir
-
-    llm = LLM(str(preset_dir("qwen3-0.6b", Path(tempfile.mkdtemp()))), load_format="dummy", max_model_len=4096,
-              max_num_seqs=256, max_num_batched_tokens=16384, kv_cache_dtype=KV_DTYPE)
+    llm = dummy_llm()
     engine, runner = llm.engine, llm.engine.executor.runner
     shared_ok = runner.shared_prefix_ok
-    rng = random.Random(2)
-    prefix = [rng.randint(0, 10000) for _ in range(1024)]
-    prompts = [prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(600)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(64, 448)) for _ in prompts]
+    prompts, params = stream_job(600, seed=2)
     out = []
     for name in ("warm-up", "on", "off", "on"):
         engine.reset_prefix_cache()

@@ -6,6 +6,8 @@ padded past the live rows) and the final norm fused into the LM head at a few ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -35,6 +37,24 @@ def _generate(model_dir, **kw) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     finally:
         llm.shutdown()
+
+
+def _lines_behind_one_instruction(n: int, max_tokens: Callable[[int], int]
+                                  ) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n greedy lines of one 320-token instruction (20 pages of 16 tokens, 10 of 32) and 3-9 tokens of their own."""
+    prefix = list(range(3000, 3320))
+    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(n)]
+    return prompts, [SamplingParams(temperature=0, max_tokens=max_tokens(i), ignore_eos=True) for i in range(n)]
+
+
+def _with_and_without_shared_prefix(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
+                                    ) -> tuple[list[list[int]], list[list[int]]]:
+    """The job's tokens with the shared-prefix graphs where its steps qualify, then with the ordinary kernel only
+    (the instruction computed again: the prefix cache reset)."""
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.executor.runner.shared_prefix_ok = False
+    llm.engine.reset_prefix_cache()
+    return got, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("single_upload_bytes", [model_runner.SINGLE_UPLOAD_BYTES, 0])
@@ -106,9 +126,7 @@ def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
     """40 sequences behind one 320-token instruction (20 cached pages every block table shares) replay the
     shared-prefix decode graphs, captured when first needed (kernels/shared_prefix_attention.py): float32 on the
     GPU gives the CPU's tokens with them, and without them."""
-    prefix = list(range(3000, 3320))
-    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(40)]
-    params = [SamplingParams(temperature=0, max_tokens=12 + i % 5, ignore_eos=True) for i in range(len(prompts))]
+    prompts, params = _lines_behind_one_instruction(40, lambda i: 12 + i % 5)
     assert len(prompts) >= model_runner.SHARED_PREFIX_MIN_ROWS
     model_dir = tiny_model_dir("qwen3")
     want = _cpu_tokens(model_dir, prompts, params)
@@ -116,11 +134,8 @@ def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
     try:
         runner = llm.engine.executor.runner
         assert runner.shared_prefix_ok and not runner.shared_graphs
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        got, got_plain = _with_and_without_shared_prefix(llm, prompts, params)
         assert runner.shared_graphs  # the shared pages were found and their graphs replayed
-        runner.shared_prefix_ok = False
-        llm.engine.reset_prefix_cache()
-        got_plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
         llm.shutdown()
     assert got == want
@@ -132,9 +147,7 @@ def test_shared_prefix_mixed_graphs_match_cpu(tiny_model_dir) -> None:
     new lines are admitted beside running decodes and most steps carry prompt chunks. Those steps replay the
     shared-prefix variant of the mixed graphs, captured when first needed: float32 on the GPU gives the CPU's
     tokens with them."""
-    prefix = list(range(3000, 3320))
-    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(90)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, ignore_eos=True) for i in range(len(prompts))]
+    prompts, params = _lines_behind_one_instruction(90, lambda i: 6 + i % 11)
     model_dir = tiny_model_dir("qwen3")
     want = _cpu_tokens(model_dir, prompts, params)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, max_num_seqs=40,
@@ -304,18 +317,12 @@ def test_fp8_shared_prefix_graphs_match_the_ordinary_kernel(tiny_model_dir) -> N
     """An fp8 cache (32-token pages, V dims-major once a page is full) behind one instruction, through fewer slots
     than lines: the shared-prefix decode and mixed graphs give the tokens of the ordinary decode kernel over the same
     quantized cache (float32 model)."""
-    prefix = list(range(3000, 3320))
-    prompts = [prefix + list(range(5000 + 13 * i, 5003 + 13 * i + i % 7)) for i in range(90)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, ignore_eos=True) for i in range(len(prompts))]
+    prompts, params = _lines_behind_one_instruction(90, lambda i: 6 + i % 11)
     llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", dtype="float32", kv_cache_dtype="fp8", max_model_len=512,
               max_num_seqs=40, num_kvcache_blocks=128)
     try:
-        runner = llm.engine.executor.runner
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert runner.shared_graphs and runner.shared_mixed_graphs
-        runner.shared_prefix_ok = False
-        llm.engine.reset_prefix_cache()
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        got, want = _with_and_without_shared_prefix(llm, prompts, params)
+        assert llm.engine.executor.runner.shared_graphs and llm.engine.executor.runner.shared_mixed_graphs
     finally:
         llm.shutdown()
     assert got == want
