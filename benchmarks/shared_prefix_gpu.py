@@ -21,6 +21,8 @@ little; if not, it would cut a step's KV reads by up to the shared fraction. Thi
   only, and not at all; output tok/s of each run, variants in turn, twice.
 
 --kv-cache-dtype fp8: every section over an fp8 cache (32-token pages, V dims-major once a page is full).
+--instructions N: the stream and profile jobs' lines cycle through N different instructions (each group of rows that
+the kernel forms then reads its own instruction's pages).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 
 PAGE = 16  # 32 with --kv-cache-dtype fp8
 KV_DTYPE = "auto"
+INSTRUCTIONS = 1  # stream / profile: lines cycle through this many different instructions
 
 
 def kv_cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -133,12 +136,13 @@ def dummy_llm() -> LLM:
 
 
 def stream_job(lines: int, seed: int) -> tuple[list[list[int]], list]:
-    """`lines` prompts of one 1,024-token instruction + 64 own tokens, output lengths randint(64, 448)."""
+    """`lines` prompts of a 1,024-token instruction (one of INSTRUCTIONS, in turn) + 64 own tokens, output lengths
+    randint(64, 448)."""
     from nvcli import SamplingParams
 
     rng = random.Random(seed)
-    prefix = [rng.randint(0, 10000) for _ in range(1024)]
-    prompts = [prefix + [rng.randint(0, 10000) for _ in range(64)] for _ in range(lines)]
+    prefixes = [[rng.randint(0, 10000) for _ in range(1024)] for _ in range(INSTRUCTIONS)]
+    prompts = [prefixes[i % INSTRUCTIONS] + [rng.randint(0, 10000) for _ in range(64)] for i in range(lines)]
     return prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(64, 448)) for _ in prompts]
 
 
@@ -197,14 +201,14 @@ def stream_section() -> list[str]:
     prompts, params = stream_job(1024, seed=1)
     output_tokens = sum(p.max_tokens for p in params)
     found = {"decode": 0, "mixed": 0}  # steps whose rows shared their first pages, by kind
-    tokens_of = model_runner.shared_prefix_tokens
+    plan_of = model_runner.shared_prefix_plan
     replay_mixed = runner._replay_mixed_graph
     mode = {"mixed": True, "counting": "decode"}
 
-    def counting(tables, lens, block_size):  # noqa: ANN001, ANN202
-        n = tokens_of(tables, lens, block_size)
-        found[mode["counting"]] += bool(n)
-        return n
+    def counting(tables, lens, block_size, seqs):  # noqa: ANN001, ANN202
+        plan = plan_of(tables, lens, block_size, seqs)
+        found[mode["counting"]] += plan is not None
+        return plan
 
     def mixed(step, key):  # noqa: ANN001, ANN202
         ok, mode["counting"] = runner.shared_prefix_ok, "mixed"
@@ -214,7 +218,7 @@ def stream_section() -> list[str]:
         finally:
             runner.shared_prefix_ok, mode["counting"] = ok, "decode"
 
-    model_runner.shared_prefix_tokens = counting
+    model_runner.shared_prefix_plan = counting
     runner._replay_mixed_graph = mixed
     out = []
     variants = {"decode and mixed steps": (True, True), "decode steps only": (True, False), "off": (False, False)}
@@ -282,9 +286,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="kernel,e2e,stream")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--instructions", type=int, default=1)
     args = ap.parse_args()
-    global PAGE, KV_DTYPE
+    global PAGE, KV_DTYPE, INSTRUCTIONS
     KV_DTYPE = args.kv_cache_dtype
+    INSTRUCTIONS = args.instructions
     PAGE = 32 if KV_DTYPE == "fp8" else 16
     rows = []
     if "kernel" in args.sections:

@@ -203,21 +203,36 @@ class StepResult:
     prompt_logprobs: FlatLogprobs | None  # the rows of the batch's prompt_logit_spans, one after another
 
 
-def shared_prefix_tokens(tables: np.ndarray, lens: np.ndarray, block_size: int) -> int:
-    """Tokens (whole pages) at the front of every row of a decode step that are the same pages in every row's
-    table, if the shared-prefix kernel should read them; else 0. tables [rows, width], lens [rows]: the step's."""
+def shared_prefix_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, seqs: int
+                       ) -> tuple[np.ndarray, np.ndarray] | None:
+    """How the shared-prefix kernel should read a decode step's rows, or None where sharing saves too little.
+
+    tables [>= rows, width], lens [rows] (each > 0): the step's. The rows go to the kernel in groups of `seqs`
+    (kernels/shared_prefix_attention.seqs_per_group), and each group reads the pages all its tables begin with once.
+    Returns (order [rows]: rows that begin with the same page adjacent, longest first among them; shared [groups]:
+    each group's shared tokens, whole pages that leave every row of the group its last token, 0 below
+    SHARED_PREFIX_MIN_TOKENS). None below SHARED_PREFIX_MIN_ROWS rows, or where the shared pages hold less than half
+    of the step's KV. Prefix caching hashes a block with everything before it, so rows that hold the same block at
+    some page hold the same blocks before it: sorting by the first page brings each instruction's rows together."""
     rows = len(lens)
     if rows < SHARED_PREFIX_MIN_ROWS:
-        return 0
-    limit = int(lens.min() - 1) // block_size  # pages full in every row, leaving each row its own last token
-    if limit * block_size < SHARED_PREFIX_MIN_TOKENS:
-        return 0
-    same = (tables[:rows, :limit] == tables[0, :limit]).all(axis=0)
-    tokens = (limit if same.all() else int(same.argmin())) * block_size
-    # at least SHARED_PREFIX_MIN_TOKENS, and at least half of the step's KV
-    if tokens < SHARED_PREFIX_MIN_TOKENS or 2 * tokens * rows < int(lens.sum()):
-        return 0
-    return tokens
+        return None
+    order = np.lexsort((-lens, tables[:rows, 0]))
+    groups = -(-rows // seqs)
+    idx = np.concatenate([order, np.full(groups * seqs - rows, order[-1])])  # the last group padded with its last row
+    limit = (lens[idx].reshape(groups, seqs).min(axis=1) - 1) // block_size  # [groups] pages whole in every row
+    width = min(int(limit.max()), tables.shape[1])
+    if width * block_size < SHARED_PREFIX_MIN_TOKENS:
+        return None
+    t = tables[idx, :width].reshape(groups, seqs, width)
+    same = (t == t[:, :1, :]).all(axis=1) & (np.arange(width) < limit[:, None])  # [groups, width]
+    pages = np.where(same.all(axis=1), width, same.argmin(axis=1))  # leading pages every row of the group shares
+    shared = (pages * block_size).astype(np.int32)
+    shared[shared < SHARED_PREFIX_MIN_TOKENS] = 0
+    real_rows = np.minimum(seqs, rows - np.arange(groups) * seqs)
+    if 2 * int((shared.astype(np.int64) * real_rows).sum()) < int(lens.sum()):
+        return None
+    return order.astype(np.int32), shared
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -381,6 +396,9 @@ class ModelRunner:
         self.model.eval()
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        from nvcli.kernels.shared_prefix_attention import seqs_per_group  # triton: imported on demand
+
+        self.shared_seqs = seqs_per_group(self.attn_layers[0].num_heads, self.attn_layers[0].num_kv_heads)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # decode graphs whose attention reads a shared prefix once per group of rows, by batch size (captured when
         # first needed), their outputs, and the memory pool every graph shares
@@ -890,17 +908,18 @@ class ModelRunner:
         max_blocks = self._max_table_width()
         self.g_max_blocks = max_blocks
         # byte layout: int64 [3, max_bs] (input ids, positions, slots) | int32 [max_bs] seq lens |
-        # int32 [max_bs] decode order | int32 [4]: shared prefix tokens, 3 unused | int32 [max_bs, max_blocks] block
-        # tables; a step of bs rows needs the bytes below tables row bs
+        # int32 [max_bs] decode order | int32 [max_bs, 16-byte aligned] shared prefix tokens per group of rows
+        # (shared_prefix_plan) | int32 [max_bs, max_blocks] block tables; a step of bs rows needs the bytes below
+        # tables row bs
         self.g_off_lens = 3 * max_bs * 8
-        self.g_off_tables = self.g_off_lens + 2 * max_bs * 4 + 16
+        self.g_off_tables = self.g_off_lens + 2 * max_bs * 4 + -(-max_bs * 4 // 16) * 16
         size = self.g_off_tables + max_bs * max_blocks * 4
 
         def views(blob: torch.Tensor) -> tuple[torch.Tensor, ...]:
             lens_order = blob[self.g_off_lens : self.g_off_tables].view(torch.int32)
             return (blob[: self.g_off_lens].view(torch.int64).view(3, max_bs), lens_order[:max_bs],
                     lens_order[max_bs : 2 * max_bs], blob[self.g_off_tables :].view(torch.int32).view(max_bs, max_blocks),
-                    lens_order[2 * max_bs : 2 * max_bs + 1])
+                    lens_order[2 * max_bs : 3 * max_bs])
 
         self.g_blob = torch.zeros(size, dtype=torch.uint8, device=self.device)
         self.g_i64, self.g_seq_lens, self.g_order, self.g_block_tables, self.g_shared_len = views(self.g_blob)
@@ -925,11 +944,11 @@ class ModelRunner:
 
         Byte layout: int64 [3, T] (input ids, positions, slots) | int64 [D + P] each sequence's last row | int32 decode
         rows' lengths [D] and program order [D], prompt chunks' query starts [P + 1] and lengths [P], the decode rows'
-        shared prefix tokens [1] | int32 decode rows' tables [D, max_blocks] | int32 prompt chunks' tables
+        shared prefix tokens per group [D] | int32 decode rows' tables [D, max_blocks] | int32 prompt chunks' tables
         [P, max_blocks]; T the largest graph's tokens, D and P its decode-row and prompt-chunk capacities."""
         t_max = self.mixed_graph_sizes[-1]
         d_max, p_max = self._mixed_capacity(t_max)
-        sizes = [("i64", 3 * t_max * 8), ("last", (d_max + p_max) * 8), ("i32", (2 * d_max + 2 * p_max + 2) * 4),
+        sizes = [("i64", 3 * t_max * 8), ("last", (d_max + p_max) * 8), ("i32", (3 * d_max + 2 * p_max + 1) * 4),
                  ("dec_tables", d_max * max_blocks * 4), ("pre_tables", p_max * max_blocks * 4)]
         offsets, at = {}, 0
         for name, n in sizes:
@@ -942,7 +961,8 @@ class ModelRunner:
             return {"i64": v["i64"].view(torch.int64).view(3, t_max), "last": v["last"].view(torch.int64),
                     "i32": v["i32"], "dec_lens": i32[:d_max], "dec_order": i32[d_max : 2 * d_max],
                     "pre_qsl": i32[2 * d_max : 2 * d_max + p_max + 1],
-                    "pre_lens": i32[2 * d_max + p_max + 1 : 2 * d_max + 2 * p_max + 1], "shared": i32[-1:],
+                    "pre_lens": i32[2 * d_max + p_max + 1 : 2 * d_max + 2 * p_max + 1],
+                    "shared": i32[2 * d_max + 2 * p_max + 1 :],
                     "dec_tables": v["dec_tables"].view(torch.int32).view(d_max, max_blocks),
                     "pre_tables": v["pre_tables"].view(torch.int32).view(p_max, max_blocks)}
 
@@ -979,7 +999,7 @@ class ModelRunner:
         m = self.m
         split = DecodeSplit(d, m["dec_lens"][:d], m["dec_tables"][:d], m["dec_order"][:d], m["pre_qsl"][: p + 1],
                             m["pre_lens"][:p], m["pre_tables"][:p], tokens,
-                            shared_prefix_len=m["shared"] if shared_prefix else None)
+                            shared_prefix_len=m["shared"][: self._shared_groups(d)] if shared_prefix else None)
         meta = AttentionMetadata(m["i64"][2, :tokens], m["pre_qsl"][: p + 1], m["pre_lens"][:p], m["pre_tables"][:p],
                                  tokens, self.g_max_blocks * self.block_size, False, None, split)
         return self.model(m["i64"][0, :tokens], m["i64"][1, :tokens], meta)
@@ -989,9 +1009,14 @@ class ModelRunner:
         writes no KV); `shared_prefix`: its attention reads g_shared_len shared tokens once per group of rows."""
         meta = AttentionMetadata(self.g_slots[:bs], self.g_qsl[: bs + 1], self.g_seq_lens[:bs],
                                  self.g_block_tables[:bs], 1, self.g_max_blocks * self.block_size, True,
-                                 self.g_order[:bs] if LONGEST_FIRST else None,
-                                 shared_prefix_len=self.g_shared_len if shared_prefix else None)
+                                 self.g_order[:bs] if LONGEST_FIRST or shared_prefix else None,  # groups rows
+                                 shared_prefix_len=self.g_shared_len[: self._shared_groups(bs)] if shared_prefix
+                                 else None)
         return self.model(self.g_input_ids[:bs], self.g_positions[:bs], meta)
+
+    def _shared_groups(self, rows: int) -> int:
+        """Groups of rows the shared-prefix kernel forms from `rows` one-token rows."""
+        return -(-rows // self.shared_seqs)
 
     def _shared_prefix_graph_sizes(self) -> list[int]:
         """The decode graph sizes that may replay a shared-prefix graph (none where the kernel cannot serve: the CPU,
@@ -1133,12 +1158,9 @@ class ModelRunner:
         lens = stage_seq_lens.numpy()
         lens[:bs] = step.seq_lens
         lens[bs:graph_bs] = 0
-        # decode attention's programs take the longest sequences first (padding rows, length 0, last)
-        stage_order.numpy()[:graph_bs] = np.argsort(-lens[:graph_bs], kind="stable")
         tables = stage_tables.numpy()  # [max_bs, max_blocks]
         _fill_tables(tables, step.block_tables)
-        shared = shared_prefix_tokens(tables, lens[:bs], self.block_size) if self.shared_prefix_ok else 0
-        stage_shared.numpy()[0] = shared
+        shared = self._stage_shared_prefix(tables, lens, bs, graph_bs, stage_order.numpy(), stage_shared.numpy())
         graph = self._shared_prefix_graph(graph_bs) if shared else self.graphs[graph_bs]
         prefix = self.g_off_tables + bs * self.g_max_blocks * 4  # bytes up to the last table row used
         if prefix <= SINGLE_UPLOAD_BYTES:  # one copy: a latency, not bandwidth, for a few rows
@@ -1152,6 +1174,22 @@ class ModelRunner:
         graph.replay()
         hidden, residual = (self.shared_outputs if shared else self.graph_outputs)[graph_bs]
         return hidden[:bs], residual[:bs] if residual is not None else None
+
+    def _stage_shared_prefix(self, tables: np.ndarray, lens: np.ndarray, rows: int, capacity: int, order: np.ndarray,
+                             shared: np.ndarray) -> bool:
+        """Stage a graph's decode-attention program order ([capacity]) and, where the step's `rows` one-token rows
+        share pages (shared_prefix_plan), each group's shared tokens; whether they do. lens [capacity]: 0 past
+        `rows`. Either way the graph's padding rows (length 0) come last."""
+        plan = (shared_prefix_plan(tables, lens[:rows], self.block_size, self.shared_seqs) if self.shared_prefix_ok
+                else None)
+        if plan is None:  # the ordinary kernel's programs take the longest sequences first
+            order[:capacity] = np.argsort(-lens[:capacity], kind="stable")
+            return False
+        order[:rows], groups = plan
+        order[rows:capacity] = np.arange(rows, capacity)
+        shared[: len(groups)] = groups
+        shared[len(groups) : self._shared_groups(capacity)] = 0
+        return True
 
     def _logits_graph_for(self, step: StepInput) -> int:
         """The size of the decode graph that replays `step` and computes its logits, or 0 (none does)."""
@@ -1195,7 +1233,6 @@ class ModelRunner:
         dec_lens = stage["dec_lens"].numpy()
         dec_lens[:d] = lens[:d]
         dec_lens[d:d_cap] = 0
-        stage["dec_order"].numpy()[:d_cap] = np.argsort(-dec_lens[:d_cap], kind="stable")
         pre_qsl = stage["pre_qsl"].numpy()
         pre_qsl[: p + 1] = qsl[d:]
         pre_qsl[p + 1 : p_cap + 1] = num_tokens
@@ -1206,8 +1243,8 @@ class ModelRunner:
         dec_tables, pre_tables = stage["dec_tables"].numpy(), stage["pre_tables"].numpy()
         _fill_tables(dec_tables, step.block_tables[:d])
         _fill_tables(pre_tables, step.block_tables[d:])
-        shared = shared_prefix_tokens(dec_tables, dec_lens[:d], self.block_size) if self.shared_prefix_ok else 0
-        stage["shared"].numpy()[0] = shared
+        shared = self._stage_shared_prefix(dec_tables, dec_lens, d, d_cap, stage["dec_order"].numpy(),
+                                           stage["shared"].numpy())
         graph = self._shared_mixed_graph(key) if shared else self.mixed_graphs[key]
         m = self.m
         m["i64"][:, :tokens].copy_(stage["i64"][:, :tokens], non_blocking=True)

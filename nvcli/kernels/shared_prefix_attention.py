@@ -114,7 +114,7 @@ def _shared_prefix_decode_kernel(
     stride_oh,
     GROUP: tl.constexpr, SEQS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DOT_DTYPE: tl.constexpr, SCALE_IS_PTR: tl.constexpr,
-    V_T: tl.constexpr, SHARED_SPLITS: tl.constexpr,
+    V_T: tl.constexpr, SHARED_SPLITS: tl.constexpr, PER_GROUP: tl.constexpr,
 ):
     g = tl.program_id(0)  # SEQS consecutive entries of `order`
     kvh = tl.program_id(1)
@@ -133,14 +133,15 @@ def _shared_prefix_decode_kernel(
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
     k_scale, v_scale = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
-    shared = tl.load(shared_ptr)  # tokens, whole pages, below every sequence's length (the caller's contract)
+    # tokens, whole pages, that the group's sequences share, below each one's length (the caller's contract)
+    shared = tl.load(shared_ptr + g) if PER_GROUP else tl.load(shared_ptr)
     if part < SHARED_SPLITS:  # every row of the group attends to its share of the shared pages
         mine = valid
         share = tl.cdiv(tl.cdiv(shared, SHARED_SPLITS), BLOCK_N) * BLOCK_N
         lo = part * share
         hi = tl.minimum(lo + share, shared)
         full_hi = hi  # whole pages
-        # the shared pages from the group's first sequence's table (every sequence of the step has the same ones)
+        # the shared pages from the group's first sequence's table (every sequence of the group has the same ones)
         bt_row = bt_ptr + tl.load(order_ptr + g * SEQS).to(tl.int64) * stride_bt
     else:  # one sequence's own pages, its rows alone
         i = part - SHARED_SPLITS
@@ -210,14 +211,20 @@ def supports_shared_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool
     return k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or is_dims_major(v_cache))
 
 
+def seqs_per_group(num_heads: int, num_kv_heads: int) -> int:
+    """Sequences whose query heads of one KV head fill a group's 16 query rows (Qwen3's 2 heads per KV head: 8)."""
+    return max(1, 16 // (num_heads // num_kv_heads))
+
+
 def shared_prefix_decode_attention_triton(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], token-major
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a graph's padding row)
-    shared_len: torch.Tensor,  # [1] int32: the first shared_len tokens (whole pages) are the same pages in every
-    # row's table, and every row with a length is longer than that
+    shared_len: torch.Tensor,  # int32, [1] or one per group (seqs_per_group consecutive rows of `order`): the first
+    # shared_len tokens (whole pages) are the same pages in every table of the step (of the group), and every row
+    # with a length is longer than that
     scale: float,
     order: torch.Tensor | None = None,  # [num_seqs] int32 permutation: the rows grouped into programs in this order
     out: torch.Tensor | None = None,  # like q: written in place (a mixed step's leading rows of its output)
@@ -228,7 +235,7 @@ def shared_prefix_decode_attention_triton(
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert supports_shared_prefix(k_cache, v_cache) and num_heads % num_kv_heads == 0
     group = num_heads // num_kv_heads
-    seqs = max(1, 16 // group)
+    seqs = seqs_per_group(num_heads, num_kv_heads)
     rows = max(16, triton.next_power_of_2(seqs * group))
     if out is None:
         out = torch.empty_like(q)
@@ -247,6 +254,8 @@ def shared_prefix_decode_attention_triton(
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
     groups = triton.cdiv(num_seqs, seqs)
+    per_group = shared_len.numel() > 1
+    assert not per_group or shared_len.numel() >= groups
     # the shared pages split so that their programs alone about fill the GPU twice over (the own pages add
     # seqs programs per group beside them)
     shared_splits = max(1, min(MAX_SHARED_SPLITS, 2 * sm_count(q.device) // (groups * num_kv_heads)))
@@ -261,7 +270,7 @@ def shared_prefix_decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, SEQS=seqs, ROWS=rows, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=block_n, DOT_F32=dot_f32,
-        DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, SHARED_SPLITS=shared_splits, num_warps=4,
+        DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, SHARED_SPLITS=shared_splits, PER_GROUP=per_group, num_warps=4,
         num_stages=3,  # Triton's default on Hopper, which the bf16 measurements used; the engine's fp8 kernel too
     )
     return out

@@ -142,6 +142,25 @@ def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
     assert got_plain == want
 
 
+def test_two_instructions_share_their_pages_group_by_group(tiny_model_dir) -> None:
+    """Lines behind two different instructions, interleaved: each group of rows that the shared-prefix kernel forms
+    holds one instruction's rows (model_runner.shared_prefix_plan) and reads its pages once. float32 on the GPU gives
+    the CPU's tokens, with the shared-prefix graphs captured."""
+    first, second = _lines_behind_one_instruction(40, lambda i: 6 + i % 11)
+    other = [list(range(7000, 7400)) + p[320:] for p in first[:40]]  # a 400-token instruction of its own
+    prompts = [p for pair in zip(first, other) for p in pair]
+    params = [p for pair in zip(second, second) for p in pair]
+    model_dir = tiny_model_dir("qwen3")
+    want = _cpu_tokens(model_dir, prompts, params)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.executor.runner.shared_graphs
+    finally:
+        llm.shutdown()
+    assert got == want
+
+
 def test_shared_prefix_mixed_graphs_match_cpu(tiny_model_dir) -> None:
     """A long job's steady state behind one instruction: 90 lines through 40 slots, of different output lengths, so
     new lines are admitted beside running decodes and most steps carry prompt chunks. Those steps replay the

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nvcli.engine import model_runner
-from nvcli.engine.model_runner import ModelRunner, StepInput, shared_prefix_tokens
+from nvcli.engine.model_runner import ModelRunner, StepInput, shared_prefix_plan
 
 
 def _step(n: int, pending: list[tuple[int, int]]) -> StepInput:
@@ -265,25 +265,49 @@ def _shared_tables(rows: int, shared_pages: int, own_pages: int) -> np.ndarray:
     return tables
 
 
-def test_shared_prefix_tokens_finds_the_pages_every_row_shares() -> None:
+def test_shared_prefix_plan_finds_the_pages_every_group_shares() -> None:
     rows = model_runner.SHARED_PREFIX_MIN_ROWS
     tables = _shared_tables(rows, 32, 2)
     lens = np.full(rows, 32 * 16 + 20, dtype=np.int32)
-    assert shared_prefix_tokens(tables, lens, 16) == 512
-    tables[5, 30] = 7  # one row leaves the shared run at page 30
-    assert shared_prefix_tokens(tables, lens, 16) == 480
+    lens[7] += 5  # longest first among rows that begin with the same page
+    order, shared = shared_prefix_plan(tables, lens, 16, 8)
+    assert order[0] == 7 and sorted(order) == list(range(rows))
+    assert list(shared) == [512] * (rows // 8)
+    tables[5, 30] = 7  # one row leaves the shared run at page 30: its group shares 30 pages, the others 32
+    order, shared = shared_prefix_plan(tables, lens, 16, 8)
+    group_of_5 = list(order).index(5) // 8
+    assert [int(x) for x in shared] == [480 if g == group_of_5 else 512 for g in range(rows // 8)]
 
 
-def test_shared_prefix_tokens_counts_only_pages_full_in_every_row() -> None:
+def test_shared_prefix_plan_counts_only_pages_full_in_every_row_of_a_group() -> None:
     rows = model_runner.SHARED_PREFIX_MIN_ROWS
     tables = _shared_tables(rows, 32, 2)  # the tables share more pages than the shortest row has filled
     lens = np.full(rows, 600, dtype=np.int32)
     lens[3] = 20 * 16  # this row's 20th page holds its last token: 19 pages are whole and leave it a token
-    assert shared_prefix_tokens(tables, lens, 16) == 19 * 16
+    order, shared = shared_prefix_plan(tables, lens, 16, 8)
+    assert order[-1] == 3  # shortest last
+    assert list(shared) == [32 * 16] * 3 + [19 * 16]  # the group holding row 3 stops at its 19 whole pages
+
+
+def test_several_instructions_group_their_own_rows() -> None:
+    """40 rows behind two instructions, interleaved as a job's lines may be: sorted by their first page, each group
+    of 8 holds one instruction's rows (but the group that straddles both) and reads that instruction's pages."""
+    rows, seqs = 40, 8
+    tables = np.zeros((rows, 50), dtype=np.int32)
+    lens = np.empty(rows, dtype=np.int32)
+    for r in range(rows):
+        pages = 20 if r % 2 else 30  # instruction A: 20 pages at blocks 100.., B: 30 pages at blocks 200..
+        tables[r, :pages] = (100 if r % 2 else 200) + np.arange(pages)
+        tables[r, pages:pages + 3] = 1000 + 3 * r + np.arange(3)
+        lens[r] = pages * 16 + 40
+    order, shared = shared_prefix_plan(tables, lens, 16, seqs)
+    groups = [sorted({int(tables[r, 0]) for r in order[g * seqs:(g + 1) * seqs]}) for g in range(rows // seqs)]
+    assert groups == [[100]] * 2 + [[100, 200]] + [[200]] * 2
+    assert list(shared) == [320, 320, 0, 480, 480]
 
 
 @pytest.mark.parametrize("case", ["few rows", "short prefix", "prefix under half the KV", "no shared page"])
-def test_shared_prefix_tokens_declines(case: str) -> None:
+def test_shared_prefix_plan_declines(case: str) -> None:
     rows = model_runner.SHARED_PREFIX_MIN_ROWS - (1 if case == "few rows" else 0)
     shared_pages = {"short prefix": model_runner.SHARED_PREFIX_MIN_TOKENS // 16 - 1}.get(case, 32)
     tables = _shared_tables(rows, shared_pages, 40)
@@ -291,5 +315,5 @@ def test_shared_prefix_tokens_declines(case: str) -> None:
     if case == "prefix under half the KV":
         lens[:] = shared_pages * 16 + 33 * 16
     if case == "no shared page":
-        tables[1, 0] = 99
-    assert shared_prefix_tokens(tables, lens, 16) == 0
+        tables[:, 0] = np.arange(rows)  # every row its own first page
+    assert shared_prefix_plan(tables, lens, 16, 8) is None

@@ -75,6 +75,30 @@ def test_a_long_shared_prefix_split_across_programs(num_seqs: int) -> None:
         assert arrival_counters.all_zero()
 
 
+def test_each_group_of_rows_reads_its_own_shared_pages() -> None:
+    """Per-group shared lengths (a step whose rows carry two instructions, ordered so that each group of 8 holds one
+    instruction's rows): group 0 shares 3 pages, group 1 five others, group 2 (a partial group) nothing."""
+    gen = torch.Generator().manual_seed(11)
+    cases = [shared_case([5, 17, 1, 30, 9, 12, 16, 2], 3, 2, 16, gen),
+             shared_case([7, 1, 33, 4, 20, 8, 3, 11], 5, 2, 16, gen), shared_case([40, 6, 19], 0, 2, 16, gen)]
+    width = max(c[2].shape[1] for c in cases)
+    k, v, tables, lens, base = [], [], [], [], 0
+    for ck, cv, ct, cl in cases:
+        k.append(ck)
+        v.append(cv)
+        tables.append(torch.nn.functional.pad(ct + base, (0, width - ct.shape[1]), value=base))
+        lens.append(cl)
+        base += ck.shape[0]
+    k, v, tables, lens = torch.cat(k), torch.cat(v), torch.cat(tables), torch.cat(lens)
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
+    shared = torch.tensor([48, 80, 0], dtype=torch.int32)
+    out = run(q, k, v, tables, lens, shared, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
+    wrong = run(q, k, v, tables, lens, torch.tensor([80, 48, 0], dtype=torch.int32), HEAD_DIM**-0.5)
+    assert not torch.allclose(wrong[:8], out[:8], atol=1e-3)  # group 0 told of 5 shared pages reads row 0's own
+
+
 def test_no_shared_pages_is_plain_decode_and_padding_rows_are_zero() -> None:
     gen = torch.Generator().manual_seed(7)
     own = [20, 0, 5, 33, 0]  # two padding rows (length 0), as a CUDA graph pads a step
