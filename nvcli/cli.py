@@ -91,6 +91,7 @@ def generate(
     json_schema: Annotated[Optional[str], typer.Option("--json-schema", metavar="PATH", help="File holding a JSON schema: every output must match it (a line's own response_format, structured_outputs or guided_* field wins).", rich_help_panel=SAMPLING)] = None,
     tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="How chat lines with tools and tool_choice \"auto\" find the calls in the text: auto (from the chat template: qwen3_coder for <function=...><parameter=...> templates such as Qwen3-Coder's and Qwen3.5's, hermes for other <tool_call> templates such as Qwen3's, llama3_json for Llama 3's) | hermes | llama3_json | qwen3_coder (also qwen3_xml) (vLLM's parsers of those names).", rich_help_panel=JOB)] = "auto",
     reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", help="Split a thinking model's reasoning from its answer on chat lines (vLLM's): qwen3 | deepseek_r1. The answer stays in text / content, the reasoning goes to \"reasoning\"; tool calls are read from the answer, and a line's output constraint starts after </think>.", rich_help_panel=JOB)] = None,
+    structured_outputs_in_reasoning: Annotated[bool, typer.Option("--structured-outputs-in-reasoning", help="With --reasoning-parser: a line's output constraint holds from the first token, reasoning included (vLLM's enable_in_reasoning), instead of starting after </think>.", rich_help_panel=JOB)] = False,
     unordered: Annotated[bool, typer.Option("--unordered", help="Write lines as they finish instead of in input order.", rich_help_panel=JOB)] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already answered in OUTPUT (repairing a torn last line) and append the rest.", rich_help_panel=JOB)] = False,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
@@ -130,6 +131,7 @@ def generate(
         seed=seed,
         kv_cache_scale=kv_cache_scale,
         reasoning_parser=reasoning_parser,
+        structured_outputs_in_reasoning=structured_outputs_in_reasoning,
     )
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     stop=stop or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs, presence_penalty=presence_penalty,

@@ -53,6 +53,9 @@ class EngineConfig:
     cpu_kvcache_space_gib: float = 4.0  # CPU only: KV bytes to allocate when num_kvcache_blocks is None
     # vLLM's --reasoning-parser (reasoning.py): a structured-output constraint starts where the reasoning has ended
     reasoning_parser: str | None = None
+    # vLLM's structured outputs option enable_in_reasoning: the constraint holds from the first token, reasoning
+    # included (a model whose reasoning itself must follow a format); only meaningful with a reasoning parser
+    structured_outputs_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, why: str) -> None:
@@ -66,6 +69,9 @@ class EngineConfig:
         need(_pos_int(self.max_num_seqs), "--max-num-seqs", "must be a positive integer")
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "--reasoning-parser",
              f"must be one of {', '.join(REASONING_PARSERS)} (got {self.reasoning_parser!r})")
+        need(not self.structured_outputs_in_reasoning or self.reasoning_parser is not None,
+             "--structured-outputs-in-reasoning", "needs --reasoning-parser (without one a constraint already holds "
+             "from the first token)")
         need(_pos_int(self.max_num_batched_tokens), "--max-num-batched-tokens", "must be a positive integer")
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 32 if str(self.kv_cache_dtype).startswith("fp8") else 16

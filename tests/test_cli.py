@@ -587,3 +587,5 @@ def test_reasoning_parser_splits_chat_lines_and_constrains_their_answers(model):
     assert "reasoning" not in prompt
     bad = nv(model, "-", "-q", "--reasoning-parser", "granite", input=data)
     assert bad.exit_code == 2 and "--reasoning-parser: must be one of qwen3, deepseek_r1" in bad.output
+    alone = nv(model, "-", "-q", "--structured-outputs-in-reasoning", input=data)
+    assert alone.exit_code == 2 and "--structured-outputs-in-reasoning: needs --reasoning-parser" in alone.output

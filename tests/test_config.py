@@ -23,6 +23,7 @@ from nvcli.sampling_params import SamplingParams
         (dict(load_format="pickle"), "--load-format"),
         (dict(device="tpu"), "--device"),
         (dict(max_model_len=0), "--max-model-len"),
+        (dict(structured_outputs_in_reasoning=True), "--structured-outputs-in-reasoning"),
     ],
 )
 def test_bad_engine_config_names_the_flag(kwargs: dict, flag: str) -> None:

@@ -219,11 +219,14 @@ class LLMEngine:
                 "(shorten the prompt or raise --max-model-len)"
             )
         grammar = compiler = None
-        thinking = False  # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule)
+        # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule) unless it is to hold in the
+        # reasoning too (--structured-outputs-in-reasoning)
+        thinking = False
         if sampling_params.structured_outputs is not None:  # compiled (and checked) once for all completions
             compiler = self._structured_outputs()
             grammar = compiler.grammar(sampling_params.structured_outputs)
-            thinking = self.reasoning_markers is not None and not reasoning_ended(token_ids, *self.reasoning_markers)
+            thinking = (self.reasoning_markers is not None and not self.config.structured_outputs_in_reasoning
+                        and not reasoning_ended(token_ids, *self.reasoning_markers))
         banned: tuple[int, ...] = ()
         if sampling_params.min_tokens:  # the same for every completion
             ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)

@@ -219,10 +219,12 @@ def test_with_a_reasoning_parser_a_constraint_starts_after_the_reasoning(tiny_mo
     text = forced.outputs[0].text  # the bias makes </think> the first token; the constraint takes the rest
     assert forced.outputs[0].token_ids[0] == end and text.startswith("</think>"), text
     check(text.removeprefix("</think>"), forced.outputs[0].finish_reason, dict(choice=CHOICES))
-    # without the parser the same thinking prompt is constrained at once
-    (plain,) = LLM(model, device="cpu", max_model_len=256, num_kvcache_blocks=128).generate(
-        [{"prompt_token_ids": question + [start]}], [params(1)])
-    check(plain.outputs[0].text, plain.outputs[0].finish_reason, dict(choice=CHOICES))
+    # without the parser the same thinking prompt is constrained at once, and with the parser told to constrain the
+    # reasoning too (vLLM's enable_in_reasoning)
+    for kw in ({}, dict(reasoning_parser="qwen3", structured_outputs_in_reasoning=True)):
+        (plain,) = LLM(model, device="cpu", max_model_len=256, num_kvcache_blocks=128, **kw).generate(
+            [{"prompt_token_ids": question + [start]}], [params(1)])
+        check(plain.outputs[0].text, plain.outputs[0].finish_reason, dict(choice=CHOICES))
 
 
 def test_disable_additional_properties_closes_every_listed_object(tiny_model_dir) -> None:
