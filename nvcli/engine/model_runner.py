@@ -209,15 +209,20 @@ def shared_prefix_plan(tables: np.ndarray, lens: np.ndarray, block_size: int, se
 
     tables [>= rows, width], lens [rows] (each > 0): the step's. The rows go to the kernel in groups of `seqs`
     (kernels/shared_prefix_attention.seqs_per_group), and each group reads the pages all its tables begin with once.
-    Returns (order [rows]: rows that begin with the same page adjacent, longest first among them; shared [groups]:
-    each group's shared tokens, whole pages that leave every row of the group its last token, 0 below
-    SHARED_PREFIX_MIN_TOKENS). None below SHARED_PREFIX_MIN_ROWS rows, or where the shared pages hold less than half
-    of the step's KV. Prefix caching hashes a block with everything before it, so rows that hold the same block at
-    some page hold the same blocks before it: sorting by the first page brings each instruction's rows together."""
+    Returns (order [rows]: rows that begin with the same pages adjacent; shared [groups]: each group's shared
+    tokens, whole pages that leave every row of the group its last token, 0 below SHARED_PREFIX_MIN_TOKENS). None
+    below SHARED_PREFIX_MIN_ROWS rows, or where the shared pages hold less than half of the step's KV.
+
+    Prefix caching hashes a block with everything before it, so rows that hold the same block at some page hold the
+    same blocks before it. Sorting by the blocks at pages 0, 1, 3, 7, 15, ... (then longest first) therefore brings
+    together the rows of each instruction, even where instructions begin alike (a chat template's header) and part
+    later, at the cost of a few sort keys instead of every page."""
     rows = len(lens)
     if rows < SHARED_PREFIX_MIN_ROWS:
         return None
-    order = np.lexsort((-lens, tables[:rows, 0]))
+    depth = min(int((lens.max() - 1) // block_size), tables.shape[1])
+    probes = [p for p in (0, 1, 3, 7, 15, 31, 63, 127, 255) if p < depth] or [0]
+    order = np.lexsort((-lens, *(tables[:rows, p] for p in reversed(probes))))
     groups = -(-rows // seqs)
     idx = np.concatenate([order, np.full(groups * seqs - rows, order[-1])])  # the last group padded with its last row
     limit = (lens[idx].reshape(groups, seqs).min(axis=1) - 1) // block_size  # [groups] pages whole in every row

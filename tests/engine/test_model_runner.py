@@ -289,21 +289,25 @@ def test_shared_prefix_plan_counts_only_pages_full_in_every_row_of_a_group() -> 
     assert list(shared) == [32 * 16] * 3 + [19 * 16]  # the group holding row 3 stops at its 19 whole pages
 
 
-def test_several_instructions_group_their_own_rows() -> None:
-    """40 rows behind two instructions, interleaved as a job's lines may be: sorted by their first page, each group
-    of 8 holds one instruction's rows (but the group that straddles both) and reads that instruction's pages."""
+@pytest.mark.parametrize("common_header", [False, True])
+def test_several_instructions_group_their_own_rows(common_header: bool) -> None:
+    """40 rows behind two instructions, interleaved as a job's lines may be: sorted by their pages, each group of 8
+    holds one instruction's rows (but the group that straddles both) and reads that instruction's pages. With a
+    common header (a chat template's first pages, the same blocks in every row) the instructions part at page 2."""
     rows, seqs = 40, 8
     tables = np.zeros((rows, 50), dtype=np.int32)
     lens = np.empty(rows, dtype=np.int32)
     for r in range(rows):
         pages = 20 if r % 2 else 30  # instruction A: 20 pages at blocks 100.., B: 30 pages at blocks 200..
         tables[r, :pages] = (100 if r % 2 else 200) + np.arange(pages)
+        if common_header:
+            tables[r, :2] = [50, 51]
         tables[r, pages:pages + 3] = 1000 + 3 * r + np.arange(3)
         lens[r] = pages * 16 + 40
     order, shared = shared_prefix_plan(tables, lens, 16, seqs)
-    groups = [sorted({int(tables[r, 0]) for r in order[g * seqs:(g + 1) * seqs]}) for g in range(rows // seqs)]
-    assert groups == [[100]] * 2 + [[100, 200]] + [[200]] * 2
-    assert list(shared) == [320, 320, 0, 480, 480]
+    groups = [sorted({int(tables[r, 2]) for r in order[g * seqs:(g + 1) * seqs]}) for g in range(rows // seqs)]
+    assert groups == [[102]] * 2 + [[102, 202]] + [[202]] * 2
+    assert list(shared) == [320, 320, 0, 480, 480]  # the straddling group: at most the 2 header pages, under 256
 
 
 @pytest.mark.parametrize("case", ["few rows", "short prefix", "prefix under half the KV", "no shared page"])
