@@ -23,8 +23,8 @@ class DecodeSplit:
     prefill_seq_lens: torch.Tensor  # [num_prefill] int32 (0: unused entry of a graph)
     prefill_block_tables: torch.Tensor  # [num_prefill, max_blocks] int32
     prefill_max_query_len: int  # bound on the prompt chunks' lengths (a graph: its token count)
-    # the one-token rows all begin with this many shared tokens ([1] int32): read once per group of rows
-    # (AttentionMetadata.shared_prefix_len); None: the ordinary decode kernel
+    # the one-token rows' shared tokens, per group of rows (int32, AttentionMetadata.shared_prefix_len): read once per
+    # group; None: the ordinary decode kernel
     shared_prefix_len: Optional[torch.Tensor] = None
 
 
@@ -41,7 +41,7 @@ class AttentionMetadata:
     # sequences in (decode graphs; None: batch order)
     decode_order: Optional[torch.Tensor] = None
     split: Optional[DecodeSplit] = None  # a step with prompt chunks and one-token rows, on the GPU
-    # Decode steps on the GPU whose sequences all begin with the same cached pages: [1] int32, that many tokens
-    # (whole pages, fewer than any sequence's length) are read once for many sequences
-    # (kernels/shared_prefix_attention.py); None: the ordinary decode kernel
+    # Decode steps on the GPU whose sequences begin with shared cached pages: int32, [1] or one per group of rows in
+    # decode_order (engine/model_runner.shared_prefix_plan), that many tokens (whole pages, fewer than any of the
+    # group's lengths) are read once for the group (kernels/shared_prefix_attention.py); None: the ordinary kernel
     shared_prefix_len: Optional[torch.Tensor] = None

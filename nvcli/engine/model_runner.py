@@ -1040,11 +1040,8 @@ class ModelRunner:
             self.g_slots.fill_(-1)
             self.g_seq_lens.zero_()
             self.g_shared_len.zero_()
-            self._graph_forward(bs, shared_prefix=True)  # eager first, as at start-up: nothing may initialize in a capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.graph_pool):
-                self.shared_outputs[bs] = self._graph_forward(bs, shared_prefix=True)
-            self.shared_graphs[bs] = graph
+            self.shared_graphs[bs], self.shared_outputs[bs] = self._capture_in_pool(
+                lambda: self._graph_forward(bs, shared_prefix=True))
             log.info("captured the shared-prefix decode graph of %d rows", bs)
         return self.shared_graphs[bs]
 
@@ -1055,13 +1052,19 @@ class ModelRunner:
         if key not in self.shared_mixed_graphs:
             self.m["i64"][2].fill_(-1)
             self.m["i32"].zero_()  # lengths 0, chunks empty, no shared tokens
-            self._mixed_graph_forward(*key, shared_prefix=True)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.graph_pool):
-                self.shared_mixed_outputs[key] = self._mixed_graph_forward(*key, shared_prefix=True)
-            self.shared_mixed_graphs[key] = graph
+            self.shared_mixed_graphs[key], self.shared_mixed_outputs[key] = self._capture_in_pool(
+                lambda: self._mixed_graph_forward(*key, shared_prefix=True))
             log.info("captured the shared-prefix mixed graph of %d tokens, %d prompt chunks", *key)
         return self.shared_mixed_graphs[key]
+
+    def _capture_in_pool(self, forward: Callable[[], Final]) -> tuple[torch.cuda.CUDAGraph, Final]:
+        """A graph of `forward`, captured mid-run into the pool every graph shares, and its outputs; run eagerly first,
+        as at start-up: nothing may initialize inside a capture."""
+        forward()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.graph_pool):
+            outputs = forward()
+        return graph, outputs
 
     def _shared_mixed_keys(self) -> list[tuple[int, int]]:
         """One mixed graph key per decode-row capacity that may take the shared-prefix kernel: the compile-ahead pass

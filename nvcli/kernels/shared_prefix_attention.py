@@ -30,7 +30,7 @@ import triton.language as tl
 from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.decode_attention import sm_count
 from nvcli.kernels.kv_layout import is_dims_major
-from nvcli.kernels.kv_store import Scale, load_scales, scale_args
+from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 
 MAX_SHARED_SPLITS = 8
 
@@ -244,7 +244,7 @@ def shared_prefix_decode_attention_triton(
     if num_seqs == 0:
         return out
     dot_f32 = q.dtype == torch.float32
-    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8 = is_fp8(k_cache.dtype)
     # fp8 tiles are converted for the dots: to fp16, whose mantissa holds every e4m3 value (bf16's does not)
     dot_dtype = tl.float32 if dot_f32 else tl.float16 if fp8 or q.dtype == torch.float16 else tl.bfloat16
     v_t = is_dims_major(v_cache)
