@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 PAGE = 16  # 32 with --kv-cache-dtype fp8
 KV_DTYPE = "auto"
 INSTRUCTIONS = 1  # stream / profile: lines cycle through this many different instructions
+MIN_ROWS: list[int] = []  # stream: instead of the on / off variants, the kernel on at each of these row thresholds
 
 
 def kv_cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -222,10 +223,14 @@ def stream_section() -> list[str]:
     runner._replay_mixed_graph = mixed
     out = []
     variants = {"decode and mixed steps": (True, True), "decode steps only": (True, False), "off": (False, False)}
+    if MIN_ROWS:  # the plan declines steps of fewer rows than SHARED_PREFIX_MIN_ROWS: the tail of a job
+        variants = {f"from {n} rows": (True, True) for n in MIN_ROWS}
+    min_rows = model_runner.SHARED_PREFIX_MIN_ROWS
     for name in ["warm-up", *variants, *reversed(variants)]:
         engine.reset_prefix_cache()
         on, mode["mixed"] = variants.get(name, (True, True))
         runner.shared_prefix_ok = shared_ok and on
+        model_runner.SHARED_PREFIX_MIN_ROWS = int(name.split()[1]) if name.startswith("from ") else min_rows
         found.update(decode=0, mixed=0)
         mixed0, s0 = runner.num_mixed_replays, llm.stats()
         t0 = time.perf_counter()
@@ -287,10 +292,12 @@ def main() -> int:
     ap.add_argument("--sections", default="kernel,e2e,stream")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--instructions", type=int, default=1)
+    ap.add_argument("--min-rows", default="", help="stream: comma-separated row thresholds to compare, e.g. 17,32")
     args = ap.parse_args()
-    global PAGE, KV_DTYPE, INSTRUCTIONS
+    global PAGE, KV_DTYPE, INSTRUCTIONS, MIN_ROWS
     KV_DTYPE = args.kv_cache_dtype
     INSTRUCTIONS = args.instructions
+    MIN_ROWS = [int(n) for n in args.min_rows.split(",") if n]
     PAGE = 32 if KV_DTYPE == "fp8" else 16
     rows = []
     if "kernel" in args.sections:

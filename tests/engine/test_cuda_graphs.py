@@ -356,7 +356,7 @@ from nvcli.kernels import ops
 from nvcli.kernels.compile_ahead import variant_difference
 
 llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=64,
-          max_num_batched_tokens=12000)
+          max_num_batched_tokens=12000, kv_cache_dtype=sys.argv[2])
 compiled, split_rows = [], []
 triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append((kw["fn"].jit_function, kw["key"]))  # compiles
 split = ops.paged_split_attention
@@ -389,20 +389,22 @@ print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" f
 '''
 
 
-def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir, kv_cache_dtype: str) -> None:
     """On an empty Triton cache, start-up compiles every kernel variant a job's steps launch, so the job never stops
     for a compile (seconds each). The job here takes eager steps of more than the mixed graphs' 8,192 tokens with
     running decodes beside new prompts (the DESIGN workload's prompt phase): decode attention over long tables
     (KV split, merged in the kernel) and prefill attention on metadata offset by the decode-row count. Both were
     compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24). Some requests are
     constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws. A
-    second job's lines share one instruction (shared-prefix decode and mixed graphs)."""
+    second job's lines share one instruction (shared-prefix decode and mixed graphs). An fp8 cache has kernel variants
+    of its own (dequantizing loads, the seal kernel, the shared-prefix kernel's fp8 tiles): the same job over one."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    proc = subprocess.run([sys.executable, "-c", NO_COMPILE_SCRIPT, str(tiny_model_dir("qwen3"))], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", NO_COMPILE_SCRIPT, str(tiny_model_dir("qwen3")), kv_cache_dtype], capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
