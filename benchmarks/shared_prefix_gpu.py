@@ -18,7 +18,11 @@ little; if not, it would cut a step's KV reads by up to the shared fraction. Thi
 - stream: a long job's steady state. 1,024 lines of the same 1,024-token prefix + 64 own tokens through 256 slots,
   output lengths randint(64, 448): lines finish at different steps and new ones join beside running decodes, so most
   steps carry prompt chunks (mixed graphs). With the shared-prefix kernel in decode and mixed steps, in decode steps
-  only, and not at all; output tok/s of each run, variants in turn, twice.
+  only, and not at all; output tok/s of each run, variants in turn, twice. --min-rows 17,32: the kernel on, with the
+  plan's row threshold at each value instead.
+- timeline: the stream job with the kernel on, three runs, every step timed with CUDA events: GPU time and GPU idle
+  between steps (what the host did not hide). PROFILE_CPROFILE_STEPS=N profiles the host over run 2's first N steps.
+- profile: kernels per step in the stream job's steady state, with the kernel and without.
 
 --kv-cache-dtype fp8: every section over an fp8 cache (32-token pages, V dims-major once a page is full).
 --instructions N: the stream and profile jobs' lines cycle through N different instructions (each group of rows that
@@ -253,6 +257,45 @@ def stream_section() -> list[str]:
     return out
 
 
+def timeline_section() -> list[str]:
+    """The stream job with the kernel on, each launched step timed with CUDA events (profile_gpu._timed_run): how
+    long the GPU worked and how long it sat idle between steps, i.e. whether the host keeps up with steps this short.
+    PROFILE_CPROFILE_STEPS=N adds a host profile of the first N steps of the second run."""
+    import os
+    import types
+
+    from profile_gpu import _timed_run
+
+    llm = dummy_llm()
+    engine = llm.engine
+    prompts, params = stream_job(1024, seed=1)
+    work = types.SimpleNamespace(prompts=prompts, params=params)
+    output_tokens = sum(p.max_tokens for p in params)
+    cprofile = os.environ.pop("PROFILE_CPROFILE_STEPS", "0")
+    out = []
+    for run in ("warm-up", "1", "2", "3"):
+        engine.reset_prefix_cache()
+        if run == "2":
+            os.environ["PROFILE_CPROFILE_STEPS"] = cprofile
+        s0 = llm.stats()
+        total, records = _timed_run(engine, work, f"{run}-{time.monotonic_ns()}")
+        os.environ.pop("PROFILE_CPROFILE_STEPS", None)
+        s1 = llm.stats()
+        if run == "warm-up":
+            continue
+        busy, idle = sum(r[0] for r in records), sum(r[1] for r in records)
+        long_idle = sorted((r[1] for r in records), reverse=True)
+        out.append(f"| timeline | run {run}{' (host profiled)' if run == '2' and cprofile != '0' else ''} | "
+                   f"{output_tokens / total:,.0f} output tok/s ({total:.2f} s) | {len(records)} steps: GPU "
+                   f"{busy:.2f} s, idle between steps {idle:.2f} s (longest {1e3 * long_idle[0]:.1f}, "
+                   f"{1e3 * long_idle[9]:.1f} ms the 10th); host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, "
+                   f"wait+sample {s1.execute_s - s0.execute_s:.2f} s, postprocess "
+                   f"{s1.postprocess_s - s0.postprocess_s:.2f} s |")
+        print(out[-1], flush=True)
+    llm.shutdown()
+    return out
+
+
 def profile_section() -> list[str]:
     """Kernels of 30 steady-state steps of the stream job (600 lines), with the shared-prefix kernel and without."""
     from profile_gpu import kernel_table
@@ -308,6 +351,8 @@ def main() -> int:
         rows += stream_section()
     if "profile" in args.sections:
         rows += profile_section()
+    if "timeline" in args.sections:
+        rows += timeline_section()
     print("\n| what | case | time | |\n| --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
