@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from nvcli.engine.sequence import Sequence
+from nvcli.engine.sequence import BlockTable, Sequence
 
 NO_HASH = -1
 
@@ -183,6 +183,6 @@ class BlockManager:
                     self.free.move_to_end(block_id, last=False)
                 else:
                     self.free[block_id] = None
-        seq.block_table = []
+        seq.block_table = BlockTable()
         seq.block_hashes = []
         seq.num_computed_tokens = 0

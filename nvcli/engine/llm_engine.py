@@ -346,17 +346,18 @@ class LLMEngine:
                 batch.seqs[i].prompt_logprobs.extend_from(result.prompt_logprobs, row, row + hi - lo)  # type: ignore[union-attr]
                 row += hi - lo
         logprobs = result.logprobs
-        rows = {s.seq_id: i for i, s in enumerate(batch.seqs)}
         logprob_at = {row: j for j, row in enumerate(result.logprob_rows)}  # batch row -> its position in `logprobs`
+        rows = {s.seq_id: i for i, s in enumerate(batch.seqs)} if logprob_at else {}
         produced = self.scheduler.postprocess(batch, result.tokens)
         if self._num_constrained and self._grammar_compiler is not None:  # the constrained rows' matchers: their tokens
             self._grammar_compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
                                             if seq.grammar is not None])
+        self.generation_tokens += len(produced)
         for seq, index in produced:
-            self.generation_tokens += 1
-            j = logprob_at.get(rows[seq.seq_id])
-            if j is not None:
-                seq.logprobs.append_from(logprobs, j)  # type: ignore[union-attr, arg-type]
+            if logprob_at:
+                j = logprob_at.get(rows[seq.seq_id])
+                if j is not None:
+                    seq.logprobs.append_from(logprobs, j)  # type: ignore[union-attr, arg-type]
             if index == seq.num_prompt_tokens and seq.completion_index == 0:
                 self._release_siblings(seq)
             self._check_stop(seq, index)

@@ -35,6 +35,7 @@ from nvcli.engine.sampler import (
 )
 from nvcli.engine.sampler_graphs import SamplerGraphs
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
+from nvcli.engine.sequence import BlockTable
 from nvcli.engine.uploads import upload
 from nvcli.kernels.kv_layout import allocate_kv_cache
 from nvcli.models.layers.attention import Attention
@@ -1286,9 +1287,9 @@ def _prompt_logprob_targets(batch: ScheduledBatch) -> tuple[list[int], list[int]
 
 def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
     """Row i of `out` starts with table i; entries past a table's length keep what they held (kernels read a
-    sequence's table only up to its length)."""
+    sequence's table only up to its length). A sequence's table (BlockTable) is copied from its int32 mirror."""
     for i, b in enumerate(tables):
-        out[i, : len(b)] = b
+        out[i, : len(b)] = b.array() if type(b) is BlockTable else b
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -93,24 +93,28 @@ class Scheduler:
         counts: list[int] = []
         preempted = False
 
+        block_size = bm.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._done_pending(seq):
+            if seq.token_ids[-1] == PENDING and self._done_pending(seq):
                 i += 1  # its last token is still in flight and ends it: nothing more to compute
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n < seq.num_uncomputed_tokens and not self.enable_chunked_prefill:
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            n = min(uncomputed, budget)
+            if n < uncomputed and not self.enable_chunked_prefill:
                 break
-            while not bm.can_allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # seq preempted itself; everything after it is gone too
-            bm.allocate(seq, n)
+            # most steps of a decode stay inside its last block: nothing to allocate (can_allocate is then true)
+            if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
+                while not bm.can_allocate(seq, n):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    break  # seq preempted itself; everything after it is gone too
+                bm.allocate(seq, n)
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -170,24 +174,27 @@ class Scheduler:
             order = sorted(range(len(seqs)), key=lambda i: counts[i] > 1)  # stable
             seqs, counts = [seqs[i] for i in order], [counts[i] for i in order]
         batch = ScheduledBatch(seqs, counts)
-        batch.is_decode_only = bool(seqs) and all(
-            n == 1 and s.num_computed_tokens == s.num_tokens - 1 for s, n in zip(seqs, counts)
-        )
+        decode_only = bool(seqs)
+        start, sample_index = batch.start, batch.sample_index
         for i, (seq, n) in enumerate(zip(seqs, counts)):
-            if seq.needs_prompt_logits:
+            if seq.num_prompt_logprobs_scheduled < seq.num_prompt_logprobs_wanted:  # needs_prompt_logits
                 lo = max(seq.num_computed_tokens, seq.num_prompt_logprobs_scheduled)
                 hi = min(seq.num_computed_tokens + n, seq.num_prompt_logprobs_wanted)
                 if hi > lo:
                     batch.prompt_logit_spans.append((i, lo, hi))
                     seq.num_prompt_logprobs_scheduled = hi
-            batch.start.append(seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
-                batch.sample_index.append(seq.num_tokens)
+            computed = seq.num_computed_tokens
+            start.append(computed)
+            seq.num_computed_tokens = computed = computed + n
+            num_tokens = len(seq.token_ids)
+            decode_only = decode_only and n == 1 and computed == num_tokens
+            if computed == num_tokens:
+                sample_index.append(num_tokens)
                 seq.token_ids.append(PENDING)
             else:
                 self.num_chunked_prefills += 1
-                batch.sample_index.append(-1)
+                sample_index.append(-1)
+        batch.is_decode_only = decode_only
         return batch
 
     def _done_pending(self, seq: Sequence) -> bool:
@@ -213,13 +220,16 @@ class Scheduler:
         (sequence, token index) for each new token. A prompt chunk that leaves tokens uncomputed
         samples nothing."""
         produced: list[tuple[Sequence, int]] = []
+        block_size = self.block_manager.block_size
         for seq, start, n, index, token in zip(batch.seqs, batch.start, batch.num_new_tokens, batch.sample_index,
                                                 sampled):
-            if seq.status == SequenceStatus.FINISHED:
+            status = seq.status
+            if status == SequenceStatus.FINISHED:
                 continue  # finished (stop, abort) while this step was in flight
             if index >= 0:
                 seq.token_ids[index] = token
-            if seq.status == SequenceStatus.RUNNING and seq.block_table:
+            # only a step that filled a block has one to register
+            if status == SequenceStatus.RUNNING and (start + n) // block_size > len(seq.block_hashes):
                 self.block_manager.register_computed_blocks(seq, start + n)
             if index >= 0:
                 produced.append((seq, index))

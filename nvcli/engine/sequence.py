@@ -6,6 +6,8 @@ import itertools
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from nvcli.outputs import FlatLogprobs
 from nvcli.sampling_params import SamplingParams
 
@@ -17,6 +19,52 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
+
+
+class BlockTable(list):
+    """A sequence's block ids, in order. Only ever appended to while the sequence holds its blocks (freeing them
+    replaces the table with a new one), so an int32 copy stays in step by copying just the ids appended since it was
+    last read: a step's input building copies arrays, not hundreds of Python ints per row each step (a 256-row step
+    of 1,088-token sequences: 353 -> 95 us on the CPU machine)."""
+
+    __slots__ = ("_array", "_synced")
+
+    def __init__(self, ids: list[int] | None = None) -> None:
+        super().__init__(ids or ())
+        self._array = np.empty(max(16, len(self)), dtype=np.int32)
+        self._synced = 0
+
+    def array(self) -> np.ndarray:
+        """The ids as int32 [len(self)] (a view: valid until the next append)."""
+        n = len(self)
+        if n > self._synced:
+            if n > len(self._array):
+                grown = np.empty(max(n, 2 * len(self._array)), dtype=np.int32)
+                grown[: self._synced] = self._array[: self._synced]
+                self._array = grown
+            self._array[self._synced : n] = self[self._synced : n]
+            self._synced = n
+        return self._array[:n]
+
+    def __reduce__(self) -> tuple:
+        return BlockTable, (list(self),)
+
+
+def _resyncing(name: str):  # noqa: ANN202
+    """List methods that change ids already copied: the copy starts over (the engine only appends)."""
+    method = getattr(list, name)
+
+    def changed(self: BlockTable, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        self._synced = 0
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = name
+    return changed
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "insert", "pop", "remove", "clear", "sort",
+              "reverse"):
+    setattr(BlockTable, _name, _resyncing(_name))
 
 
 class Sequence:
@@ -47,7 +95,7 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table = BlockTable()
         # Chained prefix-cache hashes of this sequence's full, computed blocks.
         self.block_hashes: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first schedule)

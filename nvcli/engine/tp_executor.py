@@ -37,6 +37,7 @@ from nvcli.engine.model_runner import (
     build_step_input,
 )
 from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.engine.sequence import BlockTable
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -78,7 +79,7 @@ def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     o += s
     tables = buf[o : o + s * width].reshape(s, width)
     for i, b in enumerate(step.block_tables):
-        tables[i, : len(b)] = b
+        tables[i, : len(b)] = b.array() if type(b) is BlockTable else b
         tables[i, len(b) :] = 0
     o += s * width
     if step.pending:

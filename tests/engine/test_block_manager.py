@@ -134,3 +134,42 @@ def test_reset_prefix_cache_forgets_free_blocks_but_keeps_live_ones() -> None:
     assert bm.find_cached_prefix(seq(list(range(12)) + [3])) == []
     assert len(bm.find_cached_prefix(seq([500 + i for i in range(12)] + [4]))) == 3  # still in use: kept
     assert bm.num_free_blocks == 16 - len(live.block_table)
+
+
+def test_a_block_tables_int32_copy_follows_every_change() -> None:
+    """Step inputs copy a sequence's block table from its int32 mirror (BlockTable.array), which copies only the ids
+    appended since it was last read. Whatever changes the table (appends past the first capacity, a free and a new
+    allocation, a prefix-cache hit, a list edit), the mirror must equal the ids, or attention reads another
+    sequence's KV."""
+    import pickle
+
+    import numpy as np
+
+    from nvcli.engine.sequence import BlockTable
+
+    bm = BlockManager(64, BS)
+    s = seq(list(range(6)))
+    run_prefill(bm, s)
+    assert s.block_table.array().tolist() == list(s.block_table) and s.block_table.array().dtype == np.int32
+    for t in range(100):  # decode 100 tokens: 25 more blocks, past the mirror's first 16
+        s.token_ids.append(t)
+        bm.allocate(s, 1)
+        s.num_computed_tokens += 1
+        if t % 7 == 0:
+            assert s.block_table.array().tolist() == list(s.block_table)
+    assert len(s.block_table) == 27 and s.block_table.array().tolist() == list(s.block_table)
+    bm.free_blocks(s)  # preemption: the table is replaced, not emptied in place
+    assert isinstance(s.block_table, BlockTable) and s.block_table.array().tolist() == []
+    run_prefill(bm, s)
+    assert s.block_table.array().tolist() == list(s.block_table)
+    b = seq(list(range(6)) + list(range(100)))
+    run_prefill(bm, b)  # its first blocks come from the prefix cache (take_cached_prefix)
+    assert b.num_cached_tokens > 0 and b.block_table.array().tolist() == list(b.block_table)
+    edited = BlockTable([5, 6, 7])
+    edited.array()
+    edited[1] = 9  # not something the engine does; the mirror starts over rather than go stale
+    del edited[0]
+    edited.insert(0, 4)
+    assert edited.array().tolist() == [4, 9, 7]
+    copy = pickle.loads(pickle.dumps(edited))
+    assert type(copy) is BlockTable and copy.array().tolist() == [4, 9, 7]
