@@ -77,7 +77,8 @@ MIXED_FEW_MAX_TOKENS = 2048
 # (prompt chunks beside one-token rows: a long job's steady state, where new lines join most steps) get the same
 # second capture for their one-token rows. NV_SHARED_PREFIX=0 turns it off (A/B runs).
 SHARED_PREFIX = os.environ.get("NV_SHARED_PREFIX", "1") != "0"
-SHARED_PREFIX_MIN_ROWS = 32
+SHARED_PREFIX_MIN_ROWS = 32  # 17 measured no faster (RESULTS session 41); must stay above sampler_graphs.MAX_ROWS,
+# whose decode graphs end with the LM head and have no shared-prefix variant
 SHARED_PREFIX_MIN_TOKENS = 256
 # prompt_logprobs: the LM head runs over at most this many bytes of logits (in the model's dtype) at a time
 PROMPT_LOGITS_CHUNK_BYTES = 256 << 20
