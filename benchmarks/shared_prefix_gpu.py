@@ -23,6 +23,7 @@ little; if not, it would cut a step's KV reads by up to the shared fraction. Thi
 - timeline: the stream job with the kernel on, three runs, every step timed with CUDA events: GPU time and GPU idle
   between steps (what the host did not hide). PROFILE_CPROFILE_STEPS=N profiles the host over run 2's first N steps.
 - profile: kernels per step in the stream job's steady state, with the kernel and without.
+- job: the stream job as JSONL lines of token ids through `run_job` (nv generate's reader thread, ordered writer).
 
 --kv-cache-dtype fp8: every section over an fp8 cache (32-token pages, V dims-major once a page is full).
 --instructions N: the stream and profile jobs' lines cycle through N different instructions (each group of rows that
@@ -296,6 +297,39 @@ def timeline_section() -> list[str]:
     return out
 
 
+def job_section() -> list[str]:
+    """The stream job's lines as JSONL token ids (each with its own max_tokens) through `run_job`, as `nv generate`
+    runs them: a reader thread, ordered output, the engine on the main thread sharing the GIL with the reader."""
+    import io
+    import json
+
+    from nvcli.jobs.requests import Defaults
+    from nvcli.jobs.runner import JobOptions, run_job
+
+    llm = dummy_llm()
+    engine = llm.engine
+    prompts, params = stream_job(1024, seed=1)
+    lines = [(json.dumps({"prompt_token_ids": p, "max_tokens": sp.max_tokens, "temperature": 0.6, "ignore_eos": True})
+              + "\n").encode() for p, sp in zip(prompts, params)]
+    output_tokens = sum(p.max_tokens for p in params)
+    out = []
+    for run in ("warm-up", "1", "2", "3"):
+        engine.reset_prefix_cache()
+        sink = io.BytesIO()
+        s0 = llm.stats()
+        res = run_job(engine, lines, sink, JobOptions(defaults=Defaults(), handle_sigint=False))
+        s1 = llm.stats()
+        assert res.written == len(lines) and res.failed == 0, (res.written, res.failed)
+        if run == "warm-up":
+            continue
+        out.append(f"| job | run {run} | {output_tokens / res.elapsed_s:,.0f} output tok/s ({res.elapsed_s:.2f} s) | "
+                   f"host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, wait+sample {s1.execute_s - s0.execute_s:.2f} "
+                   f"s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s |")
+        print(out[-1], flush=True)
+    llm.shutdown()
+    return out
+
+
 def profile_section() -> list[str]:
     """Kernels of 30 steady-state steps of the stream job (600 lines), with the shared-prefix kernel and without."""
     from profile_gpu import kernel_table
@@ -353,6 +387,8 @@ def main() -> int:
         rows += profile_section()
     if "timeline" in args.sections:
         rows += timeline_section()
+    if "job" in args.sections:
+        rows += job_section()
     print("\n| what | case | time | |\n| --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
