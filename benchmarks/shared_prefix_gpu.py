@@ -369,12 +369,16 @@ def main() -> int:
     ap.add_argument("--sections", default="kernel,e2e,stream")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--instructions", type=int, default=1)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval before the sections (Python's default: 0.005 s)")
     ap.add_argument("--min-rows", default="", help="stream: comma-separated row thresholds to compare, e.g. 17,32")
     args = ap.parse_args()
     global PAGE, KV_DTYPE, INSTRUCTIONS, MIN_ROWS
     KV_DTYPE = args.kv_cache_dtype
     INSTRUCTIONS = args.instructions
     MIN_ROWS = [int(n) for n in args.min_rows.split(",") if n]
+    if args.switch_interval is not None:  # how long a thread that wants the GIL waits for the one holding it
+        sys.setswitchinterval(args.switch_interval)
     PAGE = 32 if KV_DTYPE == "fp8" else 16
     rows = []
     if "kernel" in args.sections:
