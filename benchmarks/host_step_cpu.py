@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from nvcli.engine.block_manager import BlockManager
-from nvcli.engine.model_runner import _fill_tables, build_step_input
+from nvcli.engine.model_runner import build_step_input, fill_tables
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence
 from nvcli.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ while sched.has_unfinished():
     step = build_step_input(batch, BS, prev_rows)
     t2 = time.perf_counter()
     if batch.is_decode_only:
-        _fill_tables(tables, step.block_tables)
+        fill_tables(tables, step.block_tables)
     t3 = time.perf_counter()
     produced = sched.postprocess(batch, [7] * len(batch.seqs))
     for s, index in produced:

@@ -48,6 +48,7 @@ from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention
 
 if TYPE_CHECKING:
     from nvcli import LLM
+    from nvcli.engine.llm_engine import EngineStats
 
 PAGE = 16  # 32 with --kv-cache-dtype fp8
 KV_DTYPE = "auto"
@@ -258,6 +259,12 @@ def stream_section() -> list[str]:
     return out
 
 
+def host_split(s0: EngineStats, s1: EngineStats) -> str:
+    """Where the engine thread's time went between two EngineStats snapshots."""
+    return (f"host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, wait+sample {s1.execute_s - s0.execute_s:.2f} s, "
+            f"postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s")
+
+
 def timeline_section() -> list[str]:
     """The stream job with the kernel on, each launched step timed with CUDA events (profile_gpu._timed_run): how
     long the GPU worked and how long it sat idle between steps, i.e. whether the host keeps up with steps this short.
@@ -289,9 +296,7 @@ def timeline_section() -> list[str]:
         out.append(f"| timeline | run {run}{' (host profiled)' if run == '2' and cprofile != '0' else ''} | "
                    f"{output_tokens / total:,.0f} output tok/s ({total:.2f} s) | {len(records)} steps: GPU "
                    f"{busy:.2f} s, idle between steps {idle:.2f} s (longest {1e3 * long_idle[0]:.1f}, "
-                   f"{1e3 * long_idle[9]:.1f} ms the 10th); host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, "
-                   f"wait+sample {s1.execute_s - s0.execute_s:.2f} s, postprocess "
-                   f"{s1.postprocess_s - s0.postprocess_s:.2f} s |")
+                   f"{1e3 * long_idle[9]:.1f} ms the 10th); {host_split(s0, s1)} |")
         print(out[-1], flush=True)
     llm.shutdown()
     return out
@@ -323,8 +328,7 @@ def job_section() -> list[str]:
         if run == "warm-up":
             continue
         out.append(f"| job | run {run} | {output_tokens / res.elapsed_s:,.0f} output tok/s ({res.elapsed_s:.2f} s) | "
-                   f"host: schedule {s1.schedule_s - s0.schedule_s:.2f} s, wait+sample {s1.execute_s - s0.execute_s:.2f} "
-                   f"s, postprocess {s1.postprocess_s - s0.postprocess_s:.2f} s |")
+                   f"{host_split(s0, s1)} |")
         print(out[-1], flush=True)
     llm.shutdown()
     return out

@@ -1169,7 +1169,7 @@ class ModelRunner:
         lens[:bs] = step.seq_lens
         lens[bs:graph_bs] = 0
         tables = stage_tables.numpy()  # [max_bs, max_blocks]
-        _fill_tables(tables, step.block_tables)
+        fill_tables(tables, step.block_tables)
         shared = self._stage_shared_prefix(tables, lens, bs, graph_bs, stage_order.numpy(), stage_shared.numpy())
         graph = self._shared_prefix_graph(graph_bs) if shared else self.graphs[graph_bs]
         prefix = self.g_off_tables + bs * self.g_max_blocks * 4  # bytes up to the last table row used
@@ -1251,8 +1251,8 @@ class ModelRunner:
         pre_lens[p:p_cap] = 0
         width = max(len(b) for b in step.block_tables)
         dec_tables, pre_tables = stage["dec_tables"].numpy(), stage["pre_tables"].numpy()
-        _fill_tables(dec_tables, step.block_tables[:d])
-        _fill_tables(pre_tables, step.block_tables[d:])
+        fill_tables(dec_tables, step.block_tables[:d])
+        fill_tables(pre_tables, step.block_tables[d:])
         shared = self._stage_shared_prefix(dec_tables, dec_lens, d, d_cap, stage["dec_order"].numpy(),
                                            stage["shared"].numpy())
         graph = self._shared_mixed_graph(key) if shared else self.mixed_graphs[key]
@@ -1286,7 +1286,7 @@ def _prompt_logprob_targets(batch: ScheduledBatch) -> tuple[list[int], list[int]
     return targets, ks
 
 
-def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
+def fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
     """Row i of `out` starts with table i; entries past a table's length keep what they held (kernels read a
     sequence's table only up to its length). A sequence's table (BlockTable) is copied from its int32 mirror."""
     for i, b in enumerate(tables):
@@ -1295,5 +1295,5 @@ def _fill_tables(out: np.ndarray, tables: list[list[int]]) -> None:
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:
     out = np.zeros((len(tables), max(len(b) for b in tables)), dtype=np.int32)
-    _fill_tables(out, tables)
+    fill_tables(out, tables)
     return out

@@ -97,7 +97,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.token_ids[-1] == PENDING and self._done_pending(seq):
+            if self._done_pending(seq):
                 i += 1  # its last token is still in flight and ends it: nothing more to compute
                 continue
             uncomputed = len(seq.token_ids) - seq.num_computed_tokens

@@ -35,9 +35,9 @@ from nvcli.engine.model_runner import (
     StepResult,
     TokenMaskHook,
     build_step_input,
+    fill_tables,
 )
 from nvcli.engine.scheduler import ScheduledBatch
-from nvcli.engine.sequence import BlockTable
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -78,9 +78,8 @@ def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     buf[o : o + s] = step.seq_lens
     o += s
     tables = buf[o : o + s * width].reshape(s, width)
-    for i, b in enumerate(step.block_tables):
-        tables[i, : len(b)] = b.array() if type(b) is BlockTable else b
-        tables[i, len(b) :] = 0
+    tables.fill(0)
+    fill_tables(tables, step.block_tables)
     o += s * width
     if step.pending:
         buf[o : o + 2 * len(step.pending)] = [x for pair in step.pending for x in pair]
