@@ -10,7 +10,9 @@ reader thread: JSON parse, chat template, tokenization. This script times both s
 Input kinds, the same prompts each time: `text` ({"prompt": str}, tokenized by the reader),
 `chat` ({"messages": [...]}, template + tokenization), `ids` ({"prompt_token_ids": [...]}: no
 tokenization, the GPU-bound reference), `echo` (a scoring job as lm-eval-harness sends it: /v1/completions with the
-prompt's ids, echo, logprobs=1 and max_tokens 0; its output lines carry every prompt token's logprob), and `engine`: the ids fed straight to the engine's step loop, no job
+prompt's ids, echo, logprobs=1 and max_tokens 0; its output lines carry every prompt token's logprob), `score` (native
+lines with prompt_logprobs 20, the most vLLM allows by default: a distillation job's top-20 targets for every prompt
+token), and `engine`: the ids fed straight to the engine's step loop, no job
 threads at all (what the engine alone does with them). Jobs run through `run_job` as the CLI runs them, on one
 engine with the prefix cache off (repeats would otherwise hit it), kinds in turn per repeat.
 """
@@ -33,6 +35,8 @@ from nvcli.jobs.reader import InputReader
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.runner import JobOptions, run_job
 
+SCORE_K = 20  # the score kind's prompt_logprobs
+
 WORDS = ("the model reads every line of the input file and answers it with one line of output while the "
          "dashboard shows throughput and cache occupancy on the terminal for a batch of one million prompts").split()
 
@@ -52,6 +56,8 @@ def make_lines(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> dict[st
         # lm-eval-harness's loglikelihood request: score the prompt, top-1 alternative for its greedy check
         "echo": [line({"custom_id": f"e{n}", "method": "POST", "url": "/v1/completions",
                        "body": {"prompt": i, "echo": True, "logprobs": 1, "max_tokens": 0}}) for n, i in enumerate(ids)],
+        # a distillation job's scoring line: every prompt token's logprob and its SCORE_K most likely alternatives
+        "score": [line({"prompt_token_ids": i, "prompt_logprobs": SCORE_K}) for i in ids],
     }
 
 

@@ -3,6 +3,9 @@ TokenLogprobs builds it with vLLM's layout: the given token first with its own r
 
 from __future__ import annotations
 
+import pickle
+
+import numpy as np
 import pytest
 import torch
 
@@ -83,3 +86,56 @@ def test_from_entries_round_trips() -> None:
     entries = [None, {3: Logprob(-0.5, 2, "a"), 4: Logprob(-0.25, 1, "b")}, {5: Logprob(-1.0, 1, None)}]
     flat = FlatLogprobs.from_entries(entries)
     assert flat == entries and flat.starts == [0, 0, 2, 3] and flat.decoded_tokens == ["a", "b", None]
+
+
+def _step(n: int, k: int, seed: int) -> FlatLogprobs:
+    """A step's rows as TokenLogprobs.flat gives them: numpy columns, k alternatives per row."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.empty((n, 3 + 2 * k), dtype=torch.int32)
+    pack_columns(packed, token_ids=torch.randint(0, 50, (n,), generator=g), chosen=-torch.rand(n, generator=g),
+                 ranks=torch.randint(1, 9, (n,), generator=g, dtype=torch.int32),
+                 top_values=-torch.rand(n, k, generator=g).sort(dim=1).values,
+                 top_ids=torch.randint(0, 50, (n, k), generator=g))
+    return TokenLogprobs(packed).flat(np.full(n, k))
+
+
+def test_a_sequence_joins_runs_of_numpy_steps_as_the_lists_would() -> None:
+    """The engine's prompt logprobs: an empty first position, then runs of its steps' rows, kept as views of the
+    steps' arrays until read; they read (and compare, and pickle) as the same dicts built from lists."""
+    a, b = _step(5, 3, 0), _step(4, 2, 1)
+    seq = FlatLogprobs()
+    seq.append_empty()
+    seq.extend_from(a, 1, 4)
+    seq.append_empty()
+    seq.extend_from(b, 0, 2)
+    want = [None, *list(a)[1:4], None, *list(b)[0:2]]
+    assert len(seq) == len(want) == 7  # counted before anything joined the runs
+    copy = pickle.loads(pickle.dumps(seq))
+    assert seq == want and copy == want
+    assert all(type(x) is float for x in copy.logprobs) and all(type(x) is int for x in copy.token_ids + copy.ranks)
+    assert seq.starts == FlatLogprobs.from_entries(want).starts and copy.starts == seq.starts
+    assert seq.max_token_id() == max(t for e in want if e for t in e)
+    lists = FlatLogprobs.from_entries([{1: Logprob(-0.5, 1)}])  # list columns, then a numpy run after them
+    lists.decoded_tokens = None
+    lists.extend_from(a, 0, 1)
+    assert pickle.loads(pickle.dumps(lists)) == [{1: Logprob(-0.5, 1)}, a[0]] == lists
+
+
+def test_texts_from_a_vocabulary_stay_behind_when_pickled() -> None:
+    """A finished sequence's texts come from the engine's vocabulary by id. A pickled copy (for a formatting process)
+    carries no texts and says it wants a vocabulary; with one attached it reads as the original."""
+    vocab = [f"w{i}" for i in range(50)]
+    seq = FlatLogprobs()
+    seq.append_empty()
+    seq.extend_from(_step(3, 2, 2), 0, 3)
+    seq.use_vocabulary(vocab)
+    assert all(lp.decoded_token == vocab[t] for e in seq[1:] for t, lp in e.items())  # type: ignore[union-attr]
+    assert not seq.wants_vocabulary
+    copy = pickle.loads(pickle.dumps(seq))
+    assert copy.wants_vocabulary and copy.decoded_tokens is None
+    copy.use_vocabulary(vocab)
+    assert copy == seq and not copy.wants_vocabulary
+    with pytest.raises(ValueError, match="decode"):
+        seq.extend_from(_step(1, 1, 3), 0, 1)
+    seq.decoded_tokens = ["x"] * len(seq.token_ids)  # explicit texts travel with a pickled copy
+    assert pickle.loads(pickle.dumps(seq)).decoded_tokens == ["x"] * len(seq.token_ids)

@@ -20,6 +20,7 @@ from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.models.tokenizer import extend_vocabulary, vocabulary_texts
 from nvcli.outputs import CompletionOutput, FlatLogprobs, RequestOutput
 from nvcli.reasoning import THINK_END, THINK_START, reasoning_ended
 from nvcli.sampling_params import SamplingParams
@@ -415,7 +416,7 @@ class LLMEngine:
         cum = None
         if seq.logprobs:  # each position's own token comes first
             cum = sum(seq.logprobs.logprobs[lo] for lo in seq.logprobs.starts[:-1])
-            seq.logprobs.decoded_tokens = self._token_texts_of(seq.logprobs.token_ids)
+            seq.logprobs.use_vocabulary(self._vocabulary(seq.logprobs.max_token_id()))
         completion = CompletionOutput(
             index=seq.completion_index, text=text, token_ids=ids, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=seq.logprobs if sp.logprobs is not None else None,
@@ -433,7 +434,7 @@ class LLMEngine:
         if sp.prompt_logprobs is not None:
             prompt_logprobs = first.prompt_logprobs  # its first position is empty: nothing predicts the first token
             assert prompt_logprobs is not None
-            prompt_logprobs.decoded_tokens = self._token_texts_of(prompt_logprobs.token_ids)
+            prompt_logprobs.use_vocabulary(self._vocabulary(prompt_logprobs.max_token_id()))
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
             outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
@@ -452,16 +453,14 @@ class LLMEngine:
                              "as many tokens as fit)")
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
-    def _token_texts_of(self, token_ids: list[int]) -> list[str]:
-        """Each token decoded on its own (vLLM's). The whole vocabulary is decoded once, in one call, the first time
+    def _vocabulary(self, max_id: int) -> list[str]:
+        """Each token id's text alone (vLLM's), for ids up to at least `max_id`: the logprobs' texts are read from it
+        by id (outputs.FlatLogprobs.use_vocabulary). The whole vocabulary is decoded once, in one call, the first time
         logprobs need texts: a scoring job, or a random model's outputs, meet ids from all over it, and one decode
         call per new id held the engine thread for milliseconds whenever several sequences finished at once."""
         if self._token_texts is None:
             self._token_texts = vocabulary_texts(self.tokenizer)
-        texts = self._token_texts
-        # a model's vocabulary may be padded past its tokenizer's: those ids decode on their own (to "", usually)
-        return [texts[t] if t < len(texts) else self.tokenizer.decode([t], skip_special_tokens=False)
-                for t in token_ids]
+        return extend_vocabulary(self._token_texts, self.tokenizer, max_id)
 
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:
@@ -531,25 +530,3 @@ def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:
     add(model_config.eos_token_id)
     add(tokenizer.eos_token_id)
     return ids
-
-
-# Texts whose tokens transformers' space clean-up changes when a tokenizer asks for it (" ." -> "."): probed below
-_CLEAN_UP_PROBES = (" .", " ,", " !", " ?", " n't", " 'm", " 's", " 've", " 're")
-
-
-def vocabulary_texts(tokenizer: Any) -> list[str]:
-    """Every token id of `tokenizer` decoded on its own, as `tokenizer.decode([id], skip_special_tokens=False)` gives
-    it. A fast tokenizer decodes them all in one call to its Rust backend (threaded; 0.25 s for Qwen3's 151,669 on
-    the 2-core CPU machine, against 0.78 s through transformers' batch_decode, a Python loop over the ids). What
-    transformers does after the backend (its space clean-up, which version 5 skips for BPE tokenizers) is not
-    repeated here: a probe of ids, those clean-up would change among them, must decode alike both ways, else the
-    vocabulary goes through batch_decode."""
-    ids = [[i] for i in range(len(tokenizer))]
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode_batch"):
-        texts = backend.decode_batch(ids, skip_special_tokens=False)
-        probe = {*range(0, len(ids), 997), *tokenizer.all_special_ids,
-                 *(t for text in _CLEAN_UP_PROBES for t in tokenizer.encode(text, add_special_tokens=False)[:1])}
-        if all(texts[i] == tokenizer.decode([i], skip_special_tokens=False) for i in probe if i < len(texts)):
-            return texts
-    return tokenizer.batch_decode(ids, skip_special_tokens=False)

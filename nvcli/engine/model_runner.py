@@ -897,8 +897,9 @@ class ModelRunner:
         prompt_logprobs = None
         if handle.prompt_logprobs is not None:
             spans = handle.batch.prompt_logit_spans
-            prompt_logprobs = handle.prompt_logprobs.flat(
-                [handle.batch.seqs[i].sampling_params.prompt_logprobs or 0 for i, lo, hi in spans for _ in range(lo, hi)])
+            seqs = handle.batch.seqs
+            prompt_logprobs = handle.prompt_logprobs.flat(np.repeat(  # each span's k on each of its rows
+                [seqs[i].sampling_params.prompt_logprobs or 0 for i, _, _ in spans], [hi - lo for _, lo, hi in spans]))
         return StepResult(tokens, logprobs, handle.logprob_rows, prompt_logprobs)
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -21,7 +21,7 @@ logits. Temperatures below 1e-5 are greedy, as in vLLM (dividing by them overflo
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -247,18 +247,19 @@ class TokenLogprobs:
         host.copy_(self.packed, non_blocking=True)
         return TokenLogprobs(host)
 
-    def flat(self, ks: list[int]) -> FlatLogprobs:
+    def flat(self, ks: Sequence[int] | np.ndarray) -> FlatLogprobs:
         """Per row, a position: the given token first, then its row's top ks[row] (vLLM's layout; the given token
-        keeps its own rank where it is among them). Flat columns: no per-token objects (a scoring job has millions of
-        rows)."""
+        keeps its own rank where it is among them). Numpy columns: no per-token objects (a scoring job has millions of
+        rows), and no Python lists until something reads them (outputs.FlatLogprobs)."""
         n = len(ks)  # rows past it: padding
         on_host = TokenLogprobs(self.packed[:n].cpu())
         token_ids, chosen, ranks, top_values, top_ids = (c.numpy() for c in on_host.columns())
-        if not any(ks):
-            return FlatLogprobs(list(range(n + 1)), token_ids.tolist(), chosen.tolist(), ranks.tolist())
+        ks = np.asarray(ks)
+        if not ks.any():  # copies: the columns are strided views of the (pinned) packed rows
+            return FlatLogprobs(np.arange(n + 1, dtype=np.int64), token_ids.copy(), chosen.copy(), ranks.copy())
         width = self.k  # top_values, top_ids: [n, width] each
         # [n, 1 + width]: the given token, then the top ones; a top token equal to the given one is left out
-        keep = np.concatenate([np.ones((n, 1), dtype=bool), (np.arange(width) < np.asarray(ks)[:, None])
+        keep = np.concatenate([np.ones((n, 1), dtype=bool), (np.arange(width) < ks[:, None])
                                & (top_ids != token_ids[:, None])], axis=1)
         ids = np.concatenate([token_ids[:, None], top_ids], axis=1)
         values = np.concatenate([chosen[:, None], top_values], axis=1)
@@ -266,7 +267,7 @@ class TokenLogprobs:
                                                                     (n, width))], axis=1)
         starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(keep.sum(axis=1), out=starts[1:])
-        return FlatLogprobs(starts.tolist(), ids[keep].tolist(), values[keep].tolist(), all_ranks[keep].tolist())
+        return FlatLogprobs(starts, ids[keep], values[keep], all_ranks[keep])
 
 
 def pack_columns(out: torch.Tensor, token_ids: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor,

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
 from nvcli.jobs.tool_calls import extract
+from nvcli.models.tokenizer import extend_vocabulary, vocabulary_texts
 from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from nvcli.reasoning import ReasoningSplit, split_reasoning
 
@@ -40,6 +41,9 @@ class FormatContext:
     tokenizer: Any = None  # decodes token ids for logprobs; None: tokens shown as ids
     reasoning_parser: str | None = None  # --reasoning-parser: chat lines' reasoning is split from their content
     created: int = field(default_factory=lambda: int(time.time()))
+    # every token id's text alone, by id (models.tokenizer.vocabulary_texts of `tokenizer`), built when a line's
+    # logprobs first need it: logprobs pickled to a formatting process leave the engine's behind
+    vocabulary: list[str] | None = field(default=None, repr=False)
 
 
 def error_line(err: LineError) -> dict[str, Any]:
@@ -177,7 +181,17 @@ def _flat(lps: Sequence[dict[int, Logprob] | None]) -> FlatLogprobs:
     return lps if isinstance(lps, FlatLogprobs) else FlatLogprobs.from_entries(lps)
 
 
+def _vocabulary(ctx: FormatContext, max_id: int) -> list[str]:
+    """ctx.vocabulary, built at first need and holding ids up to `max_id`."""
+    if ctx.vocabulary is None:
+        own = getattr(ctx.tokenizer, "vocabulary_texts", None)  # format_pool.DecodeOnly decodes it itself
+        ctx.vocabulary = own() if own is not None else vocabulary_texts(ctx.tokenizer)
+    return extend_vocabulary(ctx.vocabulary, ctx.tokenizer, max_id)
+
+
 def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:
+    if flat.wants_vocabulary and ctx.tokenizer is not None:
+        flat.use_vocabulary(_vocabulary(ctx, flat.max_token_id()))
     texts = flat.decoded_tokens
     if texts is None or None in texts:
         texts = [_token_str(t, ctx) if texts is None or texts[j] is None else texts[j]  # type: ignore[misc]
@@ -217,18 +231,20 @@ def _native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] 
     c = _columns(token_ids, lps, k, ctx, first)
     if c.tops is None:
         return [{"token_id": t, "token": s, "logprob": v} for t, s, v in zip(token_ids, c.texts, c.logprobs)]
-    ids, texts, values = c.flat.token_ids, c.entry_texts, c.flat.logprobs
-    return [{"token_id": t, "token": s, "logprob": v,
-             "top_logprobs": [{"token_id": ids[j], "token": texts[j], "logprob": values[j]} for j in top]}
+    # every entry's object once (an entry is among its position's top ones at most once)
+    entries = [{"token_id": i, "token": s, "logprob": v}
+               for i, s, v in zip(c.flat.token_ids, c.entry_texts, c.flat.logprobs)]
+    return [{"token_id": t, "token": s, "logprob": v, "top_logprobs": list(map(entries.__getitem__, top))}
             for t, s, v, top in zip(token_ids, c.texts, c.logprobs, c.tops)]
 
 
 def _vllm_prompt_logprobs(lps: Sequence[dict[int, Logprob] | None], ctx: FormatContext) -> list[dict | None]:
     """vLLM's OpenAI server shape: per prompt token None or {token_id: {"logprob", "rank", "decoded_token"}}."""
     flat = _flat(lps)
-    texts, ids, values, ranks, starts = _texts(flat, ctx), flat.token_ids, flat.logprobs, flat.ranks, flat.starts
-    return [{str(ids[j]): {"logprob": values[j], "rank": ranks[j], "decoded_token": texts[j]} for j in range(lo, hi)}
-            if lo < hi else None for lo, hi in zip(starts, starts[1:])]
+    starts, keys = flat.starts, list(map(str, flat.token_ids))
+    entries = [{"logprob": v, "rank": r, "decoded_token": t}
+               for v, r, t in zip(flat.logprobs, flat.ranks, _texts(flat, ctx))]
+    return [dict(zip(keys[lo:hi], entries[lo:hi])) if lo < hi else None for lo, hi in zip(starts, starts[1:])]
 
 
 def _chat_logprobs(token_ids: list[int], lps: list[dict[int, Logprob]], k: int, ctx: FormatContext) -> dict:

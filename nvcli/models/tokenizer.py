@@ -57,3 +57,32 @@ def load_tokenizer(name_or_path: str | Path) -> Any:
     # printed transformers' "Token indices sequence length is longer than ..." warning, even under --quiet.
     tokenizer.model_max_length = _NO_LIMIT
     return tokenizer
+
+
+# Texts whose tokens transformers' space clean-up changes when a tokenizer asks for it (" ." -> "."): probed below
+_CLEAN_UP_PROBES = (" .", " ,", " !", " ?", " n't", " 'm", " 's", " 've", " 're")
+
+
+def vocabulary_texts(tokenizer: Any) -> list[str]:
+    """Every token id of `tokenizer` decoded on its own, as `tokenizer.decode([id], skip_special_tokens=False)` gives
+    it. A fast tokenizer decodes them all in one call to its Rust backend (threaded; 0.25 s for Qwen3's 151,669 on
+    the 2-core CPU machine, against 0.78 s through transformers' batch_decode, a Python loop over the ids). What
+    transformers does after the backend (its space clean-up, which version 5 skips for BPE tokenizers) is not
+    repeated here: a probe of ids, those clean-up would change among them, must decode alike both ways, else the
+    vocabulary goes through batch_decode."""
+    ids = [[i] for i in range(len(tokenizer))]
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode_batch"):
+        texts = backend.decode_batch(ids, skip_special_tokens=False)
+        probe = {*range(0, len(ids), 997), *tokenizer.all_special_ids,
+                 *(t for text in _CLEAN_UP_PROBES for t in tokenizer.encode(text, add_special_tokens=False)[:1])}
+        if all(texts[i] == tokenizer.decode([i], skip_special_tokens=False) for i in probe if i < len(texts)):
+            return texts
+    return tokenizer.batch_decode(ids, skip_special_tokens=False)
+
+
+def extend_vocabulary(texts: list[str], tokenizer: Any, max_id: int) -> list[str]:
+    """`texts` (a vocabulary_texts list), extended in place to hold ids up to `max_id`: a model's vocabulary may be
+    padded past its tokenizer's, and those ids decode on their own (to "", usually)."""
+    texts.extend(tokenizer.decode([t], skip_special_tokens=False) for t in range(len(texts), max_id + 1))
+    return texts

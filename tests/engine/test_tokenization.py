@@ -51,7 +51,7 @@ def test_the_vocabulary_decodes_at_once_as_token_by_token(clean_up: bool) -> Non
     through transformers)."""
     from transformers import AutoTokenizer
 
-    from nvcli.engine.llm_engine import vocabulary_texts
+    from nvcli.models.tokenizer import vocabulary_texts
 
     force = {"clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True} if clean_up else {}
     tok = AutoTokenizer.from_pretrained(qwen_tokenizer_dir(), clean_up_tokenization_spaces=clean_up, **force)
@@ -64,7 +64,7 @@ def test_the_vocabulary_decodes_at_once_as_token_by_token(clean_up: bool) -> Non
 
 
 def test_a_tokenizer_without_a_rust_backend_decodes_through_batch_decode() -> None:
-    from nvcli.engine.llm_engine import vocabulary_texts
+    from nvcli.models.tokenizer import vocabulary_texts
 
     class Slow:
         def __len__(self) -> int:

@@ -4,6 +4,7 @@ in input order, and none lost when a worker dies or the pool cannot start. Each 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 
@@ -166,3 +167,50 @@ def test_a_worker_prints_nothing_to_the_job_s_stdout(capfd: pytest.CaptureFixtur
         pool.shutdown()
     out, err = capfd.readouterr()
     assert "a stray notice" not in out and "a stray notice" in err
+
+
+def test_engine_logprobs_format_in_a_worker_as_on_the_main_thread() -> None:
+    """The engine hands prompt logprobs whose texts are its vocabulary's by id, and a pickled copy leaves that
+    vocabulary behind: a worker builds its own from the DecodeOnly tokenizer and writes the same lines, ids past the
+    tokenizer's vocabulary (a model's padding) included."""
+    import numpy as np
+    import torch
+
+    from nvcli.engine.sampler import TokenLogprobs, pack_columns
+    from nvcli.jobs.formatting import FormatContext, result_line
+    from nvcli.jobs.jsonio import dumps
+    from nvcli.jobs.requests import parse_line
+    from nvcli.models.tokenizer import extend_vocabulary, load_tokenizer, vocabulary_texts
+    from nvcli.outputs import CompletionOutput, FlatLogprobs, RequestOutput
+    from nvcli.testing.tiny_models import QWEN_VOCAB, qwen_tokenizer_dir
+
+    tok = load_tokenizer(qwen_tokenizer_dir())
+    prompt = tok.encode("naïve café 日本語 🙂 x") + [QWEN_VOCAB - 2]
+    n, k = len(prompt) - 1, 3
+    g = torch.Generator().manual_seed(0)
+    packed = torch.empty((n, 3 + 2 * k), dtype=torch.int32)
+    top_ids = torch.randint(0, QWEN_VOCAB, (n, k), generator=g)
+    top_ids[0, 0] = QWEN_VOCAB - 1
+    pack_columns(packed, token_ids=torch.tensor(prompt[1:]), chosen=-torch.rand(n, generator=g),
+                 ranks=torch.randint(1, 9, (n,), generator=g, dtype=torch.int32),
+                 top_values=-torch.rand(n, k, generator=g).sort(dim=1).values, top_ids=top_ids)
+    lines = [{"id": "native", "prompt_token_ids": prompt, "prompt_logprobs": k, "max_tokens": 1},
+             {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": prompt, "echo": True, "logprobs": k, "max_tokens": 0}}]
+    ctx = FormatContext(model_name="model", tokenizer=tok, created=0)
+    pool = FormatPool(ctx, 1)
+    try:
+        assert pool.ready.wait(60), pool.error
+        for line in lines:
+            req = parse_line(json.dumps(line), 0, Defaults())
+            flat = FlatLogprobs()
+            flat.append_empty()
+            flat.extend_from(TokenLogprobs(packed).flat(np.full(n, k)), 0, n)
+            flat.use_vocabulary(extend_vocabulary(vocabulary_texts(tok), tok, flat.max_token_id()))
+            out = RequestOutput("r", None, prompt, [CompletionOutput(0, "", [], "length")], True, prompt_logprobs=flat)
+            here = dumps(result_line(req, out, ctx))
+            there = pool.submit(req, out).result(timeout=60)
+            assert _normalized(there) == _normalized(here)
+            assert tok.decode([QWEN_VOCAB - 1]) == "" and '"token_id:' not in here.decode()
+    finally:
+        pool.shutdown()
