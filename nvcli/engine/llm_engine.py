@@ -453,6 +453,11 @@ class LLMEngine:
                              "as many tokens as fit)")
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
+    def token_texts(self) -> list[str]:
+        """Every token id's text alone (vLLM's decoded_token), as the logprobs of this engine's outputs show them:
+        a job's formatting processes get it, and show the same texts."""
+        return self._vocabulary(-1)
+
     def _vocabulary(self, max_id: int) -> list[str]:
         """Each token id's text alone (vLLM's), for ids up to at least `max_id`: the logprobs' texts are read from it
         by id (outputs.FlatLogprobs.use_vocabulary). The whole vocabulary is decoded once, in one call, the first time

@@ -103,12 +103,19 @@ def format_line(req: Request, out: RequestOutput) -> bytes:
     return jsonio.dumps(result_line(req, out, _ctx))
 
 
+class NotFormatted(Exception):
+    """A line handed back before the workers started (FormatPool.take_waiting): its submitter formats it."""
+
+
 class FormatPool:
     """`workers` processes formatting lines with `ctx`; its tokenizer goes to each once, as a DecodeOnly where it
     can.
 
     Starting a `spawn`ed worker can block whoever submits the task that starts it until the new interpreter has read
-    its context: a thread of its own starts them, and the job formats on its main thread until `ready` (1-3 s).
+    its context, so a thread of its own starts them (1-3 s on the H100 host). Lines submitted before they are `ready`
+    wait, and go to the workers once they are: a job whose main thread formatted them meanwhile held the GIL against
+    the engine's step loop (a scoring job's first 50-230 lines, about 20-30 ms each at 20 alternatives; RESULTS,
+    session 42). A submitter with nothing else to do takes them back (`take_waiting`) and formats them itself.
     """
 
     def __init__(self, ctx: FormatContext, workers: int) -> None:
@@ -119,6 +126,8 @@ class FormatPool:
                                             initializer=_start_worker, initargs=(sent,))
         self.ready = threading.Event()
         self.error: BaseException | None = None  # why the workers did not start
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[Future[bytes], Request, RequestOutput]] = []  # submitted before `ready`
         threading.Thread(target=self._start, args=(workers,), name="nv-format-pool", daemon=True).start()
 
     def _start(self, workers: int) -> None:
@@ -127,11 +136,56 @@ class FormatPool:
                 fut.result()
         except BaseException as e:  # noqa: BLE001 - reported through `error`; the job formats on its own thread
             self.error = e
-        else:
+            for proxy, _, _ in self._take():
+                proxy.set_exception(e)
+            return
+        with self._lock:
             self.ready.set()
+            waiting, self._waiting = self._waiting, []
+        for proxy, req, out in waiting:
+            _forward(self._submit_now(req, out, proxy), proxy)
+
+    def _submit_now(self, req: Request, out: RequestOutput, proxy: Future[bytes]) -> Future[bytes]:
+        try:
+            return self.executor.submit(format_line, req, out)
+        except BaseException as e:  # noqa: BLE001 - a pool shut down meanwhile: the submitter formats the line
+            failed: Future[bytes] = Future()
+            failed.set_exception(e)
+            return failed
 
     def submit(self, req: Request, out: RequestOutput) -> Future[bytes]:
+        """The line's JSON, formatted by a worker (once they have started)."""
+        with self._lock:
+            if not self.ready.is_set():
+                proxy: Future[bytes] = Future()
+                self._waiting.append((proxy, req, out))
+                return proxy
         return self.executor.submit(format_line, req, out)
 
+    def take_waiting(self) -> list[tuple[Future[bytes], Request, RequestOutput]]:
+        """The lines still waiting for the workers to start, taken back: each one's future fails with NotFormatted."""
+        waiting = self._take()
+        for proxy, _, _ in waiting:
+            proxy.set_exception(NotFormatted())
+        return waiting
+
+    def _take(self) -> list[tuple[Future[bytes], Request, RequestOutput]]:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        return waiting
+
     def shutdown(self) -> None:
+        self.take_waiting()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _forward(real: Future[bytes], proxy: Future[bytes]) -> None:
+    """`proxy` gets `real`'s outcome when it has one."""
+    def done(f: Future[bytes]) -> None:
+        if f.cancelled():
+            proxy.cancel()
+        elif f.exception() is not None:
+            proxy.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            proxy.set_result(f.result())
+    real.add_done_callback(done)

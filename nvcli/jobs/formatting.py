@@ -181,17 +181,26 @@ def _flat(lps: Sequence[dict[int, Logprob] | None]) -> FlatLogprobs:
     return lps if isinstance(lps, FlatLogprobs) else FlatLogprobs.from_entries(lps)
 
 
-def _vocabulary(ctx: FormatContext, max_id: int) -> list[str]:
-    """ctx.vocabulary, built at first need and holding ids up to `max_id`."""
+def _vocabulary(ctx: FormatContext, max_id: int) -> list[str] | None:
+    """ctx.vocabulary (the engine's, else built here at first need), holding ids up to `max_id`; None without a
+    tokenizer to build or extend it."""
     if ctx.vocabulary is None:
+        if ctx.tokenizer is None:
+            return None
         own = getattr(ctx.tokenizer, "vocabulary_texts", None)  # format_pool.DecodeOnly decodes it itself
         ctx.vocabulary = own() if own is not None else vocabulary_texts(ctx.tokenizer)
-    return extend_vocabulary(ctx.vocabulary, ctx.tokenizer, max_id)
+    if max_id >= len(ctx.vocabulary):
+        if ctx.tokenizer is None:
+            return None
+        extend_vocabulary(ctx.vocabulary, ctx.tokenizer, max_id)
+    return ctx.vocabulary
 
 
 def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:
-    if flat.wants_vocabulary and ctx.tokenizer is not None:
-        flat.use_vocabulary(_vocabulary(ctx, flat.max_token_id()))
+    if flat.wants_vocabulary:  # a pickled copy of the engine's: its texts are a vocabulary's, left behind
+        vocabulary = _vocabulary(ctx, flat.max_token_id())
+        if vocabulary is not None:
+            flat.use_vocabulary(vocabulary)
     texts = flat.decoded_tokens
     if texts is None or None in texts:
         texts = [_token_str(t, ctx) if texts is None or texts[j] is None else texts[j]  # type: ignore[misc]

@@ -11,6 +11,7 @@ Ctrl-C twice: abort what is running, write every finished line at once, exit 130
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import signal
 import threading
@@ -222,6 +223,8 @@ class _Job:
                     self._finish(out)
                 self._collect(wait=False)
             elif self.formatting:  # the engine is idle: wait for the pool once no more input can come
+                if self.pool is not None and not self.pool.ready.is_set():
+                    self.pool.take_waiting()  # not started yet: this thread has nothing else to do
                 self._collect(wait=(self.reader_done or self.draining) and self.events.empty())
             elif (self.reader_done or self.draining) and self.events.empty():
                 if self.pending:  # the engine forgot requests it accepted: answer them anyway
@@ -259,15 +262,20 @@ class _Job:
         if self.opts.format_workers > 0 and not self.pool_failed and has_logprobs(out):
             try:
                 if self.pool is None:
-                    self.pool = FormatPool(self.ctx, self.opts.format_workers)
+                    self.pool = FormatPool(self._pool_context(), self.opts.format_workers)
                 if self.pool.error is not None:
                     raise self.pool.error
-                if self.pool.ready.is_set():
-                    self.formatting.append((req, out, self.pool.submit(req, out)))
-                    return
+                self.formatting.append((req, out, self.pool.submit(req, out)))  # waits there until the workers start
+                return
             except Exception as e:  # noqa: BLE001 - no pool (or a broken one): this thread formats
                 self._pool_failed(e)
         self._put(req, out, *self._format(req, out))
+
+    def _pool_context(self) -> FormatContext:
+        """The workers' context: the engine's token texts go with it, so that a worker shows the texts this thread
+        would (and does not decode a vocabulary of its own)."""
+        texts = getattr(self.engine, "token_texts", None)
+        return self.ctx if texts is None else dataclasses.replace(self.ctx, vocabulary=texts())
 
     def _format(self, req: Request, out: Any) -> tuple[dict[str, Any] | bytes, str | None]:
         try:
@@ -287,6 +295,8 @@ class _Job:
         """Write the pool's finished lines, in submission order (with `wait`, every line it holds). A line whose
         formatting failed there is formatted here: a bug gives the same error line as on this thread, a dead
         worker costs nothing."""
+        if wait and self.pool is not None and not self.pool.ready.is_set():
+            self.pool.take_waiting()
         while self.formatting:
             req, out, fut = self.formatting[0]
             if not wait and not fut.done():

@@ -105,6 +105,69 @@ def test_a_pool_that_cannot_start_costs_no_line(monkeypatch: pytest.MonkeyPatch)
     assert got == want and result.formatted_apart == 0
 
 
+class _WaitsForThePool(FakeEngine):
+    """The step after the job's first lines with logprobs finished (and started its pool) waits for the pool's
+    workers to start: those lines were submitted before then."""
+
+    def __init__(self) -> None:
+        super().__init__(max_num_seqs=3)
+        self.job: runner._Job | None = None
+        self.waited = False
+
+    def step(self):
+        pool = self.job.pool if self.job is not None else None
+        if pool is not None and not self.waited:
+            self.waited = True
+            assert not pool.ready.is_set() and pool._waiting
+            assert pool.ready.wait(60), pool.error
+        return super().step()
+
+
+def test_lines_finished_before_the_workers_start_wait_for_them() -> None:
+    """A scoring job's first lines finish while the workers are still starting (1-3 s): they wait for them, and the
+    main thread, which shares the GIL with the engine's step loop, formats none of them."""
+    want_result, want = _job(FakeEngine(max_num_seqs=3), workers=0)
+    engine = _WaitsForThePool()
+    dst = io.BytesIO()
+    opts = JobOptions(defaults=Defaults(sampling={"max_tokens": 4, "temperature": 0}), handle_sigint=False,
+                      format_workers=2)
+    engine.job = runner._Job(engine, io.BytesIO(DATA), dst, opts, None, None)
+    result = engine.job.run()
+    assert _normalized(dst.getvalue()) == want
+    assert result.formatted_apart == 18 and result.written == want_result.written
+
+
+def test_a_job_does_not_wait_for_workers_that_have_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the engine is idle, the main thread formats the lines still waiting for the workers to start: a small
+    job does not wait seconds for them."""
+    import threading
+    import time
+
+    from nvcli.jobs import format_pool
+
+    started = threading.Event()
+    monkeypatch.setattr(format_pool.FormatPool, "_start", lambda self, workers: started.wait(30))
+    try:
+        t0 = time.monotonic()
+        result, got = _job(FakeEngine(max_num_seqs=3), workers=2)
+        assert time.monotonic() - t0 < 10
+    finally:
+        started.set()
+    assert got == _job(FakeEngine(max_num_seqs=3), workers=0)[1] and result.formatted_apart == 0
+
+
+def test_lines_waiting_for_a_pool_that_fails_to_start_cost_nothing() -> None:
+    """The workers die as they start (here: their context cannot be unpickled) while lines wait for them: those
+    lines and every later one are formatted on the main thread."""
+    from nvcli.jobs.formatting import FormatContext
+
+    _, want = _job(FakeEngine(max_num_seqs=3), workers=0)
+    pool = FormatPool(FormatContext(model_name="model", tokenizer=_KillsItsReader()), 2)
+    result, got = _job(FakeEngine(max_num_seqs=3, step_delay=0.05), workers=2, pool=pool)
+    assert pool.error is not None
+    assert got == want and result.formatted_apart == 0
+
+
 def test_default_workers_only_beside_a_gpu_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert default_workers("cuda") == 4 and default_workers("cpu") == 0
