@@ -169,6 +169,9 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="after the timed repeats, run the engine kind once more (the last K) under cProfile and "
                          "print its N costliest functions")
+    ap.add_argument("--cprofile-kind", default=None, metavar="KIND",
+                    help="after the timed repeats, run that job kind (echo, score, ...) once more under cProfile: the "
+                         "job's main thread, which also steps the engine (top 25 functions by own time)")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                     help="after the timed repeats, run the engine kind once more (the last K) under torch.profiler "
                          "and print its N costliest device kernels and the device's busy time")
@@ -237,6 +240,14 @@ def main() -> None:
         stats = pstats.Stats(prof)
         stats.sort_stats("tottime").print_stats(args.cprofile)
         stats.sort_stats("cumulative").print_stats(args.cprofile)
+    if args.cprofile_kind:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        res = prof.runcall(run_job, engine, lines[args.cprofile_kind], io.BytesIO(), opts(), _Logs())
+        print(f"{args.cprofile_kind} under cProfile: {res.elapsed_s:.2f} s, {res.formatted_apart} lines formatted apart")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if args.kernel_profile:
         kernel_profile(engine, prompt_ids, args.max_tokens, score[-1], args.kernel_profile)
     print(f"\nwhole jobs, {args.lines} lines of ~{args.prompt_tokens} prompt + {args.max_tokens} output tokens, "
