@@ -143,9 +143,9 @@ class FormatPool:
             self.ready.set()
             waiting, self._waiting = self._waiting, []
         for proxy, req, out in waiting:
-            _forward(self._submit_now(req, out, proxy), proxy)
+            _forward(self._submit_now(req, out), proxy)
 
-    def _submit_now(self, req: Request, out: RequestOutput, proxy: Future[bytes]) -> Future[bytes]:
+    def _submit_now(self, req: Request, out: RequestOutput) -> Future[bytes]:
         try:
             return self.executor.submit(format_line, req, out)
         except BaseException as e:  # noqa: BLE001 - a pool shut down meanwhile: the submitter formats the line

@@ -41,8 +41,9 @@ class FormatContext:
     tokenizer: Any = None  # decodes token ids for logprobs; None: tokens shown as ids
     reasoning_parser: str | None = None  # --reasoning-parser: chat lines' reasoning is split from their content
     created: int = field(default_factory=lambda: int(time.time()))
-    # every token id's text alone, by id (models.tokenizer.vocabulary_texts of `tokenizer`), built when a line's
-    # logprobs first need it: logprobs pickled to a formatting process leave the engine's behind
+    # every token id's text alone, by id: the engine's (LLMEngine.token_texts, which a job gives its formatting
+    # processes), else built from `tokenizer` when a line's logprobs first need it (a pickled copy of the engine's
+    # logprobs leaves the engine's vocabulary behind)
     vocabulary: list[str] | None = field(default=None, repr=False)
 
 
