@@ -35,6 +35,11 @@ def default_workers(device: str) -> int:
     return 0 if device != "cuda" else min(4, (os.cpu_count() or 1) // 4)
 
 
+def asks_logprobs(req: Request) -> bool:
+    """The request's output will carry per-token logprobs (has_logprobs)."""
+    return req.sampling_params.logprobs is not None or req.sampling_params.prompt_logprobs is not None
+
+
 def has_logprobs(out: RequestOutput) -> bool:
     """The output carries per-token logprobs, which are what makes a line costly to format."""
     return out.prompt_logprobs is not None or any(c.logprobs for c in out.outputs)
@@ -103,6 +108,17 @@ def format_line(req: Request, out: RequestOutput) -> bytes:
     return jsonio.dumps(result_line(req, out, _ctx))
 
 
+def _process_context() -> multiprocessing.context.BaseContext:
+    """`forkserver` where there is one: its server process imports this module once, and each worker is a fork of
+    it, where a `spawn`ed worker starts an interpreter and re-imports the job's main module first (the `nv` script's
+    CLI, Typer and Rich), one worker after another. Neither inherits the engine process's CUDA state."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 class NotFormatted(Exception):
     """A line handed back before the workers started (FormatPool.take_waiting): its submitter formats it."""
 
@@ -111,8 +127,8 @@ class FormatPool:
     """`workers` processes formatting lines with `ctx`; its tokenizer goes to each once, as a DecodeOnly where it
     can.
 
-    Starting a `spawn`ed worker can block whoever submits the task that starts it until the new interpreter has read
-    its context, so a thread of its own starts them (1-3 s on the H100 host). Lines submitted before they are `ready`
+    Starting a worker can block whoever submits the task that starts it until the new process has read its context,
+    so a thread of its own starts them (1-3 s on the H100 host). Lines submitted before they are `ready`
     wait, and go to the workers once they are: a job whose main thread formatted them meanwhile held the GIL against
     the engine's step loop (a scoring job's first 50-230 lines, about 20-30 ms each at 20 alternatives; RESULTS,
     session 42). A submitter with nothing else to do takes them back (`take_waiting`) and formats them itself.
@@ -122,7 +138,7 @@ class FormatPool:
         if workers < 1:
             raise ValueError("a FormatPool needs at least one worker")
         sent = dataclasses.replace(ctx, tokenizer=decode_only(ctx.tokenizer)) if ctx.tokenizer is not None else ctx
-        self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+        self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=_process_context(),
                                             initializer=_start_worker, initargs=(sent,))
         self.ready = threading.Event()
         self.error: BaseException | None = None  # why the workers did not start

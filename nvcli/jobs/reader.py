@@ -11,7 +11,8 @@ a file of a million lines or an endless pipe is never read far ahead of the engi
 
 Everything it produces goes to the main thread through `events`:
   ("line", ordinal, line_dict, error_kind)   an error line, ready to write
-  ("submitted", ordinal)                     a request went into the engine (wakes the loop)
+  ("submitted", ordinal, logprobs)           a request went into the engine (wakes the loop); whether it asks
+                                             for logprobs (the job starts its formatting processes then)
   ("warn", message)                          something the user should know, said once
   ("eof", None)                              the input is exhausted (or the reader was stopped)
   ("failed", exception)                      reading the input itself failed
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nvcli.jobs import tool_calls
+from nvcli.jobs.format_pool import asks_logprobs
 from nvcli.jobs.formatting import error_line
 from nvcli.jobs.requests import (
     DUPLICATE_ID,
@@ -241,7 +243,7 @@ class InputReader(threading.Thread):
                 del self.pending[rid]
                 return _reject(req, ENGINE_ERROR, f"the engine refused the request: {e}")
             self.counts.outputs += 1
-            self.events.put(("submitted", req.ordinal))
+            self.events.put(("submitted", req.ordinal, asks_logprobs(req)))
         return None
 
 

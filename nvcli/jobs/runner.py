@@ -248,6 +248,9 @@ class _Job:
             kind = ev[0]
             if kind == "line":
                 self.writer.put(ev[1], ev[2], ev[3])
+            elif kind == "submitted":
+                if ev[2] and self.pool is None:  # the first line with logprobs: start the pool before it finishes
+                    self._start_pool()
             elif kind == "eof":
                 self.reader_done = True
             elif kind == "warn":
@@ -260,16 +263,25 @@ class _Job:
         if req is None:
             return
         if self.opts.format_workers > 0 and not self.pool_failed and has_logprobs(out):
+            if self.pool is None:
+                self._start_pool()
             try:
-                if self.pool is None:
-                    self.pool = FormatPool(self._pool_context(), self.opts.format_workers)
-                if self.pool.error is not None:
-                    raise self.pool.error
-                self.formatting.append((req, out, self.pool.submit(req, out)))  # waits there until the workers start
-                return
-            except Exception as e:  # noqa: BLE001 - no pool (or a broken one): this thread formats
+                if self.pool is not None:
+                    if self.pool.error is not None:
+                        raise self.pool.error
+                    self.formatting.append((req, out, self.pool.submit(req, out)))  # waits there for the workers
+                    return
+            except Exception as e:  # noqa: BLE001 - a broken pool: this thread formats
                 self._pool_failed(e)
         self._put(req, out, *self._format(req, out))
+
+    def _start_pool(self) -> None:
+        if self.opts.format_workers <= 0 or self.pool_failed:
+            return
+        try:
+            self.pool = FormatPool(self._pool_context(), self.opts.format_workers)
+        except Exception as e:  # noqa: BLE001 - no pool: this thread formats
+            self._pool_failed(e)
 
     def _pool_context(self) -> FormatContext:
         """The workers' context: the engine's token texts go with it, so that a worker shows the texts this thread
