@@ -416,7 +416,7 @@ class LLMEngine:
         cum = None
         if seq.logprobs:  # each position's own token comes first
             cum = sum(seq.logprobs.logprobs[lo] for lo in seq.logprobs.starts[:-1])
-            seq.logprobs.use_vocabulary(self._vocabulary(seq.logprobs.max_token_id()))
+            seq.logprobs.use_vocabulary(self.token_texts())
         completion = CompletionOutput(
             index=seq.completion_index, text=text, token_ids=ids, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, logprobs=seq.logprobs if sp.logprobs is not None else None,
@@ -434,7 +434,7 @@ class LLMEngine:
         if sp.prompt_logprobs is not None:
             prompt_logprobs = first.prompt_logprobs  # its first position is empty: nothing predicts the first token
             assert prompt_logprobs is not None
-            prompt_logprobs.use_vocabulary(self._vocabulary(prompt_logprobs.max_token_id()))
+            prompt_logprobs.use_vocabulary(self.token_texts())
         return RequestOutput(
             request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
             outputs=request.outputs, finished=True, num_cached_tokens=first.num_cached_tokens,  # type: ignore[arg-type]
@@ -454,18 +454,16 @@ class LLMEngine:
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
     def token_texts(self) -> list[str]:
-        """Every token id's text alone (vLLM's decoded_token), as the logprobs of this engine's outputs show them:
-        a job's formatting processes get it, and show the same texts."""
-        return self._vocabulary(-1)
-
-    def _vocabulary(self, max_id: int) -> list[str]:
-        """Each token id's text alone (vLLM's), for ids up to at least `max_id`: the logprobs' texts are read from it
-        by id (outputs.FlatLogprobs.use_vocabulary). The whole vocabulary is decoded once, in one call, the first time
-        logprobs need texts: a scoring job, or a random model's outputs, meet ids from all over it, and one decode
-        call per new id held the engine thread for milliseconds whenever several sequences finished at once."""
+        """Every token id's text alone (vLLM's decoded_token), by id, for every id the model reads or writes: the
+        logprobs' texts are read from it (outputs.FlatLogprobs.use_vocabulary), and a job's formatting processes get
+        it. The whole vocabulary is decoded once, in one call, the first time logprobs need texts: a scoring job, or
+        a random model's outputs, meet ids from all over it, and one decode call per new id held the engine thread
+        for milliseconds whenever several sequences finished at once. Ids past the tokenizer's (a model's padded
+        vocabulary) are decoded one by one then."""
         if self._token_texts is None:
-            self._token_texts = vocabulary_texts(self.tokenizer)
-        return extend_vocabulary(self._token_texts, self.tokenizer, max_id)
+            self._token_texts = extend_vocabulary(vocabulary_texts(self.tokenizer), self.tokenizer,
+                                                  self.model_config.vocab_size - 1)
+        return self._token_texts
 
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:

@@ -57,22 +57,12 @@ class DecodeOnly:
     def __getstate__(self) -> dict[str, Any]:
         return {"backend_json": self.backend_json, "_backend": None}
 
-    def _tokenizer(self) -> Any:
+    def decode(self, ids: Any) -> str:
         if self._backend is None:
             from tokenizers import Tokenizer
 
             self._backend = Tokenizer.from_str(self.backend_json)
-        return self._backend
-
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        return self._tokenizer().decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def vocabulary_texts(self) -> list[str]:
-        """Every token id decoded on its own, in one call (what models.tokenizer.vocabulary_texts gives for the
-        tokenizer this stands for: it applies no clean-up after its backend)."""
-        backend = self._tokenizer()
-        return backend.decode_batch([[i] for i in range(backend.get_vocab_size(with_added_tokens=True))],
-                                    skip_special_tokens=False)
+        return self._backend.decode(list(ids), skip_special_tokens=False)
 
 
 def decode_only(tokenizer: Any) -> Any:

@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
 from nvcli.jobs.tool_calls import extract
-from nvcli.models.tokenizer import extend_vocabulary, vocabulary_texts
 from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from nvcli.reasoning import ReasoningSplit, split_reasoning
 
@@ -41,9 +40,9 @@ class FormatContext:
     tokenizer: Any = None  # decodes token ids for logprobs; None: tokens shown as ids
     reasoning_parser: str | None = None  # --reasoning-parser: chat lines' reasoning is split from their content
     created: int = field(default_factory=lambda: int(time.time()))
-    # every token id's text alone, by id: the engine's (LLMEngine.token_texts, which a job gives its formatting
-    # processes), else built from `tokenizer` when a line's logprobs first need it (a pickled copy of the engine's
-    # logprobs leaves the engine's vocabulary behind)
+    # every token id's text alone, by id: the engine's (LLMEngine.token_texts), which a job gives its formatting
+    # processes, since a pickled copy of the engine's logprobs leaves it behind; without it, `tokenizer` decodes
+    # each entry's token on its own
     vocabulary: list[str] | None = field(default=None, repr=False)
 
 
@@ -182,26 +181,9 @@ def _flat(lps: Sequence[dict[int, Logprob] | None]) -> FlatLogprobs:
     return lps if isinstance(lps, FlatLogprobs) else FlatLogprobs.from_entries(lps)
 
 
-def _vocabulary(ctx: FormatContext, max_id: int) -> list[str] | None:
-    """ctx.vocabulary (the engine's, else built here at first need), holding ids up to `max_id`; None without a
-    tokenizer to build or extend it."""
-    if ctx.vocabulary is None:
-        if ctx.tokenizer is None:
-            return None
-        own = getattr(ctx.tokenizer, "vocabulary_texts", None)  # format_pool.DecodeOnly decodes it itself
-        ctx.vocabulary = own() if own is not None else vocabulary_texts(ctx.tokenizer)
-    if max_id >= len(ctx.vocabulary):
-        if ctx.tokenizer is None:
-            return None
-        extend_vocabulary(ctx.vocabulary, ctx.tokenizer, max_id)
-    return ctx.vocabulary
-
-
 def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:
-    if flat.wants_vocabulary:  # a pickled copy of the engine's: its texts are a vocabulary's, left behind
-        vocabulary = _vocabulary(ctx, flat.max_token_id())
-        if vocabulary is not None:
-            flat.use_vocabulary(vocabulary)
+    if flat.wants_vocabulary and ctx.vocabulary is not None and flat.max_token_id() < len(ctx.vocabulary):
+        flat.use_vocabulary(ctx.vocabulary)  # a pickled copy of the engine's logprobs: they left its vocabulary behind
     texts = flat.decoded_tokens
     if texts is None or None in texts:
         texts = [_token_str(t, ctx) if texts is None or texts[j] is None else texts[j]  # type: ignore[misc]

@@ -257,8 +257,8 @@ def test_a_worker_prints_nothing_to_the_job_s_stdout(capfd: pytest.CaptureFixtur
 
 def test_engine_logprobs_format_in_a_worker_as_on_the_main_thread() -> None:
     """The engine hands prompt logprobs whose texts are its vocabulary's by id, and a pickled copy leaves that
-    vocabulary behind: a worker builds its own from the DecodeOnly tokenizer and writes the same lines, ids past the
-    tokenizer's vocabulary (a model's padding) included."""
+    vocabulary behind: a worker reads the texts from the copy in its context (as a job gives it the engine's) and
+    writes the same lines, ids past the tokenizer's vocabulary (a model's padding) included."""
     import numpy as np
     import torch
 
@@ -283,7 +283,8 @@ def test_engine_logprobs_format_in_a_worker_as_on_the_main_thread() -> None:
     lines = [{"id": "native", "prompt_token_ids": prompt, "prompt_logprobs": k, "max_tokens": 1},
              {"custom_id": "echo", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": prompt, "echo": True, "logprobs": k, "max_tokens": 0}}]
-    ctx = FormatContext(model_name="model", tokenizer=tok, created=0)
+    vocabulary = extend_vocabulary(vocabulary_texts(tok), tok, QWEN_VOCAB - 1)  # LLMEngine.token_texts' table
+    ctx = FormatContext(model_name="model", tokenizer=tok, created=0, vocabulary=vocabulary)
     pool = FormatPool(ctx, 1)
     try:
         assert pool.ready.wait(60), pool.error
@@ -292,7 +293,7 @@ def test_engine_logprobs_format_in_a_worker_as_on_the_main_thread() -> None:
             flat = FlatLogprobs()
             flat.append_empty()
             flat.extend_from(TokenLogprobs(packed).flat(np.full(n, k)), 0, n)
-            flat.use_vocabulary(extend_vocabulary(vocabulary_texts(tok), tok, flat.max_token_id()))
+            flat.use_vocabulary(vocabulary)
             out = RequestOutput("r", None, prompt, [CompletionOutput(0, "", [], "length")], True, prompt_logprobs=flat)
             here = dumps(result_line(req, out, ctx))
             there = pool.submit(req, out).result(timeout=60)
