@@ -170,8 +170,9 @@ def main() -> None:
                     help="after the timed repeats, run the engine kind once more (the last K) under cProfile and "
                          "print its N costliest functions")
     ap.add_argument("--cprofile-kind", default=None, metavar="KIND",
-                    help="after the timed repeats, run that job kind (echo, score, ...) once more under cProfile: the "
-                         "job's main thread, which also steps the engine (top 25 functions by own time)")
+                    help="after the timed repeats, run that job kind (echo, score, ...) once more under cProfile "
+                         "(top 25 functions by own time): every thread of the job's process under Python 3.12 and "
+                         "later, whose cProfile sees them all, else the main thread, which also steps the engine")
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                     help="after the timed repeats, run the engine kind once more (the last K) under torch.profiler "
                          "and print its N costliest device kernels and the device's busy time")
