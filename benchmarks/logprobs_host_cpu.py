@@ -46,7 +46,8 @@ def packed_step(k: int, prompts: torch.Tensor) -> TokenLogprobs:
     packed[:, 1] = (-torch.rand(ROWS, generator=g) * 10).view(torch.int32)
     packed[:, 2] = torch.randint(1, 1000, (ROWS,), generator=g)
     packed[:, 3 : 3 + k] = (-torch.rand(ROWS, k, generator=g) * 10).sort(dim=1, descending=True).values.view(torch.int32)
-    packed[:, 3 + k :] = torch.randint(0, 151_000, (ROWS, k), generator=g)
+    # distinct ids in a row, as a top-k has them
+    packed[:, 3 + k :] = (torch.randint(0, 151_000, (ROWS, 1), generator=g) + 4_999 * torch.arange(k)) % 151_000
     return TokenLogprobs(packed)
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=["native", "echo"], default="native",
                     help="native: prompt_logprobs K; echo: lm-eval's /v1/completions echo with logprobs K")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dicts", action="store_true", help="format logprob lists as dicts (the job's way before session 43)")
     args = ap.parse_args()
     k = args.k
     tok = load_tokenizer(qwen_tokenizer_dir())
@@ -70,6 +72,10 @@ def main() -> None:
                  "body": {"prompt": p, "echo": True, "logprobs": k, "max_tokens": 0}})
         reqs.append(parse_line(json.dumps(body), 0, Defaults()))
     worker_ctx = FormatContext("model", tokenizer=decode_only(tok), created=0)
+    if "vocabulary" in FormatContext.__dataclass_fields__:  # the job hands its workers the engine's table
+        worker_ctx.vocabulary = vocab
+    if "raw_json" in FormatContext.__dataclass_fields__:  # a job's lists serialized from the columns (session 43)
+        worker_ctx.raw_json = jsonio.FRAGMENTS and not args.dicts
     times: dict[str, list[float]] = {}
     for r in range(args.repeats + 1):  # the first round warms up (and builds the worker's vocabulary)
         t = [time.perf_counter()]

@@ -141,6 +141,16 @@ class FlatLogprobs(Sequence["dict[int, Logprob] | None"]):
         """A pickled copy whose texts are a vocabulary's: its reader attaches one (`use_vocabulary`)."""
         return self._vocabulary_texts and self._vocabulary is None
 
+    @property
+    def vocabulary(self) -> Sequence[str] | None:
+        """The vocabulary whose texts the entries have (by token id), None where texts are given per entry."""
+        return self._vocabulary if self._vocabulary_texts else None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(starts [positions + 1], token_ids, logprobs, ranks [entries]) as numpy arrays (list columns converted:
+        ints as int64, floats as float64)."""
+        return tuple(np.asarray(c) for c in self._columns())  # type: ignore[return-value]
+
     def max_token_id(self) -> int:
         """The largest id of the columns (-1 where there are none)."""
         ids = self._columns()[1]

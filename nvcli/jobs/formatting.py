@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, NamedTuple
 
+from nvcli.jobs.jsonio import orjson
+from nvcli.jobs.logprobs_json import native_positions, vllm_positions
 from nvcli.jobs.requests import CHAT, NATIVE, LineError, Request
 from nvcli.jobs.tool_calls import extract
 from nvcli.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
@@ -44,6 +46,9 @@ class FormatContext:
     # processes, since a pickled copy of the engine's logprobs leaves it behind; without it, `tokenizer` decodes
     # each entry's token on its own
     vocabulary: list[str] | None = field(default=None, repr=False)
+    # the line is written by jsonio.dumps (orjson): a scoring line's logprob list may go into it already serialized,
+    # as an orjson.Fragment (jobs/logprobs_json.py); a dict for other readers holds plain values only
+    raw_json: bool = False
 
 
 def error_line(err: LineError) -> dict[str, Any]:
@@ -67,8 +72,11 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
         else:  # n > 1: one entry per completion, in index order
             line["outputs"] = [{"index": comp.index, **c} for comp, c in zip(out.outputs, completions)]
         if out.prompt_logprobs is not None:
-            line["prompt_logprobs"] = [None, *_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs,
-                                                               req.sampling_params.prompt_logprobs or 0, ctx, first=1)]
+            k_prompt = req.sampling_params.prompt_logprobs or 0
+            raw = _raw_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs, k_prompt, ctx, first=1)
+            line["prompt_logprobs"] = (
+                [None, *_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs, k_prompt, ctx, first=1)]
+                if raw is None else orjson.Fragment(b"[null," + raw + b"]" if raw else b"[null]"))
         line["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen}
         return line
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -129,7 +137,9 @@ def _native_completion(req: Request, comp: CompletionOutput, ctx: FormatContext)
         out["token_ids"] = list(comp.token_ids)
     k = req.sampling_params.logprobs
     if k is not None and comp.logprobs is not None:
-        out["logprobs"] = _native_logprobs(comp.token_ids, comp.logprobs, k, ctx)
+        raw = _raw_native_logprobs(comp.token_ids, comp.logprobs, k, ctx)
+        out["logprobs"] = (_native_logprobs(comp.token_ids, comp.logprobs, k, ctx) if raw is None
+                           else orjson.Fragment(b"[" + raw + b"]"))
     return out
 
 
@@ -181,9 +191,13 @@ def _flat(lps: Sequence[dict[int, Logprob] | None]) -> FlatLogprobs:
     return lps if isinstance(lps, FlatLogprobs) else FlatLogprobs.from_entries(lps)
 
 
-def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:
+def _attach_vocabulary(flat: FlatLogprobs, ctx: FormatContext) -> None:
     if flat.wants_vocabulary and ctx.vocabulary is not None and flat.max_token_id() < len(ctx.vocabulary):
         flat.use_vocabulary(ctx.vocabulary)  # a pickled copy of the engine's logprobs: they left its vocabulary behind
+
+
+def _texts(flat: FlatLogprobs, ctx: FormatContext) -> list[str]:
+    _attach_vocabulary(flat, ctx)
     texts = flat.decoded_tokens
     if texts is None or None in texts:
         texts = [_token_str(t, ctx) if texts is None or texts[j] is None else texts[j]  # type: ignore[misc]
@@ -218,6 +232,16 @@ def _columns(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None],
     return _Columns(flat, entry_texts, texts, logprobs, tops)
 
 
+def _raw_native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int,
+                         ctx: FormatContext, first: int = 0) -> bytes | None:
+    """_native_logprobs' list as JSON bytes without its brackets, for the engine's columns where ctx.raw_json allows
+    (logprobs_json.native_positions); else None."""
+    if not ctx.raw_json or not isinstance(lps, FlatLogprobs):
+        return None
+    _attach_vocabulary(lps, ctx)
+    return native_positions(lps, token_ids, k, first)
+
+
 def _native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int, ctx: FormatContext,
                      first: int = 0) -> list[dict]:
     c = _columns(token_ids, lps, k, ctx, first)
@@ -230,9 +254,14 @@ def _native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] 
             for t, s, v, top in zip(token_ids, c.texts, c.logprobs, c.tops)]
 
 
-def _vllm_prompt_logprobs(lps: Sequence[dict[int, Logprob] | None], ctx: FormatContext) -> list[dict | None]:
+def _vllm_prompt_logprobs(lps: Sequence[dict[int, Logprob] | None], ctx: FormatContext) -> list[dict | None] | Any:
     """vLLM's OpenAI server shape: per prompt token None or {token_id: {"logprob", "rank", "decoded_token"}}."""
     flat = _flat(lps)
+    if ctx.raw_json:
+        _attach_vocabulary(flat, ctx)
+        raw = vllm_positions(flat)
+        if raw is not None:
+            return orjson.Fragment(b"[" + raw + b"]")
     starts, keys = flat.starts, list(map(str, flat.token_ids))
     entries = [{"logprob": v, "rank": r, "decoded_token": t}
                for v, r, t in zip(flat.logprobs, flat.ranks, _texts(flat, ctx))]

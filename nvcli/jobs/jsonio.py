@@ -32,6 +32,10 @@ except ImportError:  # pragma: no cover
         return json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+# orjson.Fragment (orjson >= 3.9): bytes already serialized, written into a document as they are
+FRAGMENTS = orjson is not None and hasattr(orjson, "Fragment")
+
+
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None

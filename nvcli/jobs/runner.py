@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from nvcli.jobs import jsonio
 from nvcli.jobs.format_pool import FormatPool, has_logprobs
 from nvcli.jobs.formatting import FormatContext, error_line, result_line
 from nvcli.jobs.reader import InputReader, ReaderCounts
@@ -146,7 +147,8 @@ class _Job:
         self.writer = LineWriter(dst, ordered=opts.ordered, slots=self.slots)
         self.ctx = FormatContext(model_name=opts.model_name, tokenizer=getattr(engine, "tokenizer", None),
                                  # the engine's own setting: its constraint gate and this split read one value
-                                 reasoning_parser=getattr(getattr(engine, "config", None), "reasoning_parser", None))
+                                 reasoning_parser=getattr(getattr(engine, "config", None), "reasoning_parser", None),
+                                 raw_json=jsonio.FRAGMENTS)  # the writer and the pool's workers write with jsonio
         self.result = JobResult(counts=self.reader.counts)
         self.pool: FormatPool | None = None  # started at the first line with logprobs
         self.pool_failed = False
