@@ -3,7 +3,7 @@
 A scoring job (lm-eval-harness's `echo` with `logprobs`, or `prompt_logprobs`) turns every prompt token into a few
 JSON objects: about 2 ms of Python per 1,000-token line. On the job's main thread that time comes between engine
 steps, and the GPU waits for it (a 768-line scoring job took 2-3x its engine's time on the H100 host). Here such
-lines are formatted in `spawn`ed processes with their own interpreter: the main thread only pickles the request and
+lines are formatted in processes of their own (forked from a `forkserver`): the main thread only pickles the request and
 its output (0.3 ms for a 1,000-token scoring line, against 1.8 ms to format it) and writes the bytes that come back.
 
 Lines without logprobs stay on the main thread: their formatting costs about as much as sending them.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -80,16 +81,46 @@ def decode_only(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def _forkserver() -> multiprocessing.context.BaseContext:
+    """Workers forked from a server that has imported the formatting code: they start about 1 s sooner than
+    `spawn`ed ones, which import it each (RESULTS, session 42). Not `fork`: the job's process has threads (the
+    engine's), and a forked copy of their locks can deadlock."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["nvcli.jobs.format_pool", "tokenizers"])
+    return ctx
+
+
 def _start_worker(ctx: FormatContext) -> None:
     global _ctx
-    # Ctrl-C reaches the whole process group: the job drains on it and still needs its lines formatted
+    # A session of its own: Ctrl-C (or a kill of the job's process group) reaches the job, which drains and still
+    # needs its lines formatted. The executor's own SIGTERM, sent when a worker of a broken pool died, still ends a
+    # worker: one that ignored it left the executor joining it forever under Python 3.12 (RESULTS, session 42).
+    try:
+        os.setsid()
+    except OSError:  # already a session's leader
+        pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_the_job()
     # the job may write its lines to stdout: nothing a worker prints (a library's notice) may land among them
     os.dup2(2, 1)
     if isinstance(ctx.tokenizer, DecodeOnly):
         ctx.tokenizer.decode([])  # load it now, not in the first line's time
     _ctx = ctx
+
+
+def _exit_with_the_job() -> None:
+    """End this worker when the job's process is gone. A worker waits on a queue whose write end it holds itself, so
+    a job killed outright (SIGKILL, the OOM killer) left its workers, and multiprocessing's resource tracker, which
+    holds the job's stdout, running forever: a pipeline reading that stdout never ended."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    threading.Thread(target=_wait_and_exit, args=(parent.sentinel,), name="nv-job-watch", daemon=True).start()
+
+
+def _wait_and_exit(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)
 
 
 def format_line(req: Request, out: RequestOutput) -> bytes:
@@ -117,9 +148,7 @@ class FormatPool:
         if workers < 1:
             raise ValueError("a FormatPool needs at least one worker")
         sent = dataclasses.replace(ctx, tokenizer=decode_only(ctx.tokenizer)) if ctx.tokenizer is not None else ctx
-        # `spawn`, not `forkserver`: forked workers started about 1 s sooner on the H100 host, but under Python 3.12 a
-        # worker that died left the executor joining the others forever (they ignore SIGTERM; RESULTS, session 42)
-        self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+        self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=_forkserver(),
                                             initializer=_start_worker, initargs=(sent,))
         self.ready = threading.Event()
         self.error: BaseException | None = None  # why the workers did not start
