@@ -12,7 +12,7 @@ Input kinds, the same prompts each time: `text` ({"prompt": str}, tokenized by t
 tokenization, the GPU-bound reference), `echo` (a scoring job as lm-eval-harness sends it: /v1/completions with the
 prompt's ids, echo, logprobs=1 and max_tokens 0; its output lines carry every prompt token's logprob), `score` (native
 lines with prompt_logprobs 20, the most vLLM allows by default: a distillation job's top-20 targets for every prompt
-token), and `engine`: the ids fed straight to the engine's step loop, no job
+token; `score-openai` the same as /v1/completions lines, in vLLM's OpenAI shape), and `engine`: the ids fed straight to the engine's step loop, no job
 threads at all (what the engine alone does with them). Jobs run through `run_job` as the CLI runs them, on one
 engine with the prefix cache off (repeats would otherwise hit it), kinds in turn per repeat.
 """
@@ -58,6 +58,10 @@ def make_lines(tokenizer: Any, n: int, prompt_tokens: int, seed: int) -> dict[st
                        "body": {"prompt": i, "echo": True, "logprobs": 1, "max_tokens": 0}}) for n, i in enumerate(ids)],
         # a distillation job's scoring line: every prompt token's logprob and its SCORE_K most likely alternatives
         "score": [line({"prompt_token_ids": i, "prompt_logprobs": SCORE_K}) for i in ids],
+        # the same through vLLM's OpenAI shape ({token_id: {"logprob", "rank", "decoded_token"}} per position)
+        "score-openai": [line({"custom_id": f"s{n}", "method": "POST", "url": "/v1/completions",
+                               "body": {"prompt": i, "prompt_logprobs": SCORE_K, "max_tokens": 1}})
+                         for n, i in enumerate(ids)],
     }
 
 
