@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
+from nvcli.child_processes import exit_with_parent
 from nvcli.jobs import jsonio
 from nvcli.jobs.formatting import FormatContext, result_line
 from nvcli.jobs.requests import Request
@@ -103,25 +103,10 @@ def _start_worker(ctx: FormatContext) -> None:
     except OSError:  # already a session's leader
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_the_job()
+    exit_with_parent()  # a job killed outright takes its workers with it
     # the job may write its lines to stdout: nothing a worker prints (a library's notice) may land among them
     os.dup2(2, 1)
     _ctx = ctx
-
-
-def _exit_with_the_job() -> None:
-    """End this worker when the job's process is gone. A worker waits on a queue whose write end it holds itself, so
-    a job killed outright (SIGKILL, the OOM killer) left its workers, and multiprocessing's resource tracker, which
-    holds the job's stdout, running forever: a pipeline reading that stdout never ended."""
-    parent = multiprocessing.parent_process()
-    if parent is None or parent.sentinel is None:
-        return
-    threading.Thread(target=_wait_and_exit, args=(parent.sentinel,), name="nv-job-watch", daemon=True).start()
-
-
-def _wait_and_exit(sentinel: int) -> None:
-    multiprocessing.connection.wait([sentinel])
-    os._exit(1)
 
 
 def format_line(req: Request, out: RequestOutput) -> bytes:

@@ -44,6 +44,8 @@ import xxhash
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
+from nvcli.child_processes import exit_with_parent
+
 KERNELS_DIR = Path(__file__).parent
 log = logging.getLogger("nvcli")
 
@@ -195,6 +197,7 @@ def _warm_worker(target: tuple[str, int, int] | None, cache_dir: str) -> None:
     cache. Each worker pays them here, as it starts, which the engine arranges to be while it loads the tokenizer:
     a trivial kernel compiled for the parent's GPU, launcher included. A failure here only leaves them to the
     first real compile."""
+    exit_with_parent()  # a start-up killed outright takes its compile workers with it
     if target is None:
         return
     try:

@@ -315,35 +315,12 @@ if __name__ == "__main__":
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_workers_end_with_a_job_that_is_killed(tmp_path) -> None:
     """A job killed outright (SIGKILL, the OOM killer) takes its workers with it, and its stdout closes: before, the
     workers waited on their queue forever, and multiprocessing's resource tracker held the job's stdout, so a
     pipeline reading it never ended."""
-    import subprocess
-    import sys
-    import time
+    from nvcli.testing.processes import workers_left_by_a_killed_job
 
-    script = tmp_path / "killed_job.py"
-    script.write_text(_KILLED_JOB)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
-    workers = [int(p) for p in proc.stdout.readline().split()]  # type: ignore[union-attr]
-    assert len(workers) == 2 and proc.wait(60) == -9
-    try:
-        deadline = time.monotonic() + 20
-        while any(map(_running, workers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(map(_running, workers))
-        assert proc.stdout.read() == b""  # type: ignore[union-attr]  # EOF: nothing holds the job's stdout
-    finally:
-        for pid in filter(_running, workers):
-            os.kill(pid, 9)
+    left, rest = workers_left_by_a_killed_job(_KILLED_JOB, tmp_path)
+    assert left == [] and rest == b""

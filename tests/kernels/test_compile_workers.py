@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from nvcli.kernels.compile_ahead import CompileWorkers, _worker_ready, start_compile_workers
 
 
@@ -72,3 +74,25 @@ def test_workers_warm_up_for_the_gpu_as_they_start(tmp_path) -> None:
                               timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert bool(list(cache.glob("*/_warm_up_kernel.cubin"))) == (arg == "sm90")
+
+
+KILLED_START_UP = """
+import os, signal
+from nvcli.kernels.compile_ahead import CompileWorkers, _worker_ready
+
+if __name__ == "__main__":
+    workers = CompileWorkers(2)
+    assert workers.wait_started()
+    print(*{workers.pool.submit(_worker_ready).result(timeout=180) for _ in range(4)}, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_workers_end_with_a_start_up_that_is_killed(tmp_path) -> None:
+    """A start-up killed outright while it compiles (SIGKILL, the OOM killer) takes its compile workers with it:
+    each has torch and Triton loaded, and they waited on their queue forever."""
+    from nvcli.testing.processes import workers_left_by_a_killed_job
+
+    left, _ = workers_left_by_a_killed_job(KILLED_START_UP, tmp_path)
+    assert left == []
