@@ -72,11 +72,8 @@ def result_line(req: Request, out: RequestOutput, ctx: FormatContext) -> dict[st
         else:  # n > 1: one entry per completion, in index order
             line["outputs"] = [{"index": comp.index, **c} for comp, c in zip(out.outputs, completions)]
         if out.prompt_logprobs is not None:
-            k_prompt = req.sampling_params.prompt_logprobs or 0
-            raw = _raw_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs, k_prompt, ctx, first=1)
-            line["prompt_logprobs"] = (
-                [None, *_native_logprobs(out.prompt_token_ids[1:], out.prompt_logprobs, k_prompt, ctx, first=1)]
-                if raw is None else orjson.Fragment(b"[null," + raw + b"]" if raw else b"[null]"))
+            line["prompt_logprobs"] = _native_list(out.prompt_token_ids[1:], out.prompt_logprobs,
+                                                   req.sampling_params.prompt_logprobs or 0, ctx, first=1)
         line["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": n_gen}
         return line
     usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
@@ -137,9 +134,7 @@ def _native_completion(req: Request, comp: CompletionOutput, ctx: FormatContext)
         out["token_ids"] = list(comp.token_ids)
     k = req.sampling_params.logprobs
     if k is not None and comp.logprobs is not None:
-        raw = _raw_native_logprobs(comp.token_ids, comp.logprobs, k, ctx)
-        out["logprobs"] = (_native_logprobs(comp.token_ids, comp.logprobs, k, ctx) if raw is None
-                           else orjson.Fragment(b"[" + raw + b"]"))
+        out["logprobs"] = _native_list(comp.token_ids, comp.logprobs, k, ctx)
     return out
 
 
@@ -232,14 +227,18 @@ def _columns(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None],
     return _Columns(flat, entry_texts, texts, logprobs, tops)
 
 
-def _raw_native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int,
-                         ctx: FormatContext, first: int = 0) -> bytes | None:
-    """_native_logprobs' list as JSON bytes without its brackets, for the engine's columns where ctx.raw_json allows
-    (logprobs_json.native_positions); else None."""
-    if not ctx.raw_json or not isinstance(lps, FlatLogprobs):
-        return None
-    _attach_vocabulary(lps, ctx)
-    return native_positions(lps, token_ids, k, first)
+def _native_list(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int, ctx: FormatContext,
+                 first: int = 0) -> list[dict | None] | Any:
+    """A native line's logprobs (`first` = 0) or prompt_logprobs (`first` = 1: null for the prompt's first token,
+    then position i for token i): where ctx.raw_json allows, the engine's columns as one orjson.Fragment
+    (logprobs_json.native_positions), else _native_logprobs' dicts."""
+    if ctx.raw_json and isinstance(lps, FlatLogprobs):
+        _attach_vocabulary(lps, ctx)
+        raw = native_positions(lps, token_ids, k, first)
+        if raw is not None:
+            items = [b"null"] * first + ([raw] if raw else [])
+            return orjson.Fragment(b"[" + b",".join(items) + b"]")
+    return [None] * first + _native_logprobs(token_ids, lps, k, ctx, first)
 
 
 def _native_logprobs(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int, ctx: FormatContext,
