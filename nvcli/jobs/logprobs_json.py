@@ -75,13 +75,17 @@ def _texts(values: np.ndarray) -> np.ndarray:
 
 
 def _columns(flat: FlatLogprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """The engine's columns as arrays, or None where `flat` is not theirs (texts given per entry, NaN logprobs)."""
+    """The engine's columns as arrays, or None where `flat` is not theirs: texts given per entry, logprobs that are
+    not all numbers, ids its vocabulary lacks."""
     if not FRAGMENTS or flat.vocabulary is None:
         return None
     starts, ids, values, ranks = flat.arrays()
-    if np.isnan(values).any():
+    if values.dtype.kind != "f" or ids.dtype.kind not in "iuf" or np.isnan(values).any():
         return None
-    return starts.astype(np.int64, copy=False), ids.astype(np.int64, copy=False), values, ranks
+    ids = ids.astype(np.int64, copy=False)  # an empty list column reads as float64
+    if len(ids) and not 0 <= ids.min() <= ids.max() < len(flat.vocabulary):
+        return None
+    return starts.astype(np.int64, copy=False), ids, values, ranks
 
 
 def native_positions(flat: FlatLogprobs, token_ids: Sequence[int], k: int, first: int) -> bytes | None:
@@ -95,6 +99,8 @@ def native_positions(flat: FlatLogprobs, token_ids: Sequence[int], k: int, first
     n = len(token_ids)
     if n == 0:
         return b""
+    if len(starts) < first + n + 1:
+        return None  # fewer positions than tokens: the dicts' formatter reports it
     los, his = starts[first : first + n], starts[first + 1 : first + n + 1]
     counts = his - los  # [n]
     if (counts < 1).any() or not np.array_equal(ids[los], np.asarray(token_ids)):

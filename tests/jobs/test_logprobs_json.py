@@ -149,6 +149,13 @@ def test_columns_that_are_not_the_engines_are_formatted_as_dicts() -> None:
     texts = FlatLogprobs(starts, ids, values, ranks, [VOCAB[i] for i in ids])  # texts given per entry
     assert native_positions(texts, prompt[1:], 3, first=1) is None and vllm_positions(texts) is None
     assert native_positions(flat, [prompt[2], *prompt[2:]], 3, first=1) is None  # not each position's own token
+    short = FlatLogprobs(starts, ids, values, ranks)
+    short.use_vocabulary(VOCAB[:5])  # a table that lacks some of the ids
+    assert native_positions(short, prompt[1:], 3, first=1) is None and vllm_positions(short) is None
+    assert native_positions(flat, [*prompt[1:], prompt[1]], 3, first=1) is None  # more tokens than positions
+    unknown = FlatLogprobs(starts, ids, [None, *values.tolist()[1:]], ranks)  # a logprob a caller left out
+    unknown.use_vocabulary(VOCAB)
+    assert native_positions(unknown, prompt[1:], 3, first=1) is None and vllm_positions(unknown) is None
     twice = FlatLogprobs(starts, np.where(np.arange(len(ids)) == starts[5] + 1, ids[starts[5]], ids), values, ranks)
     twice.use_vocabulary(VOCAB)
     assert vllm_positions(twice) is None  # a dict would keep one of the two
