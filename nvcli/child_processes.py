@@ -1,9 +1,9 @@
-"""What each worker process that nv starts from a pool does first: end when the process that started it is gone.
+"""What each worker process that nv starts does first: end when the process that started it is gone.
 
 A ProcessPoolExecutor's worker waits on its call queue, whose write end it holds itself, so it never reads an end of
 file there: a job killed outright (SIGKILL, the OOM killer) left its format workers, its compile workers and
 multiprocessing's resource tracker running forever, and the tracker holds the job's stdout, so a pipeline reading
-that stdout never ended either. (Tensor-parallel ranks watch their parent's pid instead: engine/tp_executor.py.)
+that stdout never ended either. Tensor-parallel ranks (engine/tp_executor.py) call it too.
 """
 
 from __future__ import annotations

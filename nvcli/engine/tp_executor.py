@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nvcli.child_processes import exit_with_parent
 from nvcli.config import EngineConfig
 from nvcli.engine.model_runner import (
     ModelRunner,
@@ -117,16 +118,9 @@ def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int, port: int, shm_name: str,
-                event, ack, parent_pid: int) -> None:
+                event, ack) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 coordinates shutdown on Ctrl-C
-
-    def watch_parent() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
+    exit_with_parent()
     if os.environ.get("NV_DEBUG_STACKS_AFTER_S"):  # diagnosing a hang: print this worker's stacks
         import faulthandler
 
@@ -177,7 +171,7 @@ class TensorParallelExecutor:
         self.procs = [
             ctx.Process(target=worker_main, name=f"nv-tp-worker-{r}",
                         args=(config, model_config, str(model_dir), r, port, self.shm.name, self.events[r - 1],
-                              self.acks[r - 1], os.getpid()),
+                              self.acks[r - 1]),
                         daemon=True)
             for r in range(1, world)
         ]

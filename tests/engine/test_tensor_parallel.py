@@ -82,6 +82,25 @@ def test_worker_death_ends_the_job_quickly_without_orphans(tiny_model_dir, tmp_p
     assert alive == [], "orphan processes left behind"
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_workers_end_with_an_engine_that_is_killed(tiny_model_dir, tmp_path: Path) -> None:
+    """The engine's process killed outright (SIGKILL, the OOM killer) takes its ranks with it."""
+    from nvcli.testing.processes import workers_left_by_a_killed_job
+
+    script = textwrap.dedent(f"""
+        import os, signal
+        from nvcli import LLM
+
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_model_dir("qwen3"))!r}, tensor_parallel_size=2, device="cpu",
+                      num_kvcache_blocks=64, max_model_len=256)
+            print(*(p.pid for p in llm.engine.executor.procs), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    left, _ = workers_left_by_a_killed_job(script, tmp_path)
+    assert left == []
+
+
 def test_tp2_async_with_preemption_and_chunked_prefill(tiny_model_dir) -> None:
     model = str(tiny_model_dir("qwen3"))
     tight = dict(device="cpu", num_kvcache_blocks=8, max_model_len=128, max_num_batched_tokens=16)
