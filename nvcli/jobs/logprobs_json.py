@@ -65,7 +65,7 @@ def _pieces_for(vocabulary: Sequence[str]) -> _TokenPieces:
     return p
 
 
-def _texts(values: np.ndarray) -> np.ndarray:
+def _number_texts(values: np.ndarray) -> np.ndarray:
     """[n] bytes: each number as orjson writes the Python float or int it reads as (non-finite floats as null)."""
     wide = values.astype(np.float64 if values.dtype.kind == "f" else np.int64)
     text = orjson.dumps(wide, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -107,11 +107,11 @@ def native_positions(flat: FlatLogprobs, token_ids: Sequence[int], k: int, first
         return None  # a position without its own token first
     lo, hi = int(los[0]), int(his[-1])
     own = los - lo  # [n] indices into the entries lo..hi-1
-    texts = _texts(values[lo:hi])  # [entries]
+    logprob_texts = _number_texts(values[lo:hi])  # [entries]
     prefixes = _pieces_for(flat.vocabulary).of("native", ids[lo:hi])  # type: ignore[arg-type]
     if k <= 0:
         pieces = np.empty(3 * n, dtype=object)
-        pieces[0::3], pieces[1::3], pieces[2::3] = prefixes[own], texts[own], _CLOSE
+        pieces[0::3], pieces[1::3], pieces[2::3] = prefixes[own], logprob_texts[own], _CLOSE
         return b"".join(pieces.tolist())[:-1]
     place = _places(values[lo:hi], own, counts)  # [entries]: 0 for a position's most likely entry
     keep = place < k
@@ -121,11 +121,11 @@ def native_positions(flat: FlatLogprobs, token_ids: Sequence[int], k: int, first
     first_piece = 3 * np.arange(n) + 3 * (np.cumsum(n_tops) - n_tops)  # [n]
     pieces = np.empty(3 * (n + len(kept)), dtype=object)
     pieces[first_piece] = prefixes[own]
-    pieces[first_piece + 1] = texts[own]
+    pieces[first_piece + 1] = logprob_texts[own]
     pieces[first_piece + 2] = _TOPS_OPEN
     at = first_piece[kept_position] + 3 + 3 * kept_place  # [tops]
     pieces[at] = prefixes[kept]
-    pieces[at + 1] = texts[kept]
+    pieces[at + 1] = logprob_texts[kept]
     pieces[at + 2] = _CLOSE
     pieces[at[kept_place == n_tops[kept_position] - 1] + 2] = _CLOSE_LAST_TOP
     return b"".join(pieces.tolist())[:-1]
@@ -177,9 +177,9 @@ def vllm_positions(flat: FlatLogprobs) -> bytes | None:
     pieces[first_piece[counts == 0]] = b"null,"
     at = first_piece[position] + 1 + 6 * (np.arange(entries) - starts[:-1][position])  # [entries]
     pieces[at] = pieces_of.of("vllm_key", ids)
-    pieces[at + 1] = _texts(values)
+    pieces[at + 1] = _number_texts(values)
     pieces[at + 2] = _RANK
-    pieces[at + 3] = _texts(ranks)
+    pieces[at + 3] = _number_texts(ranks)
     pieces[at + 4] = pieces_of.of("vllm_end", ids)
     pieces[at + 5] = b","
     pieces[at[starts[1:][counts > 0] - 1] + 5] = b"},"  # a position's last entry closes its object
