@@ -22,6 +22,11 @@ app = typer.Typer(
 
 _D = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
 ENGINE = "Engine (vLLM names)"
+_BATCH_INVARIANT_HELP = (
+    "A line's tokens and logprobs do not depend on the other lines in its steps or on how its prompt is chunked "
+    "(vLLM's VLLM_BATCH_INVARIANT): reruns of a seeded or greedy line give the same bits. Slower; one GPU or the CPU, "
+    "not with an fp8 KV cache."
+)
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"
 
@@ -61,6 +66,7 @@ def generate(
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = _D["max_num_seqs"],
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)] = _D["max_num_batched_tokens"],
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
+    batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help=_BATCH_INVARIANT_HELP, rich_help_panel=ENGINE)] = False,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=ENGINE)] = _D["enable_prefix_caching"],
     enable_chunked_prefill: Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts across steps.", rich_help_panel=ENGINE)] = _D["enable_chunked_prefill"],
     dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
@@ -120,6 +126,7 @@ def generate(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enforce_eager=enforce_eager,
+        batch_invariant=batch_invariant,
         enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill,
         dtype=dtype,
@@ -175,6 +182,7 @@ def bench(
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step.", rich_help_panel=ENGINE)] = 16384,
     gpu_memory_utilization: Annotated[float, typer.Option(rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
+    batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help=_BATCH_INVARIANT_HELP, rich_help_panel=ENGINE)] = False,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", rich_help_panel=ENGINE)] = True,
     dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
     kv_cache_dtype: Annotated[str, typer.Option(help=f"{_choices(KV_CACHE_DTYPES)}.", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
@@ -209,7 +217,7 @@ def bench(
         config = EngineConfig(
             model=model, load_format=load_format, tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
         )

@@ -56,6 +56,10 @@ class EngineConfig:
     # vLLM's structured outputs option enable_in_reasoning: the constraint holds from the first token, reasoning
     # included (a model whose reasoning itself must follow a format); only meaningful with a reasoning parser
     structured_outputs_in_reasoning: bool = False
+    # vLLM's VLLM_BATCH_INVARIANT: a sequence's logits (so a seeded or greedy request's tokens and logprobs) do not
+    # depend on what else is in its steps, nor on how its prompt is chunked (kernels/invariant_matmul.py,
+    # models/llama.py). Slower: its kernels keep one configuration for every batch size, and it runs without CUDA graphs.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, why: str) -> None:
@@ -101,6 +105,11 @@ class EngineConfig:
         )
         need(self.load_format in LOAD_FORMATS, "--load-format", f"must be one of {LOAD_FORMATS}")
         need(isinstance(self.seed, int), "--seed", "must be an integer")
+        need(not self.batch_invariant or self.tensor_parallel_size == 1, "--batch-invariant",
+             "is not supported with --tensor-parallel-size > 1 (the all-reduce's summation order depends on the "
+             "message size); drop one of the two")
+        need(not self.batch_invariant or not str(self.kv_cache_dtype).startswith("fp8"), "--batch-invariant",
+             "is not supported with an fp8 KV cache yet; use --kv-cache-dtype auto")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(
                 self.max_num_batched_tokens >= self.max_model_len,

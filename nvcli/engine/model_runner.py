@@ -340,6 +340,8 @@ class ModelRunner:
                  compile_workers: CompileWorkers | None = None) -> None:
         """`compile_workers`: started by the caller for this start-up (start_compile_workers_if_cold); else the
         runner starts them itself if it compiles ahead."""
+        if config.batch_invariant:  # its kernels run eagerly, and a step's decode rows take the prompt rows' kernel
+            config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
         self.model_config = model_config
         self.rank = rank
@@ -400,6 +402,7 @@ class ModelRunner:
         else:
             load_weights(self.model, iter_safetensors(model_dir))
         self.model.fold_norm_weights()  # deferred RMSNorm (models/llama.py)
+        self.model.set_batch_invariant(config.batch_invariant)
         self.model.eval()
         phase("weights")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -425,7 +428,7 @@ class ModelRunner:
         self.logits_graph_max_rows = (sampler_graphs.MAX_ROWS if self.device.type == "cuda" and not config.enforce_eager
                                       and config.tensor_parallel_size == 1 else 0)
         self.num_mixed_replays = 0
-        self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED
+        self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED and not config.batch_invariant
                             and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton")
         self.mixed_graph_sizes = (mixed_graph_sizes(config.max_num_batched_tokens)
                                   if self.split_mixed and MIXED_GRAPHS and not config.enforce_eager else [])

@@ -260,8 +260,14 @@ def paged_prefill_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Causal varlen attention of packed queries over the paged cache -> like q.
+
+    `invariant` (--batch-invariant): the query tile keeps its full height whatever the step's longest query, so one
+    compiled kernel (one tile shape, one MMA shape) serves every step, and a row's result is the same function of its
+    own query and KV whether it is a one-token decode row or part of any chunk of its prompt: the KV tiles start at
+    position 0 in BLOCK_N steps for every row, and the tiles a row does not see add exactly nothing.
 
     query_start_loc holds absolute rows of q: with query_start_loc[0] > 0 the rows before it are not this kernel's
     (a step's one-token rows, which the decode kernel takes: DecodeSplit) and are left as they are in `out`
@@ -309,7 +315,8 @@ def paged_prefill_attention_triton(
         num_stages = 3 if head_dim <= 128 else 2
     # rows per program: BLOCK_Q tokens x GROUP_PAD heads, BLOCK_Q no larger than needed
     block_q = max(1, block_m // group_pad)
-    block_q = min(block_q, max(16 // group_pad, triton.next_power_of_2(max_query_len)))
+    if not invariant:
+        block_q = min(block_q, max(16 // group_pad, triton.next_power_of_2(max_query_len)))
     block_m_eff = max(16, block_q * group_pad)
     block_q = block_m_eff // group_pad
 

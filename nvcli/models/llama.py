@@ -96,6 +96,7 @@ class DecoderAttention(nn.Module):
         scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized (or
         # their 1 / RMS precomputed, [num_tokens] float32: layers.norm.row_scale)
         scale_eps: float = 1e-6,
+        invariant: bool = False,  # --batch-invariant on the GPU: separate rotary kernel, one attention kernel shape
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], before o_proj
         """q/k norm, rotary, KV store and attention; with `scale_rows` (deferred norm) q, k and v are first scaled
         by each row's 1 / RMS (inside the rotary kernels on the GPU)."""
@@ -112,7 +113,7 @@ class DecoderAttention(nn.Module):
             eps = self.q_norm.eps if self.qk_norm else 0.0
             attn = self.attn
             if (meta.decode_only and FUSED_DECODE_ROPE and q.shape[0] <= FUSED_DECODE_ROPE_MAX_ROWS
-                    and meta.shared_prefix_len is None):
+                    and meta.shared_prefix_len is None and not invariant):
                 # norm + rotary + KV store inside the attention kernel
                 from nvcli.kernels.decode_attention import DecodeRope
 
@@ -126,7 +127,7 @@ class DecoderAttention(nn.Module):
                                            k_cache=attn.k_cache, v_cache=attn.v_cache,
                                            slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale,
                                            scale_rows=scale_rows, scale_eps=scale_eps)
-                o = attn(q, k, v, meta, kv_stored=True)
+                o = attn.forward_invariant(q, meta) if invariant else attn(q, k, v, meta, kv_stored=True)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -182,6 +183,26 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def forward_invariant(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the GPU under --batch-invariant: every kernel keeps one configuration whatever the row count
+        (row-wise norm, rotary and SiLU kernels; kernels/invariant_matmul.py for the projections; one tile shape of
+        the prefill attention kernel for prompt and decode rows alike), so a row's result depends on that row only."""
+        from nvcli.kernels.invariant_matmul import invariant_linear_triton as mm
+
+        attn, mlp = self.self_attn, self.mlp
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        qkv = mm(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [num_tokens, (H + 2 * KH) * head_dim]
+        o = attn.attention_heads(positions, qkv, meta, invariant=True)  # [num_tokens, H * head_dim]
+        x, residual = self.post_attention_layernorm(mm(o, attn.o_proj.weight, attn.o_proj.bias), residual)
+        act = mlp.act(mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))  # [num_tokens, intermediate]
+        return mm(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
     def forward_deferred(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layer on the residual stream h [num_tokens, hidden], updated in place and returned (deferred norm,
         see the module docstring; the norms' weights are folded into qkv_proj and gate_up_proj)."""
@@ -222,6 +243,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # set by fold_norm_weights: the norms' weights are in the projections and every layer can run deferred
         self.can_defer_norm = False
+        self.batch_invariant = False  # --batch-invariant: set by LlamaForCausalLM.set_batch_invariant
 
     def fold_norm_weights(self) -> None:
         for layer in self.layers:
@@ -240,6 +262,8 @@ class DecoderModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) [num_tokens, hidden] each: the final norm's inputs (see compute_logits); residual None
         when x is the whole residual stream (deferred norm)."""
+        if self.batch_invariant:
+            return self._forward_invariant(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.defers_norm(x.shape[0], meta):
             for layer in self.layers:
@@ -249,6 +273,35 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return x, residual
+
+
+    def _forward_invariant(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` under --batch-invariant. On the GPU the rows go through DecoderLayer.forward_invariant together.
+        On the CPU the torch ops' reduction orders change with the row count (MKL takes one row as a matrix-vector
+        product, several as a matrix product), so every row runs alone, as a one-token decode step at its position,
+        in the step's order: a prompt row then finds the rows before it already in the cache, and a prompt token is
+        computed exactly as it would be decoded."""
+        if use_triton(input_ids):
+            x, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+            for layer in self.layers:
+                x, residual = layer.forward_invariant(positions, x, residual, meta)
+            return x, residual
+        starts = meta.query_start_loc.tolist()
+        outs = []
+        for seq, (a, b) in enumerate(zip(starts, starts[1:])):
+            for r in range(a, b):
+                pos = int(positions[r])
+                one = AttentionMetadata(
+                    slot_mapping=meta.slot_mapping[r : r + 1], query_start_loc=meta.query_start_loc.new_tensor([0, 1]),
+                    seq_lens=meta.seq_lens.new_tensor([pos + 1]), block_tables=meta.block_tables[seq : seq + 1],
+                    max_query_len=1, max_seq_len=pos + 1, decode_only=True)
+                x, residual = self.embed_tokens(input_ids[r : r + 1]), None  # [1, hidden]
+                for layer in self.layers:
+                    x, residual = layer(positions[r : r + 1], x, residual, one)
+                outs.append((x, residual))
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -284,8 +337,15 @@ class LlamaForCausalLM(nn.Module):
         """After loading: each decoder norm's weight into the projection it feeds (DecoderLayer.fold_norm_weights)."""
         self.model.fold_norm_weights()
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """--batch-invariant: every row's logits independent of the other rows of its step (_forward_invariant)."""
+        self.model.batch_invariant = on
+
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Logits [num_seqs, vocab] of LM-head(RMSNorm(hidden + residual)) for the selected rows [num_seqs, hidden]
         (residual None: of RMSNorm(hidden))."""
-        return self.lm_head(hidden, residual, self.model.norm)
+        if self.model.batch_invariant and not use_triton(hidden):  # one row at a time (DecoderModel._forward_invariant)
+            return torch.cat([self.lm_head(hidden[i : i + 1], None if residual is None else residual[i : i + 1],
+                                           self.model.norm) for i in range(hidden.shape[0])])
+        return self.lm_head(hidden, residual, self.model.norm, invariant=self.model.batch_invariant)
 

@@ -340,3 +340,16 @@ def test_tool_call_parser_flag_reaches_the_job(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     line = json.loads(r.stdout)
     assert line["finish_reason"] == "tool_calls" and line["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+
+
+def test_batch_invariant_flag_reaches_the_engine(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    assert nv(src, "-q", "--max-tokens", 1).exit_code == 0
+    assert nv(src, "-q", "--max-tokens", 1, "--batch-invariant").exit_code == 0
+    assert [e.config.batch_invariant for e in engines] == [False, True]
+
+
+def test_batch_invariant_with_tp_is_a_usage_error(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    r = nv(src, "--batch-invariant", "--tp", 2)
+    assert r.exit_code == 2 and "--batch-invariant" in r.output

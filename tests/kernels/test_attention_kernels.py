@@ -473,3 +473,30 @@ def test_split_attention_matches_one_pass(graph_padding: bool, many_decodes: boo
                         dev(pre_tables), max(q_lens[d:]))
     out = paged_split_attention(dev(q_in), dev(k_cache), dev(v_cache), split, SCALE).cpu()
     assert_close(out[:num_tokens], ref)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4)])
+def test_prefill_invariant_rows_do_not_depend_on_chunks_or_neighbours(num_heads: int, num_kv_heads: int) -> None:
+    """--batch-invariant: a prompt's rows computed as one chunk, as two chunks beside other sequences, or one by one
+    as decode rows (each at its own length) give the same bits."""
+    gen = torch.Generator().manual_seed(23 + num_kv_heads)
+    n = 70
+    k_cache, v_cache, tables = make_paged_kv([n, 37, 9], num_kv_heads, 16, gen)
+    q = torch.randn(n, num_heads, HEAD_DIM, generator=gen)
+    other = torch.randn(12, num_heads, HEAD_DIM, generator=gen)
+
+    def run(q_rows, qsl, lens, seq_tables):
+        return _run_prefill(q_rows, k_cache, v_cache, torch.tensor(qsl, dtype=torch.int32),
+                            torch.tensor(lens, dtype=torch.int32), seq_tables, invariant=True)
+
+    whole = run(q, [0, n], [n], tables[:1])
+    ref = paged_attention_ref(q, k_cache, v_cache, torch.tensor([0, n], dtype=torch.int32),
+                              torch.tensor([n], dtype=torch.int32), tables[:1], SCALE)
+    assert_close(whole, ref)
+    # rows 0-39 first, beside a 3-row chunk of the second sequence; then rows 40-69 after a decode row
+    first = run(torch.cat([other[:3], q[:40]]), [0, 3, 43], [37, 40], tables[[1, 0]])[3:]
+    second = run(torch.cat([other[3:4], q[40:]]), [0, 1, 31], [9, n], tables[[2, 0]])[1:]
+    assert torch.equal(torch.cat([first, second]), whole)
+    # every row as a one-token query at its own length
+    one_by_one = run(q, list(range(n + 1)), list(range(1, n + 1)), tables[[0] * n])
+    assert torch.equal(one_by_one, whole)

@@ -60,6 +60,16 @@ class Attention(nn.Module):
             meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale,
         )
 
+    def forward_invariant(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of every row, prompt and decode alike, by one tile shape of the prefill kernel (GPU,
+        --batch-invariant; this step's K/V already stored): a row's output depends on its query and KV only."""
+        from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
+
+        ops.seal_pages(self.v_cache, meta.slot_mapping)
+        return paged_prefill_attention_triton(q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens,
+                                              meta.block_tables, meta.max_query_len, meta.max_seq_len, self.scale,
+                                              self.k_scale, self.v_scale, invariant=True)
+
     def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
         """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
         new key and value (and seals the page that the new token fills)."""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.distributed import all_reduce, tp_rank, tp_size
+from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.norm import RMSNorm
 
 
@@ -39,16 +40,22 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the selected rows, after the model's final add+RMSNorm; with TP the vocab shards are
     gathered on every rank."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, invariant: bool = False
+                ) -> torch.Tensor:
         """x, residual: [num_seqs, hidden] -> logits of norm(x + residual) (of norm(x) without a residual):
-        [num_seqs, vocab]."""
+        [num_seqs, vocab]. `invariant` (--batch-invariant, GPU): the batch-invariant GEMM instead of cuBLAS."""
         from nvcli.models.layers.linear import linear
 
         # The norm stays a kernel of its own: fused into the LM head's prologue, each of its ~2,400
         # programs (vocab / 64 columns) redid the row's RMS pass. One request on the H100: 1.042-1.048 ms
         # per token fused, 1.028-1.029 unfused (each call beside the same baseline at 1.033-1.037).
         normed = norm(x) if residual is None else norm(x, residual)[0]
-        logits = linear(normed, self.weight, None)
+        if invariant and use_triton(normed):
+            from nvcli.kernels.invariant_matmul import invariant_linear_triton
+
+            logits = invariant_linear_triton(normed, self.weight)  # [num_seqs, vocab shard]
+        else:
+            logits = linear(normed, self.weight, None)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)
