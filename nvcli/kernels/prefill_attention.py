@@ -152,6 +152,7 @@ def _prefill_kernel(
     F16_DOT: tl.constexpr,
     SUB: tl.constexpr,  # min(PAGE, BLOCK_N)
     V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py): [head, dim, token] per page
+    INVARIANT: tl.constexpr,  # --batch-invariant: every tile through the masked form (see below)
 ):
     kvh = tl.program_id(0)
     # Flattened (sequence, query block) index: sequence s owns the ids starting at
@@ -210,7 +211,13 @@ def _prefill_kernel(
     v_head = v_cache_ptr + kvh * stride_vh
     first_pos = ctx_len + q_block * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
-    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles below are visible to every row
+    if INVARIANT:
+        # Which tiles a row meets unmasked depends on its query block's first position, so on how its prompt was
+        # chunked, and the compiler contracts the unmasked form's scale and subtraction into one FMA, which the
+        # masked form's select keeps apart: one form for every tile keeps a row's bits (H100, float32).
+        full_end = 0
+    else:
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles below are visible to every row
     kv_end = last_pos + 1
     open_start = seq_len // PAGE * PAGE
     pos0 = offs_n
@@ -358,6 +365,7 @@ def paged_prefill_attention_triton(
         F16_DOT=fp8 and q.dtype != torch.float32,
         SUB=min(page, block_n),
         V_T=v_t,
+        INVARIANT=invariant,
         num_warps=num_warps,
         num_stages=num_stages,
     )
