@@ -340,8 +340,6 @@ class ModelRunner:
                  compile_workers: CompileWorkers | None = None) -> None:
         """`compile_workers`: started by the caller for this start-up (start_compile_workers_if_cold); else the
         runner starts them itself if it compiles ahead."""
-        if config.batch_invariant:  # its kernels run eagerly, and a step's decode rows take the prompt rows' kernel
-            config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
         self.model_config = model_config
         self.rank = rank
@@ -428,6 +426,7 @@ class ModelRunner:
         self.logits_graph_max_rows = (sampler_graphs.MAX_ROWS if self.device.type == "cuda" and not config.enforce_eager
                                       and config.tensor_parallel_size == 1 else 0)
         self.num_mixed_replays = 0
+        # --batch-invariant: no split, so no mixed graphs (its decode graphs replay the invariant forward)
         self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED and not config.batch_invariant
                             and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton")
         self.mixed_graph_sizes = (mixed_graph_sizes(config.max_num_batched_tokens)
@@ -1031,9 +1030,9 @@ class ModelRunner:
 
     def _shared_prefix_graph_sizes(self) -> list[int]:
         """The decode graph sizes that may replay a shared-prefix graph (none where the kernel cannot serve: the CPU,
-        eager mode, the torch attention backend)."""
+        eager mode, the torch attention backend; --batch-invariant, whose attention takes every row alike)."""
         if not (SHARED_PREFIX and self.device.type == "cuda" and not self.config.enforce_eager
-                and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"):
+                and not self.config.batch_invariant and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"):
             return []
         return [bs for bs in self.graph_batch_sizes if bs >= SHARED_PREFIX_MIN_ROWS]
 
