@@ -24,13 +24,17 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
     return target, others
 
 
-def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params: list[SamplingParams], idx: int):
-    llm = LLM(model, max_num_batched_tokens=batched, batch_invariant=True, enable_prefix_caching=False, dtype=dtype,
-              num_kvcache_blocks=128)
+def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params: list[SamplingParams], idx: int,
+         blocks: int = 128, prefix_caching: bool = False, first: list[int] | None = None, preempts: bool = False):
+    llm = LLM(model, max_num_batched_tokens=batched, batch_invariant=True, enable_prefix_caching=prefix_caching,
+              dtype=dtype, num_kvcache_blocks=blocks)
+    if first is not None:  # an earlier request, whose blocks the prefix cache keeps
+        llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=1))
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)[idx]
+    assert (llm.engine.stats().num_preemptions > 0) == preempts
     o = out.outputs[0]
     sampled = [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]
-    prompt = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs]
+    prompt = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs or []]
     return o.token_ids, sampled, prompt
 
 
@@ -51,6 +55,24 @@ def test_a_request_is_the_same_alone_in_a_batch_and_chunked(tiny_model_dir, dtyp
         assert other[0] == alone[0]  # tokens
         assert other[1] == alone[1]  # each position's logprobs (the token's and its top 3), as floats: bit for bit
         assert other[2] == alone[2]  # prompt logprobs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_cache_hits_and_preemption_keep_the_bits(tiny_model_dir, dtype: str) -> None:
+    """Cached K/V are the bits a recompute writes, and a preempted request recomputed from its tokens goes on as it
+    would have."""
+    model = str(tiny_model_dir("qwen3"))
+    target, others = _prompts()
+    sp = SamplingParams(temperature=1.0, seed=3, max_tokens=24, logprobs=2, ignore_eos=True)
+    neighbour = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    alone = _run(model, dtype, 8192, [target], [sp], 0)
+    # the first 96 tokens (six blocks) come from an earlier request's cached blocks
+    cached = _run(model, dtype, 8192, [target], [sp], 0, prefix_caching=True, first=target[:100] + [1, 2, 3])
+    # 18 KV blocks for three requests that need about 30: requests are preempted and recomputed
+    preempted = _run(model, dtype, 64, [others[0], target, others[1]], [neighbour, sp, neighbour], 1, blocks=18,
+                     preempts=True)
+    for other in (cached, preempted):
+        assert other[0] == alone[0] and other[1] == alone[1]
 
 
 def test_batch_invariant_refuses_what_it_cannot_keep() -> None:
