@@ -38,3 +38,13 @@ def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
         return _to_cpu(out)
 
     return call
+
+
+def linear_inputs(m: int, n: int, k: int, seed: int, dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [m, k], weight [n, k] scaled by k ** -0.5, bias [n]) on the CPU, for the GEMM tests."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    return x, w, b

@@ -7,18 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_device import DEVICE, on_device
+from kernel_device import linear_inputs as _inputs
 
 from nvcli.kernels import invariant_matmul
 
 linear = on_device(invariant_matmul.invariant_linear_triton)
-
-
-def _inputs(m: int, n: int, k: int, seed: int, dtype: torch.dtype = torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype)
-    return x, w, b
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -6,19 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_device import DEVICE, on_device
+from kernel_device import linear_inputs as _inputs
 
 from nvcli.kernels import skinny_gemm
 from nvcli.kernels.skinny_gemm import SkinnyConfig, block_m_for, choose_config, skinny_supported, use_skinny
 
 skinny_linear = on_device(skinny_gemm.skinny_linear_triton)
-
-
-def _inputs(m: int, n: int, k: int, seed: int, dtype: torch.dtype = torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype)
-    return x, w, b
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
