@@ -1,10 +1,11 @@
 """--batch-invariant on the GPU: does a request keep its bits beside other requests, and what does the mode cost?
 
-Part 1 (bits): a seeded request (temperature 1, logprobs 5) of 300 prompt tokens, 64 output tokens, on dummy Qwen3-0.6B
-weights in bf16: alone, then beside 63 other requests, with and without --batch-invariant. Prints the first token
-that differs from the request alone and the largest logprob difference before it.
-Part 2 (cost): output tok/s of a workload of 128 requests (random 100-1,000 prompt and 100-500 output tokens), the
-default engine against --batch-invariant, each a warm-up then `--repeats` timed runs (median).
+Bits: a seeded request (temperature 1, logprobs 5) of 300 prompt tokens and 64 output tokens, on dummy Qwen3-0.6B
+weights in bf16: alone, alone again, then beside 63 other requests, with and without --batch-invariant. Prints the
+first token that differs from the request alone and the largest logprob difference before it.
+Cost: output tok/s of 128 requests (random 100-1,000 prompt and 100-500 output tokens), the default engine against
+--batch-invariant, all at once (256 slots) and streamed through 32 slots (new prompts join most steps: mixed steps),
+each a warm-up then `--repeats` timed runs (median).
 
     PYTHONPATH=. python3 benchmarks/batch_invariance_gpu.py [--repeats 2]
 """
@@ -31,6 +32,17 @@ def first_difference(a: tuple[list[int], list[float]], b: tuple[list[int], list[
     return n, max((abs(x - y) for x, y in zip(a[1][:upto], b[1][:upto])), default=0.0)
 
 
+def first_output(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[int], list[float]]:
+    """The first request's tokens and their logprobs."""
+    o = llm.generate([{"prompt_token_ids": p} for p in prompts], params)[0].outputs[0]
+    return o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
@@ -43,45 +55,43 @@ def main() -> None:
     others = [[rnd.randint(0, 10000) for _ in range(rnd.randint(50, 600))] for _ in range(n_others)]
     sp = SamplingParams(temperature=1.0, seed=11, max_tokens=out_tokens, logprobs=5, ignore_eos=True)
     neighbour = SamplingParams(temperature=0.6, max_tokens=80, ignore_eos=True)
-    rows = []
+    w = random.Random(1)
+    prompts = [{"prompt_token_ids": [w.randint(0, 10000) for _ in range(w.randint(100, 1000))]} for _ in range(n_work)]
+    params = [SamplingParams(temperature=0.6, max_tokens=w.randint(4, 8) if args.smoke else w.randint(100, 500),
+                             ignore_eos=True) for _ in prompts]
+    total = sum(p.max_tokens for p in params)
+    bits, cost = {}, {}
     for invariant in (False, True):
-        llm = LLM(model, load_format="auto" if args.smoke else "dummy", batch_invariant=invariant,
-                  enable_prefix_caching=False, gpu_memory_utilization=0.4)
+        for slots in (256, 32):
+            llm = LLM(model, load_format="auto" if args.smoke else "dummy", batch_invariant=invariant,
+                      enable_prefix_caching=False, gpu_memory_utilization=0.4, max_num_seqs=slots)
+            if slots == 256:
+                alone = first_output(llm, [target], [sp])
+                again = first_output(llm, [target], [sp])
+                beside = first_output(llm, [target, *others], [sp] + [neighbour] * n_others)
+                bits[invariant] = (first_difference(alone, again), first_difference(alone, beside))
+            llm.generate(prompts[:16], params[:16])  # warm-up
+            times = []
+            for _ in range(args.repeats):
+                sync()
+                t = time.perf_counter()
+                llm.generate(prompts, params)
+                sync()
+                times.append(time.perf_counter() - t)
+            cost[invariant, slots] = (total / statistics.median(times), times)
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
-        def run(prompts, params, llm=llm):
-            o = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[0].outputs[0]
-            return o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
-
-        alone = run([target], [sp])
-        again = run([target], [sp])
-        batch = run([target, *others], [sp] + [neighbour] * n_others)
-        rows.append((invariant, first_difference(alone, again), first_difference(alone, batch)))
-
-        # cost: the same workload with each setting
-        w = random.Random(1)
-        prompts = [{"prompt_token_ids": [w.randint(0, 10000) for _ in range(w.randint(100, 1000))]} for _ in range(n_work)]
-        params = [SamplingParams(temperature=0.6, max_tokens=w.randint(4, 8) if args.smoke else w.randint(100, 500),
-                                 ignore_eos=True) for _ in prompts]
-        total = sum(p.max_tokens for p in params)
-        llm.generate(prompts[:16], params[:16], use_tqdm=False)  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize() if torch.cuda.is_available() else None
-            t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize() if torch.cuda.is_available() else None
-            times.append(time.perf_counter() - t)
-        rows[-1] = rows[-1] + (total / statistics.median(times), times)
-        del llm, run  # run's default argument holds the engine too
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-
-    print("\n| mode | alone twice: first differing token / max logprob diff | alone vs beside the others: first differing "
-          "token / max logprob diff | workload, output tok/s (runs, s) |")
-    print("| --- | --- | --- | --- |")
-    for invariant, again, batch, tps, times in rows:
+    print(f"\n| mode | alone twice: first differing token / max logprob diff | alone vs beside {n_others} others | "
+          f"{n_work} requests at once, output tok/s (runs, s) | through 32 slots |")
+    print("| --- | --- | --- | --- | --- |")
+    for invariant in (False, True):
+        again, beside = bits[invariant]
+        cells = [f"{tps:,.0f} ({', '.join(f'{t:.2f}' for t in ts)})" for tps, ts in (cost[invariant, s] for s in (256, 32))]
         print(f"| {'--batch-invariant' if invariant else 'default'} | {again[0]} / {again[1]:.3g} | "
-              f"{batch[0]} / {batch[1]:.3g} | {tps:,.0f} ({', '.join(f'{t:.2f}' for t in times)}) |")
+              f"{beside[0]} / {beside[1]:.3g} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

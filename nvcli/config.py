@@ -58,8 +58,7 @@ class EngineConfig:
     structured_outputs_in_reasoning: bool = False
     # vLLM's VLLM_BATCH_INVARIANT: a sequence's logits (so a seeded or greedy request's tokens and logprobs) do not
     # depend on what else is in its steps, nor on how its prompt is chunked (kernels/invariant_matmul.py,
-    # models/llama.py). Slower: its kernels keep one configuration for every batch size, and steps that carry prompt
-    # chunks run eagerly (decode steps still replay CUDA graphs).
+    # models/llama.py). Slower: its kernels keep one configuration for every batch size.
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

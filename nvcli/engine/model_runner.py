@@ -426,8 +426,7 @@ class ModelRunner:
         self.logits_graph_max_rows = (sampler_graphs.MAX_ROWS if self.device.type == "cuda" and not config.enforce_eager
                                       and config.tensor_parallel_size == 1 else 0)
         self.num_mixed_replays = 0
-        # --batch-invariant: no split, so no mixed graphs (its decode graphs replay the invariant forward)
-        self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED and not config.batch_invariant
+        self.split_mixed = (self.device.type == "cuda" and SPLIT_MIXED
                             and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton")
         self.mixed_graph_sizes = (mixed_graph_sizes(config.max_num_batched_tokens)
                                   if self.split_mixed and MIXED_GRAPHS and not config.enforce_eager else [])

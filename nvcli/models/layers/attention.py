@@ -62,13 +62,29 @@ class Attention(nn.Module):
 
     def forward_invariant(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of every row, prompt and decode alike, by one tile shape of the prefill kernel (GPU,
-        --batch-invariant; this step's K/V already stored): a row's output depends on its query and KV only."""
+        --batch-invariant; this step's K/V already stored): a row's output depends on its query and KV only, so a
+        step split into one-token rows and prompt chunks (a mixed CUDA graph's layout) takes two calls of it."""
         from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
         ops.seal_pages(self.v_cache, meta.slot_mapping)
-        return paged_prefill_attention_triton(q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens,
-                                              meta.block_tables, meta.max_query_len, meta.max_seq_len, self.scale,
-                                              self.k_scale, self.v_scale, invariant=True)
+        split = meta.split
+        if split is None:
+            return paged_prefill_attention_triton(q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens,
+                                                  meta.block_tables, meta.max_query_len, meta.max_seq_len, self.scale,
+                                                  self.k_scale, self.v_scale, invariant=True)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
+        d = split.num_rows
+        if d:  # rows [0, d): one query each
+            one_each = torch.arange(d + 1, dtype=torch.int32, device=q.device)
+            paged_prefill_attention_triton(q[:d], self.k_cache, self.v_cache, one_each, split.seq_lens,
+                                           split.block_tables, 1, 0, self.scale, self.k_scale, self.v_scale,
+                                           out=out[:d], invariant=True)
+        if split.prefill_seq_lens.shape[0]:  # the prompt chunks' rows, after them (absolute query starts)
+            paged_prefill_attention_triton(q, self.k_cache, self.v_cache, split.prefill_query_start_loc,
+                                           split.prefill_seq_lens, split.prefill_block_tables,
+                                           split.prefill_max_query_len, 0, self.scale, self.k_scale, self.v_scale,
+                                           out=out, invariant=True)
+        return out
 
     def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
         """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
