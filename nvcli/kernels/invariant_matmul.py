@@ -8,18 +8,42 @@ split-K, M never specialized. A row's output is then the same function of that r
 its tile (rows past M are masked loads, and a tensor-core MMA's per-element sum does not depend on the other rows).
 `--batch-invariant` (models/llama.py) routes every projection and the LM head here.
 
-It is slower than cuBLAS at small M (one row fills BLOCK_M = 64 rows of work) and about as fast at prompt sizes.
+It is slower than cuBLAS: about 1.5-2.5x at decode row counts and 1.3-1.8x at prompt sizes (tiles_for).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-# One configuration for every shape (tensor cores on Hopper); the point is that it never changes with M.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64
-NUM_WARPS, NUM_STAGES = 4, 3
+
+@dataclass(frozen=True)
+class Tiles:
+    """A configuration of the kernel. It may depend on the weight's shape, never on the row count."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+WIDE = Tiles(64, 128)  # projections that widen (qkv, gate_up)
+NARROW = Tiles(64, 64)  # projections that narrow (o_proj, down): twice the column blocks, the SMs fuller at decode
+VOCAB = Tiles(128, 128, num_warps=8)  # LM heads: the weight dwarfs the rows
+
+
+def tiles_for(n: int, k: int) -> Tiles:
+    """The configuration for a weight of n rows and k columns (a function of the weight only). Picked on Qwen3-0.6B's
+    shapes replayed in CUDA graphs on an H100 (benchmarks/invariant_tiles_gpu.py, RESULTS session 44): at 128 decode
+    rows a layer's four GEMMs 43 -> 36 us against 64 x 128 tiles everywhere, an 8,192-row prompt step 685 -> 738 us;
+    the LM head at 128 rows 234 -> 132 us."""
+    if n >= 32768:
+        return VOCAB
+    return NARROW if n <= k else WIDE
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -62,8 +86,10 @@ def _invariant_matmul_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N] in x's dtype; row results independent of the rows."""
+def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            tiles: Tiles | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N] in x's dtype; row results independent of the rows.
+    `tiles`: the configuration (default: tiles_for the weight's shape; the benchmark tries others)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -73,11 +99,12 @@ def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     n = weight.shape[0]
     assert weight.shape[1] == k, f"x has {k} features, the weight {weight.shape[1]}"
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    t = tiles or tiles_for(n, k)
     if m:
-        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
+        grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
         _invariant_matmul_kernel[grid](
             x2, weight, bias if bias is not None else x2, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
         )
     return y.reshape(*shape[:-1], n)

@@ -309,7 +309,9 @@ def paged_prefill_attention_triton(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     if block_m is None:
-        block_m = 128 if head_dim <= 128 else 64
+        # invariant: its one tile height serves one-token rows too, where 64 rows against 128 took 146 against 199 us
+        # for 128 decode rows and 172 against 151 us for a 8k-token prompt step (invariant_tiles_gpu.py, session 44)
+        block_m = 128 if head_dim <= 128 and not invariant else 64
     if block_n is None:
         block_n = 64
     # the open page (kv_layout.py) must fall in the masked tiles, which it does when tiles hold whole pages

@@ -30,12 +30,14 @@ def test_leading_dims_and_empty() -> None:
     assert linear(x[:0], w).shape == (0, 40)
 
 
+@pytest.mark.parametrize("tiles", [invariant_matmul.WIDE, invariant_matmul.NARROW, invariant_matmul.VOCAB])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
-def test_a_row_does_not_depend_on_its_neighbours(dtype: torch.dtype) -> None:
+def test_a_row_does_not_depend_on_its_neighbours(dtype: torch.dtype, tiles: invariant_matmul.Tiles) -> None:
     """One row alone, at another place among other rows, in the second row block: the same bits. (cuBLAS and the
     skinny GEMM change their tiles and K splits with the row count; this GEMM must not.)"""
     x, w, b = _inputs(130, 200, 96, seed=3, dtype=dtype)
-    alone = linear(x[5:6], w, b)[0]
+    alone = linear(x[5:6], w, b, tiles)[0]
     for rows in (x[:9], x[3:7], torch.cat([x[100:], x[5:6]]), x):
         i = next(j for j in range(rows.shape[0]) if torch.equal(rows[j], x[5]))
-        assert torch.equal(linear(rows, w, b)[i], alone), f"row moved among {rows.shape[0]} rows"
+        assert torch.equal(linear(rows, w, b, tiles)[i], alone), f"row moved among {rows.shape[0]} rows"
+

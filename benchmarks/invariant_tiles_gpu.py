@@ -1,0 +1,91 @@
+"""Which fixed configurations should --batch-invariant's kernels take? Times the batch-invariant GEMM
+(kernels/invariant_matmul.py) per tile configuration on Qwen3-0.6B's weight shapes at decode and prompt row counts,
+beside cuBLAS, and the prefill attention kernel in its invariant form per query-tile height on one-token rows and on
+prompt chunks, beside the default kernels. A configuration may depend on the weight's shape (or the model's heads),
+never on the row count. Microseconds, median of triton.testing.do_bench_cudagraph.
+
+    PYTHONPATH=. python3 benchmarks/invariant_tiles_gpu.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from nvcli.kernels.decode_attention import paged_decode_attention_triton
+from nvcli.kernels.invariant_matmul import Tiles, invariant_linear_triton
+from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
+
+SHAPES = [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
+          ("lm_head", 151936, 1024)]
+ROWS = [1, 32, 128, 256, 2048, 8192]
+TILES = [Tiles(64, 128), Tiles(32, 128), Tiles(64, 64), Tiles(32, 64), Tiles(16, 64), Tiles(128, 128, num_warps=8),
+         Tiles(64, 256, num_warps=8)]
+
+
+def us(fn) -> float:
+    """Microseconds per call; replayed from a CUDA graph (as the engine's steps are), so that a few-row GEMM's host
+    launch time does not stand in for its GPU time."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=40) * 1000
+
+
+def gemms() -> None:
+    dev = torch.device("cuda")
+    print("| shape | rows | cuBLAS | " + " | ".join(f"{t.block_m}x{t.block_n}/{t.num_warps}w" for t in TILES) + " |")
+    print("| --- " * (3 + len(TILES)) + "|")
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
+        for m in ROWS:
+            if name == "lm_head" and m > 256:
+                continue
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            cells = [f"{us(lambda x=x, w=w: F.linear(x, w)):.1f}"]
+            for t in TILES:
+                cells.append(f"{us(lambda t=t, x=x, w=w: invariant_linear_triton(x, w, tiles=t)):.1f}")
+            print(f"| {name} | {m} | " + " | ".join(cells) + " |")
+
+
+def attention() -> None:
+    dev = torch.device("cuda")
+    rnd = random.Random(0)
+    heads, kv_heads, dim, page = 16, 8, 128, 16
+    lens = [rnd.randint(100, 1100) for _ in range(128)]
+    blocks = sum(-(-n // page) for n in lens) + 8 * 64 + 8
+    k_cache = torch.randn(blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(blocks, device=dev).to(torch.int32)
+    tables = torch.zeros(128, 80, dtype=torch.int32, device=dev)
+    at = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // page)
+        tables[i, :nb] = perm[at : at + nb]
+        at += nb
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(128, heads, dim, device=dev, dtype=torch.bfloat16)
+    one_each = torch.arange(129, dtype=torch.int32, device=dev)
+    scale = dim**-0.5
+    # eight 1,024-token prompt chunks (prompt step)
+    p_tables = torch.stack([perm[at + 64 * i : at + 64 * (i + 1)] for i in range(8)])
+    p_lens = torch.full((8,), 1024, dtype=torch.int32, device=dev)
+    p_qsl = torch.arange(0, 8 * 1024 + 1, 1024, dtype=torch.int32, device=dev)
+    pq = torch.randn(8 * 1024, heads, dim, device=dev, dtype=torch.bfloat16)
+    dec = us(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale))
+    pre = us(lambda: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 1024, scale))
+    print("\n| attention | default kernel | " + " | ".join(f"invariant, {b}-row tiles" for b in (128, 64, 32, 16)) + " |")
+    print("| --- " * 6 + "|")
+    row_d, row_p = [f"{dec:.1f}"], [f"{pre:.1f}"]
+    for b in (128, 64, 32, 16):
+        row_d.append(f"{us(lambda b=b: paged_prefill_attention_triton(q, k_cache, v_cache, one_each, seq_lens, tables, 1, 0, scale, block_m=b, invariant=True)):.1f}")
+        row_p.append(f"{us(lambda b=b: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 0, scale, block_m=b, invariant=True)):.1f}")
+    print("| 128 one-token rows, 100-1,100 tokens of KV | " + " | ".join(row_d) + " |")
+    print("| 8 prompt chunks of 1,024 tokens | " + " | ".join(row_p) + " |")
+
+
+if __name__ == "__main__":
+    gemms()
+    attention()
