@@ -85,18 +85,24 @@ def paged_split_attention(
     scale: float,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of a step whose first `split.num_rows` rows are one-token queries (decode kernel) and whose other
     rows are prompt chunks (prefill kernel) -> like q. Triton only (the split exists on the GPU).
 
     The decode kernel runs first: in a CUDA graph its capacity may reach into the prompt rows, where it writes
-    zeros (length 0) that the prefill kernel then overwrites."""
+    zeros (length 0) that the prefill kernel then overwrites. `invariant` (--batch-invariant): the one-token rows
+    take the prefill kernel's invariant form too, one query each, so every row gets the same arithmetic."""
     from nvcli.kernels.decode_attention import paged_decode_attention_triton
     from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     d = split.num_rows
-    if d and split.shared_prefix_len is not None:
+    if d and invariant:
+        one_each = torch.arange(d + 1, dtype=torch.int32, device=q.device)  # [d + 1] query starts
+        paged_prefill_attention_triton(q[:d], k_cache, v_cache, one_each, split.seq_lens, split.block_tables, 1, 0,
+                                       scale, k_scale, v_scale, out=out[:d], invariant=True)
+    elif d and split.shared_prefix_len is not None:
         from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
         shared_prefix_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens,
@@ -108,7 +114,7 @@ def paged_split_attention(
     if split.prefill_seq_lens.shape[0]:
         paged_prefill_attention_triton(q, k_cache, v_cache, split.prefill_query_start_loc, split.prefill_seq_lens,
                                        split.prefill_block_tables, split.prefill_max_query_len, 0, scale, k_scale,
-                                       v_scale, out=out)
+                                       v_scale, out=out, invariant=invariant)
     return out
 
 
@@ -124,13 +130,14 @@ def paged_prefill_attention(
     scale: float,
     k_scale: Scale = None,
     v_scale: Scale = None,
+    invariant: bool = False,  # the Triton kernel's --batch-invariant form (the reference's rows are computed apart)
 ) -> torch.Tensor:
     if use_triton(q):
         from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len, scale,
-            k_scale, v_scale,
+            k_scale, v_scale, invariant=invariant,
         )
     return reference.paged_attention_ref(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, k_scale, v_scale

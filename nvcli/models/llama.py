@@ -127,7 +127,7 @@ class DecoderAttention(nn.Module):
                                            k_cache=attn.k_cache, v_cache=attn.v_cache,
                                            slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale,
                                            scale_rows=scale_rows, scale_eps=scale_eps)
-                o = attn.forward_invariant(q, meta) if invariant else attn(q, k, v, meta, kv_stored=True)
+                o = attn(q, k, v, meta, kv_stored=True, invariant=invariant)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)

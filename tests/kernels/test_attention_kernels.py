@@ -473,6 +473,11 @@ def test_split_attention_matches_one_pass(graph_padding: bool, many_decodes: boo
                         dev(pre_tables), max(q_lens[d:]))
     out = paged_split_attention(dev(q_in), dev(k_cache), dev(v_cache), split, SCALE).cpu()
     assert_close(out[:num_tokens], ref)
+    # --batch-invariant: the one-token rows take the prefill kernel too, and every row has the bits of one pass
+    invariant = paged_split_attention(dev(q_in), dev(k_cache), dev(v_cache), split, SCALE, invariant=True).cpu()
+    one_pass = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, invariant=True)
+    assert torch.equal(invariant[:num_tokens], one_pass)
+    assert_close(one_pass, ref)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4)])

@@ -35,6 +35,7 @@ class Attention(nn.Module):
         v: torch.Tensor,
         meta: AttentionMetadata,
         kv_stored: bool = False,  # the caller's fused rotary kernel already wrote k and v to the cache
+        invariant: bool = False,  # --batch-invariant (GPU): every row, decode or prompt, by the prefill kernel
     ) -> torch.Tensor:
         if not kv_stored:
             ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
@@ -42,49 +43,23 @@ class Attention(nn.Module):
         ops.seal_pages(self.v_cache, meta.slot_mapping)
         if meta.split is not None:
             return ops.paged_split_attention(q, self.k_cache, self.v_cache, meta.split, self.scale, self.k_scale,
-                                             self.v_scale)
-        if meta.decode_only and meta.shared_prefix_len is not None:  # GPU only: the model runner's decode graphs
-            from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
+                                             self.v_scale, invariant=invariant)
+        if meta.decode_only and not invariant:
+            if meta.shared_prefix_len is not None:  # GPU only: the model runner's decode graphs
+                from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
-            return shared_prefix_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                         meta.seq_lens, meta.shared_prefix_len, self.scale,
-                                                         meta.decode_order, k_scale=self.k_scale,
-                                                         v_scale=self.v_scale)
-        if meta.decode_only:
+                return shared_prefix_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                             meta.seq_lens, meta.shared_prefix_len, self.scale,
+                                                             meta.decode_order, k_scale=self.k_scale,
+                                                             v_scale=self.v_scale)
             return ops.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
                 self.k_scale, self.v_scale, meta.decode_order,
             )
         return ops.paged_prefill_attention(
             q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale,
+            meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale, invariant=invariant,
         )
-
-    def forward_invariant(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of every row, prompt and decode alike, by one tile shape of the prefill kernel (GPU,
-        --batch-invariant; this step's K/V already stored): a row's output depends on its query and KV only, so a
-        step split into one-token rows and prompt chunks (a mixed CUDA graph's layout) takes two calls of it."""
-        from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
-
-        ops.seal_pages(self.v_cache, meta.slot_mapping)
-        split = meta.split
-        if split is None:
-            return paged_prefill_attention_triton(q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens,
-                                                  meta.block_tables, meta.max_query_len, meta.max_seq_len, self.scale,
-                                                  self.k_scale, self.v_scale, invariant=True)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [num_tokens, num_heads, head_dim]
-        d = split.num_rows
-        if d:  # rows [0, d): one query each
-            one_each = torch.arange(d + 1, dtype=torch.int32, device=q.device)
-            paged_prefill_attention_triton(q[:d], self.k_cache, self.v_cache, one_each, split.seq_lens,
-                                           split.block_tables, 1, 0, self.scale, self.k_scale, self.v_scale,
-                                           out=out[:d], invariant=True)
-        if split.prefill_seq_lens.shape[0]:  # the prompt chunks' rows, after them (absolute query starts)
-            paged_prefill_attention_triton(q, self.k_cache, self.v_cache, split.prefill_query_start_loc,
-                                           split.prefill_seq_lens, split.prefill_block_tables,
-                                           split.prefill_max_query_len, 0, self.scale, self.k_scale, self.v_scale,
-                                           out=out, invariant=True)
-        return out
 
     def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
         """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
