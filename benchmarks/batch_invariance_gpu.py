@@ -7,7 +7,7 @@ Cost: output tok/s of 128 requests (random 100-1,000 prompt and 100-500 output t
 --batch-invariant, all at once (256 slots) and streamed through 32 slots (new prompts join most steps: mixed steps),
 each a warm-up then `--repeats` timed runs (median).
 
-    PYTHONPATH=. python3 benchmarks/batch_invariance_gpu.py [--repeats 2]
+    PYTHONPATH=. python3 benchmarks/batch_invariance_gpu.py [--repeats 2] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def sync() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     ap.add_argument("--smoke", help="a small model directory and a few requests: checks the script on the CPU")
     args = ap.parse_args()
     model = args.smoke or str(preset_dir("qwen3-0.6b", tempfile.mkdtemp(prefix="nv-preset-")))
@@ -64,7 +65,7 @@ def main() -> None:
     for invariant in (False, True):
         for slots in (256, 32):
             llm = LLM(model, load_format="auto" if args.smoke else "dummy", batch_invariant=invariant,
-                      enable_prefix_caching=False, gpu_memory_utilization=0.4, max_num_seqs=slots)
+                      kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, gpu_memory_utilization=0.4, max_num_seqs=slots)
             if slots == 256:
                 alone = first_output(llm, [target], [sp])
                 again = first_output(llm, [target], [sp])

@@ -24,8 +24,8 @@ _D = {name: f.default for name, f in EngineConfig.__dataclass_fields__.items()}
 ENGINE = "Engine (vLLM names)"
 _BATCH_INVARIANT_HELP = (
     "A line's tokens and logprobs do not depend on the other lines in its steps or on how its prompt is chunked "
-    "(vLLM's VLLM_BATCH_INVARIANT): reruns of a seeded or greedy line give the same bits. Slower; one GPU or the CPU, "
-    "not with an fp8 KV cache."
+    "(vLLM's VLLM_BATCH_INVARIANT): reruns of a seeded or greedy line give the same bits (with --tp and fp8 KV "
+    "caches too). Slower."
 )
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"

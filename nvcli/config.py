@@ -105,11 +105,6 @@ class EngineConfig:
         )
         need(self.load_format in LOAD_FORMATS, "--load-format", f"must be one of {LOAD_FORMATS}")
         need(isinstance(self.seed, int), "--seed", "must be an integer")
-        need(not self.batch_invariant or self.tensor_parallel_size == 1, "--batch-invariant",
-             "is not supported with --tensor-parallel-size > 1 (the all-reduce's summation order depends on the "
-             "message size); drop one of the two")
-        need(not self.batch_invariant or not str(self.kv_cache_dtype).startswith("fp8"), "--batch-invariant",
-             "is not supported with an fp8 KV cache yet; use --kv-cache-dtype auto")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(
                 self.max_num_batched_tokens >= self.max_model_len,

@@ -25,7 +25,7 @@ import os
 import torch
 from torch import nn
 
-from nvcli.distributed import all_reduce, tp_size
+from nvcli.distributed import all_reduce, set_rank_ordered_sums, tp_size
 from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
@@ -199,9 +199,10 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         qkv = mm(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [num_tokens, (H + 2 * KH) * head_dim]
         o = attn.attention_heads(positions, qkv, meta, invariant=True)  # [num_tokens, H * head_dim]
-        x, residual = self.post_attention_layernorm(mm(o, attn.o_proj.weight, attn.o_proj.bias), residual)
+        o = all_reduce(mm(o, attn.o_proj.weight, attn.o_proj.bias))  # rank-ordered under TP (distributed.py)
+        x, residual = self.post_attention_layernorm(o, residual)
         act = mlp.act(mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))  # [num_tokens, intermediate]
-        return mm(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        return all_reduce(mm(act, mlp.down_proj.weight, mlp.down_proj.bias)), residual
 
     def forward_deferred(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layer on the residual stream h [num_tokens, hidden], updated in place and returned (deferred norm,
@@ -340,6 +341,7 @@ class LlamaForCausalLM(nn.Module):
     def set_batch_invariant(self, on: bool) -> None:
         """--batch-invariant: every row's logits independent of the other rows of its step (_forward_invariant)."""
         self.model.batch_invariant = on
+        set_rank_ordered_sums(on)
 
     def compute_logits(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """Logits [num_seqs, vocab] of LM-head(RMSNorm(hidden + residual)) for the selected rows [num_seqs, hidden]

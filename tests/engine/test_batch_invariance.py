@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from nvcli import LLM, SamplingParams
-from nvcli.config import ConfigError, EngineConfig
 
 DTYPES = ["auto"] + (["bfloat16"] if torch.cuda.is_available() else [])
 
@@ -25,13 +24,15 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
 
 
 def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params: list[SamplingParams], idx: int,
-         blocks: int = 128, prefix_caching: bool = False, first: list[int] | None = None, preempts: bool = False):
+         blocks: int = 128, prefix_caching: bool = False, first: list[int] | None = None, preempts: bool = False,
+         **engine: object):
     llm = LLM(model, max_num_batched_tokens=batched, batch_invariant=True, enable_prefix_caching=prefix_caching,
-              dtype=dtype, num_kvcache_blocks=blocks)
+              dtype=dtype, num_kvcache_blocks=blocks, **engine)
     if first is not None:  # an earlier request, whose blocks the prefix cache keeps
         llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=1))
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)[idx]
     assert (llm.engine.stats().num_preemptions > 0) == preempts
+    llm.shutdown()
     o = out.outputs[0]
     sampled = [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]
     prompt = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs or []]
@@ -39,18 +40,23 @@ def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_a_request_is_the_same_alone_in_a_batch_and_chunked(tiny_model_dir, dtype: str, temperature: float) -> None:
+@pytest.mark.parametrize("temperature, kv_cache_dtype", [(1.0, "auto"), (0.0, "auto"), (1.0, "fp8")])
+def test_a_request_is_the_same_alone_in_a_batch_and_chunked(tiny_model_dir, dtype: str, temperature: float,
+                                                              kv_cache_dtype: str) -> None:
+    """fp8 caches too: a token's K/V are quantized alone, against the cache's fixed scales, and read back the same
+    whichever layout its page has (an open page token-major, a sealed one dims-major: kernels/kv_layout.py)."""
     model = str(tiny_model_dir("qwen3"))
     target, others = _prompts()
     sp = SamplingParams(temperature=temperature, seed=7, max_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True)
     neighbour = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
-    alone = _run(model, dtype, 8192, [target], [sp], 0)
+    kv = dict(kv_cache_dtype=kv_cache_dtype)
+    alone = _run(model, dtype, 8192, [target], [sp], 0, **kv)
     assert len(alone[0]) == 24 and len(alone[1]) == 24 and len(alone[2]) == len(target)
     # beside seven other prompts in the same steps, then among them with a 40-token budget that chunks every prompt
     # (chunk starts off the KV tiles' 64-token grid)
-    batch = _run(model, dtype, 8192, [target, *others], [sp] + [neighbour] * 7, 0)
-    chunked = _run(model, dtype, 40, [*others[:3], target, *others[3:]], [neighbour] * 3 + [sp] + [neighbour] * 4, 3)
+    batch = _run(model, dtype, 8192, [target, *others], [sp] + [neighbour] * 7, 0, **kv)
+    chunked = _run(model, dtype, 40, [*others[:3], target, *others[3:]], [neighbour] * 3 + [sp] + [neighbour] * 4, 3,
+                   **kv)
     for other in (batch, chunked):
         assert other[0] == alone[0]  # tokens
         assert other[1] == alone[1]  # each position's logprobs (the token's and its top 3), as floats: bit for bit
@@ -75,8 +81,26 @@ def test_prefix_cache_hits_and_preemption_keep_the_bits(tiny_model_dir, dtype: s
         assert other[0] == alone[0] and other[1] == alone[1]
 
 
-def test_batch_invariant_refuses_what_it_cannot_keep() -> None:
-    with pytest.raises(ConfigError, match="--batch-invariant.*tensor-parallel"):
-        EngineConfig(batch_invariant=True, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="--batch-invariant.*fp8"):
-        EngineConfig(batch_invariant=True, kv_cache_dtype="fp8")
+TP_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.parametrize("device", TP_DEVICES)
+def test_tensor_parallel_keeps_the_bits(tiny_model_dir, device: str) -> None:
+    """--tp 2: each rank runs the invariant forward on its shards and the row-parallel layers' parts are summed in
+    rank order (distributed.all_reduce; its own test shows why that matters from three ranks on). On the CPU every
+    row runs alone anyway; on GPUs the rows of a step go through the kernels together."""
+    model = str(tiny_model_dir("qwen3"))
+    target, others = _prompts()
+    target, others = target[:70], others[:4]
+    sp = SamplingParams(temperature=1.0, seed=11, max_tokens=12, logprobs=2, ignore_eos=True)
+    neighbour = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    tp = dict(tensor_parallel_size=2, device=device, max_model_len=512)
+    dtype = "bfloat16" if device == "cuda" else "auto"
+    alone = _run(model, dtype, 8192, [target], [sp], 0, **tp)
+    batch = _run(model, dtype, 8192, [*others[:2], target, *others[2:]], [neighbour] * 2 + [sp] + [neighbour] * 2,
+                 2, **tp)
+    chunked = _run(model, dtype, 24, [*others[:2], target, *others[2:]], [neighbour] * 2 + [sp] + [neighbour] * 2,
+                   2, **tp)
+    assert len(alone[0]) == 12
+    for other in (batch, chunked):
+        assert other[0] == alone[0] and other[1] == alone[1]

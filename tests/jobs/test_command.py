@@ -349,7 +349,9 @@ def test_batch_invariant_flag_reaches_the_engine(tmp_path, engines):
     assert [e.config.batch_invariant for e in engines] == [False, True]
 
 
-def test_batch_invariant_with_tp_is_a_usage_error(tmp_path):
+def test_batch_invariant_goes_with_tp_and_an_fp8_cache(tmp_path, engines):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
-    r = nv(src, "--batch-invariant", "--tp", 2)
-    assert r.exit_code == 2 and "--batch-invariant" in r.output
+    r = nv(src, "-q", "--max-tokens", 1, "--batch-invariant", "--tp", 2, "--kv-cache-dtype", "fp8")
+    assert r.exit_code == 0, r.output
+    (config,) = [e.config for e in engines]
+    assert config.batch_invariant and config.tensor_parallel_size == 2 and config.kv_cache_dtype == "fp8"
