@@ -7,7 +7,8 @@ Cost: output tok/s of 128 requests (random 100-1,000 prompt and 100-500 output t
 --batch-invariant, all at once (256 slots) and streamed through 32 slots (new prompts join most steps: mixed steps),
 each a warm-up then `--repeats` timed runs (median).
 
-    PYTHONPATH=. python3 benchmarks/batch_invariance_gpu.py [--repeats 2] [--kv-cache-dtype fp8]
+    PYTHONPATH=. python3 benchmarks/batch_invariance_gpu.py [--repeats 2] [--kv-cache-dtype fp8] [--prompt-heavy 512]
+        [--modes default,invariant]
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
+    ap.add_argument("--modes", default="default,invariant", help="default, invariant (--batch-invariant) or both")
+    ap.add_argument("--prompt-heavy", type=int, default=0, metavar="N",
+                    help="also time N lines of 1,000 prompt tokens and one output token each (prompt tok/s)")
     ap.add_argument("--smoke", help="a small model directory and a few requests: checks the script on the CPU")
     args = ap.parse_args()
     model = args.smoke or str(preset_dir("qwen3-0.6b", tempfile.mkdtemp(prefix="nv-preset-")))
@@ -61,8 +65,11 @@ def main() -> None:
     params = [SamplingParams(temperature=0.6, max_tokens=w.randint(4, 8) if args.smoke else w.randint(100, 500),
                              ignore_eos=True) for _ in prompts]
     total = sum(p.max_tokens for p in params)
-    bits, cost = {}, {}
-    for invariant in (False, True):
+    heavy = [{"prompt_token_ids": [w.randint(0, 10000) for _ in range(30 if args.smoke else 1000)]}
+             for _ in range(args.prompt_heavy)]
+    modes = [m == "invariant" for m in args.modes.split(",")]
+    bits, cost, prompt_rate = {}, {}, {}
+    for invariant in modes:
         for slots in (256, 32):
             llm = LLM(model, load_format="auto" if args.smoke else "dummy", batch_invariant=invariant,
                       kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, gpu_memory_utilization=0.4, max_num_seqs=slots)
@@ -80,19 +87,35 @@ def main() -> None:
                 sync()
                 times.append(time.perf_counter() - t)
             cost[invariant, slots] = (total / statistics.median(times), times)
+            if slots == 256 and heavy:
+                one = SamplingParams(max_tokens=1)
+                llm.generate(heavy[:16], one)  # warm-up
+                heavy_times = []
+                for _ in range(args.repeats):
+                    sync()
+                    t = time.perf_counter()
+                    llm.generate(heavy, one)
+                    sync()
+                    heavy_times.append(time.perf_counter() - t)
+                prompt_rate[invariant] = (sum(len(h["prompt_token_ids"]) for h in heavy)
+                                          / statistics.median(heavy_times), heavy_times)
             del llm
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+    heavy_head = f" {len(heavy)} prompts of 1,000 tokens, 1 output token, prompt tok/s (runs, s) |" if heavy else ""
     print(f"\n| mode | alone twice: first differing token / max logprob diff | alone vs beside {n_others} others | "
-          f"{n_work} requests at once, output tok/s (runs, s) | through 32 slots |")
-    print("| --- | --- | --- | --- | --- |")
-    for invariant in (False, True):
+          f"{n_work} requests at once, output tok/s (runs, s) | through 32 slots |{heavy_head}")
+    print("| --- | --- | --- | --- | --- |" + (" --- |" if heavy else ""))
+    for invariant in modes:
         again, beside = bits[invariant]
         cells = [f"{tps:,.0f} ({', '.join(f'{t:.2f}' for t in ts)})" for tps, ts in (cost[invariant, s] for s in (256, 32))]
+        if heavy:
+            rate, ts = prompt_rate[invariant]
+            cells.append(f"{rate:,.0f} ({', '.join(f'{t:.2f}' for t in ts)})")
         print(f"| {'--batch-invariant' if invariant else 'default'} | {again[0]} / {again[1]:.3g} | "
-              f"{beside[0]} / {beside[1]:.3g} | {cells[0]} | {cells[1]} |")
+              f"{beside[0]} / {beside[1]:.3g} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@ beside cuBLAS, and the prefill attention kernel in its invariant form per query-
 prompt chunks, beside the default kernels. A configuration may depend on the weight's shape (or the model's heads),
 never on the row count. Microseconds, median of triton.testing.do_bench_cudagraph.
 
-    PYTHONPATH=. python3 benchmarks/invariant_tiles_gpu.py
+    PYTHONPATH=. python3 benchmarks/invariant_tiles_gpu.py [--sections gemms,attention,attention-fp8]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import torch
@@ -17,6 +18,7 @@ from triton.testing import do_bench_cudagraph
 
 from nvcli.kernels.decode_attention import paged_decode_attention_triton
 from nvcli.kernels.invariant_matmul import Tiles, invariant_linear_triton
+from nvcli.kernels.kv_layout import allocate_kv_cache
 from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
 SHAPES = [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
@@ -50,16 +52,25 @@ def gemms() -> None:
             print(f"| {name} | {m} | " + " | ".join(cells) + " |")
 
 
-def attention() -> None:
+def attention(kv: str, configs: list[dict]) -> None:
+    """`kv`: bf16 (16-token pages) or fp8 (32-token pages, V dims-major, fixed scales: the engine's fp8 cache).
+    `configs`: the invariant kernel's launch settings to time (block_m, and block_n / num_warps where given)."""
     dev = torch.device("cuda")
     rnd = random.Random(0)
-    heads, kv_heads, dim, page = 16, 8, 128, 16
+    heads, kv_heads, dim = 16, 8, 128
+    page = 32 if kv == "fp8" else 16
     lens = [rnd.randint(100, 1100) for _ in range(128)]
-    blocks = sum(-(-n // page) for n in lens) + 8 * 64 + 8
-    k_cache = torch.randn(blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
+    blocks = sum(-(-n // page) for n in lens) + 8 * (1024 // page) + 8
+    if kv == "fp8":
+        storage, ((k_cache, v_cache),) = allocate_kv_cache(1, blocks, page, kv_heads, dim, torch.float8_e4m3fn, dev)
+        storage.copy_((torch.randn(storage.shape, device=dev) * 0.5).to(torch.float8_e4m3fn))
+        scales = dict(k_scale=torch.full((1,), 0.05, device=dev), v_scale=torch.full((1,), 0.05, device=dev))
+    else:
+        k_cache = torch.randn(blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        scales = {}
     perm = torch.randperm(blocks, device=dev).to(torch.int32)
-    tables = torch.zeros(128, 80, dtype=torch.int32, device=dev)
+    tables = torch.zeros(128, 2048 // page, dtype=torch.int32, device=dev)
     at = 0
     for i, n in enumerate(lens):
         nb = -(-n // page)
@@ -70,22 +81,38 @@ def attention() -> None:
     one_each = torch.arange(129, dtype=torch.int32, device=dev)
     scale = dim**-0.5
     # eight 1,024-token prompt chunks (prompt step)
-    p_tables = torch.stack([perm[at + 64 * i : at + 64 * (i + 1)] for i in range(8)])
+    per = 1024 // page
+    p_tables = torch.stack([perm[at + per * i : at + per * (i + 1)] for i in range(8)])
     p_lens = torch.full((8,), 1024, dtype=torch.int32, device=dev)
     p_qsl = torch.arange(0, 8 * 1024 + 1, 1024, dtype=torch.int32, device=dev)
     pq = torch.randn(8 * 1024, heads, dim, device=dev, dtype=torch.bfloat16)
-    dec = us(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale))
-    pre = us(lambda: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 1024, scale))
-    print("\n| attention | default kernel | " + " | ".join(f"invariant, {b}-row tiles" for b in (128, 64, 32, 16)) + " |")
-    print("| --- " * 6 + "|")
+    dec = us(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale, **scales))
+    pre = us(lambda: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 1024, scale,
+                                                    **scales))
+    print(f"\n| attention, {kv} cache | default kernel | "
+          + " | ".join("invariant, " + " ".join(f"{k}={v}" for k, v in c.items()) for c in configs) + " |")
+    print("| --- " * (2 + len(configs)) + "|")
     row_d, row_p = [f"{dec:.1f}"], [f"{pre:.1f}"]
-    for b in (128, 64, 32, 16):
-        row_d.append(f"{us(lambda b=b: paged_prefill_attention_triton(q, k_cache, v_cache, one_each, seq_lens, tables, 1, 0, scale, block_m=b, invariant=True)):.1f}")
-        row_p.append(f"{us(lambda b=b: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 0, scale, block_m=b, invariant=True)):.1f}")
+    for c in configs:
+        kw = dict(c, invariant=True, **scales)
+        row_d.append(f"{us(lambda kw=kw: paged_prefill_attention_triton(q, k_cache, v_cache, one_each, seq_lens, tables, 1, 0, scale, **kw)):.1f}")
+        row_p.append(f"{us(lambda kw=kw: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 0, scale, **kw)):.1f}")
     print("| 128 one-token rows, 100-1,100 tokens of KV | " + " | ".join(row_d) + " |")
     print("| 8 prompt chunks of 1,024 tokens | " + " | ".join(row_p) + " |")
 
 
 if __name__ == "__main__":
-    gemms()
-    attention()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="gemms,attention", help="gemms, attention (bf16 cache), attention-fp8")
+    ap.add_argument("--configs", default="128,64,32,16",
+                    help="the invariant attention's settings, comma-separated: block_m or block_m x block_n x num_warps")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    names = ("block_m", "block_n", "num_warps")
+    rows = [dict(zip(names, map(int, c.split("x")))) for c in args.configs.split(",")]
+    if "gemms" in sections:
+        gemms()
+    if "attention" in sections:
+        attention("bf16", rows)
+    if "attention-fp8" in sections:
+        attention("fp8", rows)

@@ -18,6 +18,7 @@ per run of a page's tokens as V transposed, except each sequence's open page (to
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -28,6 +29,12 @@ from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 
 LOG2E = 1.4426950408889634
+# --batch-invariant over an fp8 cache: the query-tile height, a setting of the cache's dtype (never of the rows). On
+# an H100 (batch_invariance_gpu.py --kv-cache-dtype fp8, RESULTS session 45) 16 against 64 rows: 128 requests at
+# once 16,403 against 13,260 output tok/s, streamed 7,810 against 6,837, 1,000-token prompts 202k against 242k
+# prompt tok/s. Generation wins; a bf16 cache keeps 64 (16 there: one-token rows 128 against 146 us, prompt
+# chunks 424 against 172).
+INVARIANT_FP8_BLOCK_M = int(os.environ.get("NV_INVARIANT_FP8_BLOCK_M", "16"))
 
 
 @triton.jit
@@ -58,7 +65,8 @@ def _prefill_tile(
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SUB: tl.constexpr,  # tokens of a tile that share a page: min(PAGE, BLOCK_N)
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile may reach past the limit, the open page or a row's causal edge
+    MASK_SCORES: tl.constexpr,  # scores through the causal select even when MASKED is False (--batch-invariant)
     DOT_PREC: tl.constexpr,
     V_T: tl.constexpr,  # V pages stored dims-major (kv_layout.py): read as V transposed, per run
 ):
@@ -101,6 +109,8 @@ def _prefill_tile(
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
+    elif MASK_SCORES:  # every position visible here; the select only keeps the arithmetic of the masked form
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     # finite: every row sees KV position 0 in the first tile visited, so m_i is finite after it
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -211,13 +221,16 @@ def _prefill_kernel(
     v_head = v_cache_ptr + kvh * stride_vh
     first_pos = ctx_len + q_block * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
-    if INVARIANT:
-        # Which tiles a row meets unmasked depends on its query block's first position, so on how its prompt was
-        # chunked, and the compiler contracts the unmasked form's scale and subtraction into one FMA, which the
-        # masked form's select keeps apart: one form for every tile keeps a row's bits (H100, float32).
+    # KV tiles below full_end are visible to every row, past no limit and below the open page: plain loads. Which
+    # tiles those are depends on the query block's first position, so on how a prompt was chunked, and the compiler
+    # contracts an unmasked tile's scale and subtraction into one FMA, which the masked form's select keeps apart
+    # (H100, float32). So under INVARIANT (--batch-invariant) every tile's scores go through the select: a row's
+    # bits whatever its chunking. A dims-major V cache keeps the plain loads there (the masked form's open-page
+    # merge took 342 against 158 us for 128 one-token rows); a token-major one runs every tile masked (plain loads
+    # measured 2-3% slower there; invariant_tiles_gpu.py, RESULTS session 45).
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    if INVARIANT and not V_T:
         full_end = 0
-    else:
-        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # KV tiles below are visible to every row
     kv_end = last_pos + 1
     open_start = seq_len // PAGE * PAGE
     pos0 = offs_n
@@ -232,13 +245,13 @@ def _prefill_kernel(
         acc, m_i, l_i, blk, run_blk = _prefill_tile(
             acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start, score_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
-            PAGE, BLOCK_N, HEAD_DIM, SUB, False, DOT_PREC, V_T,
+            PAGE, BLOCK_N, HEAD_DIM, SUB, False, INVARIANT, DOT_PREC, V_T,
         )  # fmt: skip
     for tile in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i, blk, run_blk = _prefill_tile(
             acc, m_i, l_i, q, blk, run_blk, bt_row, k_head, v_head, tile, q_pos, kv_end, open_start, score_scale,
             stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, offs_r, vt_in_run,
-            PAGE, BLOCK_N, HEAD_DIM, SUB, True, DOT_PREC, V_T,
+            PAGE, BLOCK_N, HEAD_DIM, SUB, True, True, DOT_PREC, V_T,
         )  # fmt: skip
 
     o = acc * (v_scale / l_i)[:, None]
@@ -311,7 +324,7 @@ def paged_prefill_attention_triton(
     if block_m is None:
         # invariant: its one tile height serves one-token rows too, where 64 rows against 128 took 146 against 199 us
         # for 128 decode rows and 172 against 151 us for a 8k-token prompt step (invariant_tiles_gpu.py, session 44)
-        block_m = 128 if head_dim <= 128 and not invariant else 64
+        block_m = (INVARIANT_FP8_BLOCK_M if fp8 else 64) if invariant else 128 if head_dim <= 128 else 64
     if block_n is None:
         block_n = 64
     # the open page (kv_layout.py) must fall in the masked tiles, which it does when tiles hold whole pages
