@@ -36,18 +36,21 @@ def us(fn) -> float:
     return do_bench_cudagraph(fn, rep=40) * 1000
 
 
-def gemms() -> None:
+def gemms(tiles: list[Tiles], shapes: list[str], rows: list[int]) -> None:
     dev = torch.device("cuda")
-    print("| shape | rows | cuBLAS | " + " | ".join(f"{t.block_m}x{t.block_n}/{t.num_warps}w" for t in TILES) + " |")
-    print("| --- " * (3 + len(TILES)) + "|")
+    print("| shape | rows | cuBLAS | "
+          + " | ".join(f"{t.block_m}x{t.block_n}x{t.block_k}/{t.num_warps}w/{t.num_stages}s" for t in tiles) + " |")
+    print("| --- " * (3 + len(tiles)) + "|")
     for name, n, k in SHAPES:
+        if name not in shapes:
+            continue
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
-        for m in ROWS:
+        for m in rows:
             if name == "lm_head" and m > 256:
                 continue
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             cells = [f"{us(lambda x=x, w=w: F.linear(x, w)):.1f}"]
-            for t in TILES:
+            for t in tiles:
                 cells.append(f"{us(lambda t=t, x=x, w=w: invariant_linear_triton(x, w, tiles=t)):.1f}")
             print(f"| {name} | {m} | " + " | ".join(cells) + " |")
 
@@ -104,6 +107,10 @@ def attention(kv: str, configs: list[dict]) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="gemms,attention", help="gemms, attention (bf16 cache), attention-fp8")
+    ap.add_argument("--tiles", default=None, metavar="MxNxK[xWARPSxSTAGES],...",
+                    help="the GEMM configurations to time (default: a fixed list)")
+    ap.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--configs", default="128,64,32,16",
                     help="the invariant attention's settings, comma-separated: block_m or block_m x block_n x num_warps")
     args = ap.parse_args()
@@ -111,7 +118,8 @@ if __name__ == "__main__":
     names = ("block_m", "block_n", "num_warps")
     rows = [dict(zip(names, map(int, c.split("x")))) for c in args.configs.split(",")]
     if "gemms" in sections:
-        gemms()
+        tiles = TILES if args.tiles is None else [Tiles(*map(int, t.split("x"))) for t in args.tiles.split(",")]
+        gemms(tiles, args.shapes.split(","), [int(r) for r in args.rows.split(",")])
     if "attention" in sections:
         attention("bf16", rows)
     if "attention-fp8" in sections:
