@@ -8,7 +8,7 @@ split-K, M never specialized. A row's output is then the same function of that r
 its tile (rows past M are masked loads, and a tensor-core MMA's per-element sum does not depend on the other rows).
 `--batch-invariant` (models/llama.py) routes every projection and the LM head here.
 
-It is slower than cuBLAS: about 1.5-2.5x at decode row counts and 1.3-1.8x at prompt sizes (tiles_for).
+It is slower than cuBLAS: about 1.1-1.5x at decode row counts and 1.6-3x at prompt sizes (tiles_for).
 """
 
 from __future__ import annotations
