@@ -44,6 +44,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed_runs(llm: LLM, prompts: list[dict], params: list[SamplingParams] | SamplingParams, repeats: int
+               ) -> list[float]:
+    """Seconds of each of `repeats` runs of the whole list, after a warm-up on its first 16 prompts."""
+    llm.generate(prompts[:16], params[:16] if isinstance(params, list) else params)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        llm.generate(prompts, params)
+        sync()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
@@ -72,31 +86,17 @@ def main() -> None:
     for invariant in modes:
         for slots in (256, 32):
             llm = LLM(model, load_format="auto" if args.smoke else "dummy", batch_invariant=invariant,
-                      kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, gpu_memory_utilization=0.4, max_num_seqs=slots)
+                      kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False, gpu_memory_utilization=0.4,
+                      max_num_seqs=slots)
             if slots == 256:
                 alone = first_output(llm, [target], [sp])
                 again = first_output(llm, [target], [sp])
                 beside = first_output(llm, [target, *others], [sp] + [neighbour] * n_others)
                 bits[invariant] = (first_difference(alone, again), first_difference(alone, beside))
-            llm.generate(prompts[:16], params[:16])  # warm-up
-            times = []
-            for _ in range(args.repeats):
-                sync()
-                t = time.perf_counter()
-                llm.generate(prompts, params)
-                sync()
-                times.append(time.perf_counter() - t)
+            times = timed_runs(llm, prompts, params, args.repeats)
             cost[invariant, slots] = (total / statistics.median(times), times)
             if slots == 256 and heavy:
-                one = SamplingParams(max_tokens=1)
-                llm.generate(heavy[:16], one)  # warm-up
-                heavy_times = []
-                for _ in range(args.repeats):
-                    sync()
-                    t = time.perf_counter()
-                    llm.generate(heavy, one)
-                    sync()
-                    heavy_times.append(time.perf_counter() - t)
+                heavy_times = timed_runs(llm, heavy, SamplingParams(max_tokens=1), args.repeats)
                 prompt_rate[invariant] = (sum(len(h["prompt_token_ids"]) for h in heavy)
                                           / statistics.median(heavy_times), heavy_times)
             del llm
