@@ -31,7 +31,7 @@ class Tiles:
     num_stages: int = 3
 
 
-WIDE = Tiles(64, 128)  # projections that widen (qkv, gate_up)
+WIDE = Tiles(128, 64)  # projections that widen (qkv, gate_up)
 NARROW = Tiles(64, 32, 128)  # projections that narrow (o_proj, down): 4x the column blocks, the SMs fuller at decode
 VOCAB = Tiles(128, 128, num_warps=8)  # LM heads: the weight dwarfs the rows
 
@@ -39,8 +39,8 @@ VOCAB = Tiles(128, 128, num_warps=8)  # LM heads: the weight dwarfs the rows
 def tiles_for(n: int, k: int) -> Tiles:
     """The configuration for a weight of n rows and k columns (a function of the weight only). Picked on Qwen3-0.6B's
     shapes replayed in CUDA graphs on an H100 (benchmarks/invariant_tiles_gpu.py, RESULTS sessions 44-45): at 128
-    decode rows a layer's four GEMMs 43 -> 28 us against 64 x 128 tiles everywhere (cuBLAS 22), an 8,192-row prompt
-    step 685 -> 816 us (cuBLAS 401); the LM head at 128 rows 234 -> 132 us. Decode rows win: a batch tool generates."""
+    decode rows a layer's four GEMMs 43 -> 29 us against 64 x 128 tiles everywhere (cuBLAS 22), an 8,192-row prompt
+    step 685 -> 796 us (cuBLAS 401); the LM head at 128 rows 234 -> 132 us. Decode rows win: a batch tool generates."""
     if n >= 32768:
         return VOCAB
     return NARROW if n <= k else WIDE
