@@ -122,3 +122,37 @@ def test_batched_lines_keeps_every_line_in_order_at_any_batch_size():
         assert [raw for b in batches for _, raw in b] == lines
         assert [n for b in batches for n, _ in b] == list(range(1000))
         assert max(len(b) for b in batches) <= size
+
+
+def test_seen_ids_find_the_same_first_line_as_a_dict_of_every_id():
+    """SeenIds keeps lines whose id is their own line number as bits; the answers are those of a dict of every id."""
+    import random
+
+    from nvcli.jobs.reader import SeenIds
+    from nvcli.jobs.requests import id_key
+
+    rnd = random.Random(4)
+    for _ in range(50):
+        seen, every = SeenIds(), {}
+        for line_no in range(rnd.randint(1, 300)):
+            kind = rnd.random()
+            rid = (line_no if kind < 0.5 else rnd.randint(0, 320) if kind < 0.8 else str(rnd.randint(0, 320)))
+            key = id_key(rid)
+            assert seen.claim(rid, key, line_no) == every.setdefault(key, line_no), (line_no, rid)
+
+
+def test_a_million_lines_without_ids_keep_little_memory():
+    import tracemalloc
+
+    from nvcli.jobs.reader import SeenIds
+    from nvcli.jobs.requests import id_key
+
+    seen = SeenIds()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for line_no in range(1_000_000):
+        assert seen.claim(line_no, id_key(line_no), line_no) == line_no
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 512 * 1024  # 125 KB of bits (a dict of the ids held about 100 MB)
+    assert seen.claim(999_999, id_key(999_999), 1_000_001) == 999_999  # a later line that gives one of them
