@@ -1,26 +1,27 @@
 """End-to-end checks and timings on one GPU, in one run (see benchmarks/RESULTS.md).
 
-    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--quick] [--sections correctness,throughput,latency,fp8,hf,streaming,streaming-fp8,sampling,structured]
+    PYTHONPATH=. python3 benchmarks/gpu_e2e.py [--sections correctness,throughput,...] [--repeats 3]
 
-1. correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU
-   float32 path, GPU bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
-2. throughput: DESIGN.md workload (Nano-vLLM bench.py) on dummy Qwen3-0.6B weights, median of N.
-3. latency: one request, 128 prompt + 512 output tokens, ms per output token; start-up time.
-4. fp8: the same throughput workload with --kv-cache-dtype fp8.
-5. hf: HF transformers' continuous batching (generate_batch) on a slice of the workload, if it runs.
-6. streaming: 1,024 requests through 128 slots (prompts admitted beside running decodes), two runs.
-7. sampling: what vLLM's sampling features cost on the DESIGN workload, in one process: as is; every request with
-   presence, frequency and repetition penalties; every request with logprobs=1, and =5; 64 prompts x n=4 against the
-   same 64 prompts sent 4 times each; every request with top-k / top-p / min-p filters (`--sampling-rows` picks some:
-   as-is,penalties,qwen3,topp,topk,minp,logprobs1,logprobs5,n4,copies).
-Prints a table last.
+Sections (default correctness,throughput,latency,fp8):
+- correctness: tiny random Qwen3 / Llama, greedy. GPU float32 (eager and CUDA graphs) vs the CPU float32 path, GPU
+  bf16 vs CPU float32 (token agreement), GPU bf16 vs HF transformers on the GPU.
+- throughput: the DESIGN workload (benchmarks/RESULTS.md) on dummy Qwen3-0.6B weights, median of --repeats runs.
+- fp8: the same with --kv-cache-dtype fp8.
+- latency: one request, 128 prompt + 512 output tokens, ms per output token, greedy and with Qwen3's sampling.
+- hf: HF transformers' continuous batching on the same workload.
+- streaming, streaming-fp8: 1,024 requests through 128 slots (prompts admitted beside running decodes), two runs.
+- sampling: what vLLM's sampling features cost on the DESIGN workload, in one process: as is; penalties; logprobs=1
+  and =5; 64 prompts x n=4 against the same 64 prompts sent 4 times each; top-k / top-p / min-p filters
+  (`--sampling-rows` picks some: as-is,penalties,qwen3,topp,topk,minp,logprobs1,logprobs5,n4,copies).
+- structured: the DESIGN workload with a regex, json_object or JSON schema constraint on its requests.
+- profile1, profile256: torch.profiler tables of 20 decode steps at 1 and 256 running requests.
+Each result is a `## name: value` row (benchmarks/ab.py reads them); a table of them is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import tempfile
 import time
 import traceback
@@ -34,10 +35,9 @@ from nvcli.models.presets import preset_dir
 from nvcli.testing.tiny_models import make_tiny_model
 
 ROWS: list[tuple[str, str]] = []
-FLOOR_TOKS = 25_500  # DESIGN.md §4: H100 floor for the workload
-NANO_VLLM = 13_216
-# A/B probe: the engine's token budget per step (the benchmark's setting is Nano-vLLM's default)
-BATCHED_TOKENS = int(os.environ.get("BENCH_MAX_BATCHED_TOKENS", "16384"))
+FLOOR_TOKS = 25_500  # the DESIGN workload's floor on an H100: its KV and weight reads at copy bandwidth
+NANO_VLLM = 13_216  # Nano-vLLM on the same workload and GPU
+BATCHED_TOKENS = 16384  # tokens per step: Nano-vLLM's default, which the workload's figures assume
 
 
 def row(name: str, value: str) -> None:

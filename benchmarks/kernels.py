@@ -298,26 +298,6 @@ def graph_seconds(run: Callable[[], object], warm_runs: int, replays: int, skip:
     return statistics.median(times)
 
 
-# The GEMMs a Qwen3-0.6B decoder layer runs between two attentions, in order: (name, out features, in features).
-LAYER_GEMMS = [("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072), ("qkv", 4096, 1024)]
-
-
-def layer_gemm_weights(layers: int, device: str) -> list[list[torch.Tensor]]:
-    """Random bf16 weights of LAYER_GEMMS, distinct for each of `layers` layers (cold in L2, as in a decode step)."""
-    return [[torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _, n, k in LAYER_GEMMS]
-            for _ in range(layers)]
-
-
-def graph_medians_in_turn(variants: dict[str, Callable[[], object]], rounds: int, divisor: float) -> dict[str, float]:
-    """Median microseconds / `divisor` of each variant's CUDA graph (`graph_seconds`), the variants measured in
-    turn, in reverse order every other round, so that drift of the machine hits them alike."""
-    res: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds):
-        for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
-            res[name].append(graph_seconds(variants[name], warm_runs=1, replays=11, skip=1) * 1e6 / divisor)
-    return {k: statistics.median(v) for k, v in res.items()}
-
-
 def copy_bandwidth(device: str, on_gpu: bool, smoke: bool) -> float:
     """Bytes/s of a large device-to-device copy, counting read + write."""
     n = (1 << 28) if on_gpu and not smoke else (1 << 20)  # 512 MiB of bf16 on the GPU

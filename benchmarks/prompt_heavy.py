@@ -180,14 +180,7 @@ def main() -> None:
     ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                     help="after the timed repeats, run the engine kind once more (the last K) under torch.profiler "
                          "and print its N costliest device kernels and the device's busy time")
-    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
-                    help="sys.setswitchinterval(S) for the whole run: how long a thread that waits for the GIL lets "
-                         "the holder run on before asking for it (Python's default 0.005 s)")
     args = ap.parse_args()
-    if args.switch_interval is not None:
-        import sys
-
-        sys.setswitchinterval(args.switch_interval)
     score = [None if k == "none" else int(k) for k in args.prompt_logprobs.split(",")]
     if args.reader_only and "engine" in args.kinds.split(","):
         ap.error("--reader-only times the reader, which the engine kind skips: leave it out of --kinds")

@@ -1,21 +1,17 @@
 """What top-k / top-p / min-p cost the sampler per step, against temperature alone.
 
-    PYTHONPATH=. python3 benchmarks/sampling_filters_gpu.py [--sweep]
+    PYTHONPATH=. python3 benchmarks/sampling_filters_gpu.py
 
 Qwen3's generation_config.json asks for top_k 20 and top_p 0.95, and `nv generate` takes a model's recommendations as
 its defaults, so a Qwen3 job filters every row of every step. The DESIGN workload samples with temperature alone.
 This times `engine.sampler.sample` on [rows, 151,936] bf16 logits (Qwen3's vocabulary; values randn * 4, a peaked
 distribution) at temperature 0.6, median of triton's do_bench, per filter and row count, and checks that every
-filter's draws stay in the set the filter keeps. The table is printed last. `--sweep` also times the floor kernel
-alone for Qwen3's pair and for top_p alone at several columns per load and loads in flight of its passes over a row
-(kernels/sampling_filters.py's SCAN_BLOCK and STAGES).
+filter's draws stay in the set the filter keeps. The table is printed last.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
-import sys
 
 import torch
 import triton.testing
@@ -55,32 +51,7 @@ def main() -> int:
     print("\n| rows | filter | us per sample() | check |\n| --- | --- | --- | --- |")
     for rows, name, us, check in table:
         print(f"| {rows} | {name} | {us:,.0f} | {check} |")
-    if "--sweep" in sys.argv:
-        sweep(dev, gen)
     return 0
-
-
-def sweep(dev: torch.device, gen: torch.Generator) -> None:
-    from nvcli.kernels import sampling_filters
-
-    configs = [(2048, 1), (2048, 2), (2048, 3), (2048, 4), (1024, 4), (1024, 6), (4096, 2), (4096, 3)]
-    print("\n| filter | rows | " + " | ".join(f"floor kernel us, SCAN_BLOCK {n}, STAGES {s}" for n, s in configs)
-          + " |\n" + "| --- " * (len(configs) + 2) + "|")
-    for (name, k), rows in itertools.product([("Qwen3's pair", 20), ("top_p 0.95", None)], (1, 16, 64, 128, 256)):
-        logits = (torch.randn(rows, VOCAB, device=dev, generator=gen) * 4).to(torch.bfloat16)
-        temps = torch.full((rows,), 0.6, device=dev)
-        top_k = None if k is None else torch.full((rows,), k, dtype=torch.int64, device=dev)
-        top_p = torch.full((rows,), 0.95, device=dev)
-        args = (logits, temps, top_k, top_p, None)
-        cells = []
-        for n, stages in configs:
-            sampling_filters.SCAN_BLOCK, sampling_filters.STAGES = n, stages
-            floors = sampling_filters.filter_floors_triton(*args)
-            exact = torch.equal(floors, sampling_filters.filter_floors_reference(*args))
-            us = triton.testing.do_bench(lambda a=args: sampling_filters.filter_floors_triton(*a), warmup=10, rep=100,
-                                         return_mode="median") * 1e3
-            cells.append(f"{us:,.0f}" + ("" if exact else " (floors differ from the sort's)"))
-        print(f"| {name} | {rows} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -226,75 +226,6 @@ def run_sweep(shapes: list[Shape], weights: dict[Shape, list[torch.Tensor]], ms:
                 print(f"  {'':31s}{'':16s}  next {t * 1e6:6.1f} us {fmt(cfg)}", flush=True)
 
 
-def mid_candidates(m: int, n: int, k: int, sms: int) -> list:
-    """Tensor-core tile configs for mid-sized batches (M > SMALL_M)."""
-    from nvcli.kernels.skinny_gemm import SkinnyConfig
-
-    mp = 1 << (m - 1).bit_length()
-    out = []
-    for bm in sorted({min(mp, 64), min(mp, 128)}):
-        for bn, bk in ((64, 64), (64, 128), (128, 64)):
-            tiles = -(-n // bn) * -(-m // bm)
-            k_iters = -(-k // bk)
-            splits = {1}
-            if tiles < sms:
-                splits.add(max(1, min(k_iters // 2, -(-sms // tiles))))
-            for split in sorted(splits):
-                stages = min(4 if bk == 64 else 3, -(-k_iters // split))
-                out.append(SkinnyConfig(bn, bk, split, True, 8 if bn == 128 else 4, stages, bm))
-    return out
-
-
-def run_mid(shapes: list[Shape], dtype: torch.dtype, ms: list[int], sms: int) -> None:
-    """cuBLAS against the Triton tensor-core tiles at mid-sized batches; the down projection also with
-    the SiLU-and-mul fused into its loads (vs the separate activation kernel + the GEMM)."""
-    from nvcli.kernels.activation import silu_and_mul_triton
-    from nvcli.kernels.skinny_gemm import choose_config, skinny_linear_triton
-
-    print("\nmid-sized batches: us per call in a CUDA graph, cold weights", flush=True)
-    totals: dict[int, list[float]] = {m: [0.0, 0.0, 0.0] for m in ms}  # cuBLAS, auto, best per step
-    for shape in shapes:
-        ws = make_weights(shape, dtype, "cuda", True)
-        for m in ms:
-            x = torch.randn(m, shape.k, device="cuda").to(dtype)
-            t_cublas = graph_time(lambda a, b: F.linear(a, b), x, ws)
-            if shape.layer == "lm_head":
-                totals[m] = [t + t_cublas for t in totals[m]]
-                print(f"  {shape.layer:8s} M={m:3d}  cuBLAS {t_cublas * 1e6:7.1f} us (Triton not tried)", flush=True)
-                continue
-            auto = choose_config(m, shape.n, shape.k, 2, sms)
-            t_auto = graph_time(lambda a, b, c=auto: skinny_linear_triton(a, b, config=c), x, ws)
-            results = [(t_auto, auto)]
-            for cfg in mid_candidates(m, shape.n, shape.k, sms):
-                if cfg == auto:
-                    continue
-                try:
-                    results.append((graph_time(lambda a, b, c=cfg: skinny_linear_triton(a, b, config=c), x, ws), cfg))
-                except Exception as e:  # out of shared memory / registers: skip the config
-                    print(f"    skip {fmt(cfg)}: {type(e).__name__}", flush=True)
-            results.sort(key=lambda r: r[0])
-            best_t, best = results[0]
-            n = shape.per_step
-            totals[m][0] += t_cublas * n
-            totals[m][1] += t_auto * n
-            totals[m][2] += min(best_t, t_cublas) * n
-            extra = ""
-            if shape.layer == "down":
-                gu = torch.randn(m, 2 * shape.k, device="cuda").to(dtype)
-                t_sep = graph_time(lambda a, b: F.linear(silu_and_mul_triton(a), b), gu, ws)
-                t_fused = graph_time(lambda a, b, c=best, k=shape.k: skinny_linear_triton(a[:, :k], b, config=c,
-                                                                                          silu_mul=True), gu, ws)
-                extra = f"  | SiLU+cuBLAS {t_sep * 1e6:6.1f} us, fused SiLU+best {t_fused * 1e6:6.1f} us"
-            print(f"  {shape.layer:8s} M={m:3d}  cuBLAS {t_cublas * 1e6:7.1f}  auto {t_auto * 1e6:7.1f} {fmt(auto)}  "
-                  f"best {best_t * 1e6:7.1f} {fmt(best)}{extra}", flush=True)
-            for t, cfg in results[1:3]:
-                print(f"  {'':14s}  next {t * 1e6:7.1f} {fmt(cfg)}", flush=True)
-        del ws
-    for m, (tc, ta, tb) in totals.items():
-        print(f"  per step M={m:3d}: cuBLAS {tc * 1e3:.3f} ms, Triton auto {ta * 1e3:.3f} ms (lm_head cuBLAS), "
-              f"best of all {tb * 1e3:.3f} ms", flush=True)
-
-
 def fmt(cfg) -> str:
     kind = "dot" if cfg.use_dot else "fma"
     rows = f"m{cfg.block_m} " if cfg.block_m else ""
@@ -309,7 +240,6 @@ def main() -> int:
     parser.add_argument(
         "--sweep", action="store_true", help="also time a grid of configs per shape (M 1, 4, 16)"
     )
-    parser.add_argument("--mid", action="store_true", help="only the mid-sized batch comparison (M 32..256)")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -323,12 +253,6 @@ def main() -> int:
     dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter's bf16 math is not the GPU's
     ms = [1, 2, 4, 8, 16] if not args.smoke else [1, 3, 16]
     sms = num_sms(torch.device(device))
-    if args.mid:
-        if not on_gpu:
-            print("--mid needs a GPU")
-            return 2
-        run_mid([s for s in model_shapes(False) if s.model == "qwen3-0.6b"], dtype, [32, 64, 128, 256], sms)
-        return 0
     start = time.perf_counter()
     if on_gpu:
         print(f"device: {torch.cuda.get_device_name(0)} ({sms} SMs)  torch {torch.__version__}", flush=True)

@@ -1,12 +1,12 @@
 """Start-up on one GPU: engine construction to the first generated token, phase by phase, with every
-Triton compile timed (DESIGN.md workload engine: dummy Qwen3-0.6B, max_model_len 4096, 512 sequences).
+Triton compile timed (the DESIGN workload's engine: dummy Qwen3-0.6B, max_model_len 4096, 512 sequences).
 
     TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 benchmarks/startup.py   # cold: nothing compiled
     PYTHONPATH=. python3 benchmarks/startup.py                                 # run again: warm disk cache
 
 A user's first run on a machine is the cold case; every later run finds Triton's disk cache warm.
 Prints the phases (weights, KV-cache sizing, CUDA graphs, kernel warm-up), the compiles per kernel
-and their wall time, and the time to the first token.
+and their wall time, and the time to the first token (the `## ` rows, which benchmarks/ab.py reads).
 """
 
 from __future__ import annotations

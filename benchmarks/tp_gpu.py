@@ -5,8 +5,8 @@
 1. Greedy TP=N vs TP=1 on tiny random Qwen3 / Llama models: float32 (expect identical) and bf16
    (report the agreement rate); with CUDA graphs also a streaming float32 case (48 prompts through 8 slots, so
    most steps replay a mixed graph on every rank).
-2. `nv bench` on dummy Qwen3-8B weights with the DESIGN.md workload at TP=1 and TP=N, each in its
-   own process; throughput and the scaling ratio.
+2. `nv bench` on dummy Qwen3-8B weights with the DESIGN workload (benchmarks/RESULTS.md) at TP=1 and TP=N, each
+   in its own process; throughput and the scaling ratio.
 Prints a table last.
 """
 
@@ -116,13 +116,13 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs in the correctness runs")
-    ap.add_argument("--stacks-after", type=float, default=0, help="dump all stacks after this many seconds")
+    ap.add_argument("--stacks-after", type=float, default=0,
+                    help="dump this process's stacks and exit after this many seconds (a hang in the correctness runs)")
     args = ap.parse_args()
     if args.stacks_after:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stacks_after, exit=True)
-        os.environ["NV_DEBUG_STACKS_AFTER_S"] = str(args.stacks_after - 5)
     import torch
 
     row("devices", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
