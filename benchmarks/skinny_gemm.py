@@ -228,8 +228,7 @@ def run_sweep(shapes: list[Shape], weights: dict[Shape, list[torch.Tensor]], ms:
 
 def fmt(cfg) -> str:
     kind = "dot" if cfg.use_dot else "fma"
-    rows = f"m{cfg.block_m} " if cfg.block_m else ""
-    return f"{kind} {rows}n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
+    return f"{kind} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
 
 
 def main() -> int:

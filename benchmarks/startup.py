@@ -93,8 +93,7 @@ def main() -> None:
         print(f"  {secs:5.2f} s {what}")
     print(f"## imports {t_imports:.1f} s (torch, triton, nvcli; transformers loads lazily)")
     print(f"## process start to first token: {t_imports + t_first:.1f} s (imports included)")
-    print(f"## start-up to first token ({args.kv_cache_dtype} KV, {len(runner.graphs)} decode graphs, "
-          f"{len(runner.mixed_graphs)} mixed graphs): "
+    print(f"## start-up to first token ({args.kv_cache_dtype} KV): "
           f"{t_first:.1f} s (engine ready {t_engine:.1f} s; Triton compiles {total_compile:.1f} s)")
 
 
