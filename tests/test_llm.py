@@ -47,3 +47,16 @@ def test_chat_template_replaces_the_models(llm):
 def test_tools_with_a_template_that_cannot_render_them_are_refused(llm):
     with pytest.raises(ValueError, match="does not render tools"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template="{{ messages[0].content }}", tools=[WEATHER])
+
+
+def test_max_tokens_beyond_the_context_is_refused_as_vllm_does(llm):
+    """vLLM answers 400 where the prompt plus max_tokens exceeds max_model_len: such a request could never finish as
+    asked (a job line with max_tokens 100000 once ran for 15 minutes). Up to the context it is served."""
+    with pytest.raises(ValueError, match=r"max_tokens=600 is too large: the prompt has 3 tokens and "
+                                         r"max_model_len=512 leaves room for 509 more"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=600))
+    assert not llm.engine.has_unfinished()
+    rid = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=509))
+    llm.engine.abort(rid)
+    while llm.engine.has_unfinished():
+        llm.engine.step()

@@ -219,6 +219,7 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
                 "(shorten the prompt or raise --max-model-len)"
             )
+        _check_max_tokens(len(token_ids), sampling_params.max_tokens, self.max_model_len)
         grammar = compiler = None
         # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule) unless it is to hold in the
         # reasoning too (--structured-outputs-in-reasoning)
@@ -533,3 +534,11 @@ def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:
     add(model_config.eos_token_id)
     add(tokenizer.eos_token_id)
     return ids
+
+
+def _check_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """vLLM's 400 for a request whose prompt plus max_tokens exceeds the context: it could never finish as asked."""
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"max_tokens={max_tokens} is too large: the prompt has {prompt_tokens} tokens and "
+                         f"max_model_len={max_model_len} leaves room for {max_model_len - prompt_tokens} more "
+                         "(lower max_tokens or shorten the prompt)")

@@ -283,7 +283,7 @@ def _reject(req: Request, kind: str, message: str) -> LineError:
 
 
 def _classify(message: str, req: Request, engine: Any) -> str:
-    if message.startswith("truncate_prompt_tokens"):  # a truncation longer than the model takes: the field is wrong
+    if message.startswith(("truncate_prompt_tokens", "max_tokens")):  # the field is wrong, not the prompt
         return INVALID_REQUEST
     n = len(req.prompt_token_ids) if req.prompt_token_ids is not None else None
     max_len = getattr(engine, "max_model_len", None)

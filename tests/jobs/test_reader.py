@@ -98,6 +98,27 @@ def test_a_prompt_the_tokenizer_rejects_fails_alone():
     assert result.exit_code == EXIT_LINE_ERRORS and result.succeeded == 11
 
 
+class _ContextEngine(FakeEngine):
+    """The engine's check of prompt + max_tokens against the context (LLMEngine.add_request's message)."""
+
+    def add_request(self, prompt, sampling_params, request_id=None, prompt_text=None):
+        n = len(prompt)
+        if sampling_params.max_tokens is not None and n + sampling_params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={sampling_params.max_tokens} is too large: the prompt has {n} tokens and "
+                             f"max_model_len={self.max_model_len} leaves room for {self.max_model_len - n} more")
+        return super().add_request(prompt, sampling_params, request_id, prompt_text)
+
+
+def test_max_tokens_beyond_the_context_gets_an_invalid_request_line():
+    """vLLM's 400: a line whose prompt plus max_tokens exceeds the context is refused, not run to the end of it."""
+    result, out = _run(_ContextEngine(), io.BytesIO(_line({"id": "big", "prompt": "hi", "max_tokens": 100000})
+                                                    + _line({"id": "ok", "prompt": "hi", "max_tokens": 3})))
+    assert out[0]["error"]["type"] == "invalid_request"
+    assert out[0]["error"]["message"].startswith("max_tokens=100000 is too large")
+    assert out[1]["usage"]["completion_tokens"] == 3
+    assert result.exit_code == EXIT_LINE_ERRORS
+
+
 def test_an_input_that_fails_mid_read_keeps_the_lines_before_it():
     def broken():
         yield from (_line({"prompt": f"p{i}"}) for i in range(3))
