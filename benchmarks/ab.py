@@ -9,6 +9,8 @@ its tree, so that machine drift hits both alike and each tree runs its own copy 
 run prints are read back (`parse_rows`): `## name: value ...` rows where there are any, else the last markdown
 table's rows. The last table printed gives, per case and row, the median of each tree's values and new / base. A
 run that fails prints its exit code and the tail of its log, and the harness goes on. Logs stay in --logs.
+Each tree compiles its kernels into a Triton cache of its own (removed at the end), so that neither starts up on
+what the other compiled: the first round's start-up rows are cold for both trees, later rounds' warm for both.
 """
 
 from __future__ import annotations
@@ -136,9 +138,11 @@ def parse_rows(text: str) -> tuple[list[Row], list[str]]:
     return rows, []
 
 
-def run_case(name: str, case: Case, tree: Path, label: str, round_: int, logs: Path, timeout_s: float) -> Run:
-    """One run of `case` from `tree`, a fresh process group with cwd and PYTHONPATH at the tree; its output goes
-    to a log in `logs` and its rows are parsed from there."""
+def run_case(name: str, case: Case, tree: Path, label: str, round_: int, logs: Path, timeout_s: float,
+             triton_cache: Path | None = None) -> Run:
+    """One run of `case` from `tree`, a fresh process group with cwd and PYTHONPATH at the tree and Triton's cache
+    in `triton_cache` (an empty one for a cold case); its output goes to a log in `logs`, its rows are parsed from
+    there."""
     log = logs / f"{name}_{label}_{round_}.log"
     script = tree / case.script
     if not script.is_file():
@@ -147,8 +151,8 @@ def run_case(name: str, case: Case, tree: Path, label: str, round_: int, logs: P
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     cache = tempfile.mkdtemp(prefix="ab-triton-") if case.cold_triton_cache else None
-    if cache:
-        env["TRITON_CACHE_DIR"] = cache
+    if cache or triton_cache:
+        env["TRITON_CACHE_DIR"] = str(cache or triton_cache)
     t0 = time.perf_counter()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, case.script, *case.args], cwd=tree, env=env, stdout=out,
@@ -206,20 +210,31 @@ def format_table(summary: list[dict]) -> str:
 
 def run_ab(base: Path, new: Path, cases: dict[str, Case], rounds: int, logs: Path, timeout_s: float = 600.0
            ) -> tuple[list[Run], list[dict]]:
-    """Every round, every case: the base tree, then the new one. Returns the runs and `summarize` of them."""
+    """Every round, every case: the base tree, then the new one, each with its own Triton cache. Returns the runs
+    and `summarize` of them."""
     runs = []
-    for round_ in range(1, rounds + 1):
-        for name, case in cases.items():
-            for label, tree in (("base", base), ("new", new)):
-                run = run_case(name, case, tree, label, round_, logs, timeout_s)
-                runs.append(run)
-                print(f"[round {round_}/{rounds}] {name} {label}: exit {run.rc} in {run.seconds:.0f} s, "
-                      f"{len(run.rows)} rows", flush=True)
-                if run.rc != 0 or run.failed_rows:
-                    failed = f" (failed sections: {', '.join(run.failed_rows)})" if run.failed_rows else ""
-                    print(f"  {name} {label} exit code {run.rc}{failed}; log {run.log}, its tail:", flush=True)
-                    print("  | " + log_tail(run.log).replace("\n", "\n  | "), flush=True)
+    caches = Path(tempfile.mkdtemp(prefix="ab-triton-"))
+    try:
+        for round_ in range(1, rounds + 1):
+            for name, case in cases.items():
+                for label, tree in (("base", base), ("new", new)):
+                    runs.append(_run_and_report(name, case, tree, label, round_, rounds, logs, timeout_s,
+                                                caches / label))
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
     return runs, summarize(runs)
+
+
+def _run_and_report(name: str, case: Case, tree: Path, label: str, round_: int, rounds: int, logs: Path,
+                    timeout_s: float, triton_cache: Path) -> Run:
+    run = run_case(name, case, tree, label, round_, logs, timeout_s, triton_cache)
+    print(f"[round {round_}/{rounds}] {name} {label}: exit {run.rc} in {run.seconds:.0f} s, {len(run.rows)} rows",
+          flush=True)
+    if run.rc != 0 or run.failed_rows:
+        failed = f" (failed sections: {', '.join(run.failed_rows)})" if run.failed_rows else ""
+        print(f"  {name} {label} exit code {run.rc}{failed}; log {run.log}, its tail:", flush=True)
+        print("  | " + log_tail(run.log).replace("\n", "\n  | "), flush=True)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

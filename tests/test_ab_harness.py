@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -92,8 +93,14 @@ if fakepkg.FAIL:
     sys.exit(3)
 print("## device: fake")
 print(f"## speed (median of 3): {fakepkg.SPEED + n:,} output tok/s, runs [1.0]")
-print(f"## cold cache: {int(os.environ.get('TRITON_CACHE_DIR') != os.environ.get('OUTER_CACHE'))} flag")
+print("cache=" + os.environ.get("TRITON_CACHE_DIR", ""))
 """
+
+
+def cache_of(run: Any) -> str:
+    """The TRITON_CACHE_DIR a fake run (an ab.Run) saw."""
+    lines = Path(run.log).read_text().splitlines()
+    return next(line.removeprefix("cache=") for line in lines if line.startswith("cache="))
 
 
 def make_tree(root: Path, speed: int, fail: bool = False) -> Path:
@@ -108,7 +115,6 @@ def test_two_trees_each_run_their_own_script_and_package(ab: ModuleType, tmp_pat
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("TRITON_CACHE_DIR", "outer")
-    monkeypatch.setenv("OUTER_CACHE", "outer")
     base, new = make_tree(tmp_path / "base", 1000), make_tree(tmp_path / "new", 1100)
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -119,7 +125,8 @@ def test_two_trees_each_run_their_own_script_and_package(ab: ModuleType, tmp_pat
     assert speed["base"] == [1000, 1001] and speed["new"] == [1100, 1101]  # each tree's runs counted in its own cwd
     assert speed["base_median"] == 1000.5 and speed["new_median"] == 1100.5
     assert speed["ratio"] == pytest.approx(1100.5 / 1000.5)
-    assert next(e for e in summary if e["row"] == "cold cache")["new"] == [1, 1]  # a fresh cache per run
+    caches = [cache_of(r) for r in runs]  # a cold case: an empty cache per run
+    assert len(set(caches)) == 4 and "outer" not in caches
     table = ab.format_table(summary)
     assert "| fake | speed | 1,000 output tok/s | 1,100 output tok/s | 1.100 |" in table
     assert "[round 2/2] fake new: exit 0" in capsys.readouterr().out
@@ -155,3 +162,13 @@ def test_main_writes_json_and_exits_nonzero_on_a_failed_run(ab: ModuleType, tmp_
     assert data["summary"][0]["base"] == [1000]
     with pytest.raises(SystemExit):
         ab.main(["--base", str(base), "--cases", "no-such-case"])
+
+
+def test_each_tree_keeps_its_own_triton_cache_across_rounds(ab: ModuleType, tmp_path: Path) -> None:
+    base, new = make_tree(tmp_path / "base", 1000), make_tree(tmp_path / "new", 1100)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    runs, _ = ab.run_ab(base, new, {"fake": ab.Case("benchmarks/fake.py")}, rounds=2, logs=logs, timeout_s=60)
+    caches = {(r.tree, r.round): cache_of(r) for r in runs}
+    assert caches["base", 1] == caches["base", 2] != caches["new", 1] == caches["new", 2]
+    assert not Path(caches["base", 1]).parent.exists()  # removed with the harness's temp folder
