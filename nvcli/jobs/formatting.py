@@ -176,6 +176,7 @@ class _Columns(NamedTuple):
 
     flat: FlatLogprobs
     entry_texts: list[str]  # per entry of `flat`
+    own: list[int | None]  # per token: its own entry in `flat`, None where its position lacks it
     texts: list[str]
     logprobs: list[float | None]
     tops: list[list[int]] | None
@@ -224,7 +225,7 @@ def _columns(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None],
                 else [lo + 1] if k == 1 and hi - lo == 2
                 else sorted(range(lo, hi), key=values.__getitem__, reverse=True)[:k]
                 for j, lo, hi in zip(own, los, his)]
-    return _Columns(flat, entry_texts, texts, logprobs, tops)
+    return _Columns(flat, entry_texts, own, texts, logprobs, tops)
 
 
 def _native_list(token_ids: Sequence[int], lps: Sequence[dict[int, Logprob] | None], k: int, ctx: FormatContext,
@@ -297,10 +298,22 @@ def _completion_choice(req: Request, out: RequestOutput, comp: CompletionOutput,
     }
 
 
+def _others(values: Sequence[float], own: int, lo: int, hi: int) -> list[int]:
+    """The entries lo..hi-1 of a position other than its token's own (`own`), most likely first, ties in their order
+    (the engine's alternatives come so already)."""
+    others = [e for e in range(lo, hi) if e != own]
+    if all(values[a] >= values[b] for a, b in zip(others, others[1:])):
+        return others
+    return sorted(others, key=values.__getitem__, reverse=True)
+
+
 def _completion_logprobs(parts: list[tuple[Sequence[int], Sequence[dict[int, Logprob] | None] | None]], k: int,
                          ctx: FormatContext) -> dict:
     """OpenAI's legacy logprobs object over the parts' tokens in turn (an echoed prompt, then the completion); a token
-    without a logprob (the prompt's first, or a part without logprobs) has null there."""
+    without a logprob (the prompt's first, or a part without logprobs) has null there, in token_logprobs and
+    top_logprobs alike (vLLM's serving_completion.py). A token's top_logprobs is vLLM's: the token itself, then its
+    position's k most likely other entries, so k + 1 entries where the token is not among the k most likely (OpenAI:
+    "up to logprobs+1 elements"); with k = 0 the token alone."""
     tokens: list[str] = []
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
@@ -310,14 +323,12 @@ def _completion_logprobs(parts: list[tuple[Sequence[int], Sequence[dict[int, Log
             token_lps += [None] * len(token_ids)
             tops += [None] * len(token_ids)
             continue
-        c = _columns(token_ids, lps, k, ctx)
+        c = _columns(token_ids, lps, 0, ctx)
         tokens += c.texts
         token_lps += c.logprobs
-        if c.tops is None:
-            tops += [None] * len(c.texts)
-            continue
-        texts, values = c.entry_texts, c.flat.logprobs
-        tops += [None if v is None else {texts[top[0]]: values[top[0]]} if len(top) == 1
-                 else {texts[j]: values[j] for j in top} for v, top in zip(c.logprobs, c.tops)]
+        texts, values, starts = c.entry_texts, c.flat.logprobs, c.flat.starts
+        tops += [None if j is None else {texts[j]: values[j]} if k <= 0 or hi - lo == 1
+                 else {texts[e]: values[e] for e in (j, *_others(values, j, lo, hi)[:k])}
+                 for j, lo, hi in zip(c.own, starts, starts[1:])]
     offsets = list(accumulate(map(len, tokens), initial=0))[:-1]
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -65,11 +65,15 @@ def test_top_logprobs_are_the_most_likely_first_with_the_token_among_them() -> N
     echo = _line("echo", _flat(ENTRIES))["response"]["body"]["choices"][0]["logprobs"]
     assert echo["tokens"] == ["token_id:11", "b", "c", "d", "e"]
     assert echo["token_logprobs"] == [None, -0.25, -2.0, -0.5, -0.125]
-    assert echo["top_logprobs"] == [None, {"b": -0.25, "x": -1.5}, {"y": -0.5, "z": -0.75}, {"d": -0.5, "w": -0.5},
-                                    {"f": -0.1, "e": -0.125}]
+    # vLLM's /v1/completions: the token itself, then the k most likely others (k + 1 where it is not among them)
+    assert echo["top_logprobs"] == [None, {"b": -0.25, "x": -1.5}, {"c": -2.0, "y": -0.5, "z": -0.75},
+                                    {"d": -0.5, "w": -0.5}, {"e": -0.125, "f": -0.1}]
+    assert [list(top) for top in echo["top_logprobs"][1:]] == [["b", "x"], ["c", "y", "z"], ["d", "w"], ["e", "f"]]
     assert echo["text_offset"] == [0, 11, 12, 13, 14]
     only = _line("echo only", _flat(ENTRIES))["response"]["body"]["choices"][0]
-    assert only["logprobs"]["top_logprobs"] == [None, {"b": -0.25}, {"y": -0.5}, {"d": -0.5}]
+    assert only["logprobs"]["top_logprobs"] == [None, {"b": -0.25, "x": -1.5}, {"c": -2.0, "y": -0.5},
+                                                {"d": -0.5, "w": -0.5}]
+    assert only["logprobs"]["token_logprobs"][0] is None  # the first prompt token: null in both lists, as vLLM
     assert only["finish_reason"] == "length"
     chat = _line("chat", _flat(ENTRIES))["response"]["body"]
     assert chat["prompt_logprobs"][2] == {"13": {"logprob": -2.0, "rank": 3, "decoded_token": "c"},
@@ -121,6 +125,8 @@ def test_a_token_listed_late_or_not_at_all_is_still_found_or_left_without_logpro
     assert got_echo["tokens"] == ["token_id:11", "b", "token_id:13", "d"]
     assert got_echo["text_offset"] == [0, 11, 12, 23]
     texts = {t: v.decoded_token for e in ODD[1:] if e for t, v in e.items()}
+    others = [sorted((t for t in e if t != tid), key=lambda t: e[t].logprob, reverse=True)[:k] if e else []
+              for tid, e in zip(PROMPT[1:], ODD[1:])]
     assert got_echo["top_logprobs"] == [None] + [
-        {texts[t]: e[t].logprob for t in _expected(e, tid, k)[1]} if k and e and tid in e else None  # type: ignore[index]
-        for tid, e in zip(PROMPT[1:], ODD[1:])]
+        {texts[t]: e[t].logprob for t in (tid, *rest)} if e and tid in e else None  # type: ignore[index]
+        for tid, e, rest in zip(PROMPT[1:], ODD[1:], others)]
