@@ -105,6 +105,16 @@ def fmt_num(x: float) -> str:
     return f"{x:,.1f}"
 
 
+def job_rates(p: JobProgress, rates: Rates) -> Rates:
+    """The rates over the whole job so far (its last frame): the rolling ones read 0 for prompts once the last prompt
+    was computed more than a window ago."""
+    prompt, gen = engine_tokens(p)
+    if p.elapsed_s <= 0:
+        return rates
+    return Rates(prompt_tps=prompt / p.elapsed_s, gen_tps=gen / p.elapsed_s, lines_ps=p.written / p.elapsed_s,
+                 history=rates.history)
+
+
 def eta_s(p: JobProgress, rates: Rates) -> float | None:
     if p.total is None or rates.lines_ps <= 0:
         return None
@@ -252,6 +262,8 @@ class LiveDashboard:
         self.last: tuple[JobProgress, Rates] | None = None  # the latest frame's inputs
 
     def start(self, message: str = "starting") -> None:
+        # the job starts from zero: tokens of a first step that admits every prompt count towards the rate
+        self.tracker.add(time.monotonic(), 0, 0, 0)
         self.live = Live(Text(message), console=self.console, auto_refresh=False, redirect_stdout=False,
                          redirect_stderr=True, transient=False)
         self.live.start(refresh=True)
@@ -268,6 +280,10 @@ class LiveDashboard:
 
     def stop(self) -> None:
         if self.live is not None:
+            if self.last is not None:  # the frame left on screen: the whole job's rates, as the summary counts them
+                p, rates = self.last
+                self.live.update(render_dashboard(p, job_rates(p, rates), width=min(100, self.console.width)),
+                                 refresh=True)
             self.live.stop()
             self.live = None
 
@@ -287,6 +303,7 @@ class PlainProgress:
     def start(self, message: str = "starting") -> None:
         self._write(f"nv: {message}")
         self._last = time.monotonic()
+        self.tracker.add(self._last, 0, 0, 0)  # the job starts from zero (see LiveDashboard.start)
 
     def update(self, p: JobProgress) -> None:
         now = time.monotonic()

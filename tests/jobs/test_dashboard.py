@@ -96,3 +96,30 @@ def test_reporters_write_to_their_stream_only():
     d.update(progress())
     d.stop()
     assert "KV cache" in console.export_text()
+
+
+def test_prompts_admitted_in_the_first_step_show_in_the_prompt_rate(monkeypatch):
+    """200 prompts of 2,030 tokens all computed in one step before the first frame: the rate counts them from the
+    job's start (it read 0.0 while the summary counted 2,030), and the last frame shows the job's averages."""
+    clock = [100.0]
+    monkeypatch.setattr("nvcli.dashboard.time.monotonic", lambda: clock[0])
+    stats = FakeStats(prompt_tokens=2030, generation_tokens=200)
+    buf = io.StringIO()
+    plain = PlainProgress(buf, interval_s=0.0)
+    plain.start()
+    clock[0] = 102.0
+    plain.update(progress(elapsed_s=2.0, stats=stats))
+    assert "prompt 1015 tok/s" in buf.getvalue()
+
+    clock[0] = 100.0
+    console = Console(record=True, force_terminal=True, width=100, file=io.StringIO())
+    live = LiveDashboard(console)
+    live.start()
+    clock[0] = 102.0
+    live.update(progress(elapsed_s=2.0, stats=stats))
+    assert live.last is not None and live.last[1].prompt_tps == 1015
+    clock[0] = 120.0  # 18 s of decoding later the rolling prompt rate is 0; the last frame is the job's
+    live.update(progress(elapsed_s=20.0, stats=FakeStats(prompt_tokens=2030, generation_tokens=4000)))
+    assert live.last[1].prompt_tps == 0
+    live.stop()
+    assert "prompt 102   generation 200" in console.export_text()  # 2,030 and 4,000 tokens over 20 s
