@@ -1,4 +1,7 @@
-"""The one object that tells attention where this step's tokens live in the paged KV cache."""
+"""The one object that tells attention where a step's tokens live in the paged KV cache, and how to read them.
+
+Built by the attention backend (attention/backend.py) for eager steps and by the CUDA-graph room over its static
+buffers; the model's layers pass it through untouched."""
 
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ class AttentionMetadata:
     decode_order: Optional[torch.Tensor] = None
     split: Optional[DecodeSplit] = None  # a step with prompt chunks and one-token rows, on the GPU
     # Decode steps on the GPU whose sequences begin with shared cached pages: int32, [1] or one per group of rows in
-    # decode_order (engine/model_runner.shared_prefix_plan), that many tokens (whole pages, fewer than any of the
+    # decode_order (attention/plan.shared_prefix_plan), that many tokens (whole pages, fewer than any of the
     # group's lengths) are read once for the group (kernels/shared_prefix_attention.py); None: the ordinary kernel
     shared_prefix_len: Optional[torch.Tensor] = None
+    # --batch-invariant on the GPU: every row, one-token or prompt, through the prefill kernel's one tile shape, and
+    # the rotary step as its own kernel, so a row's arithmetic never depends on the other rows of its step
+    invariant: bool = False

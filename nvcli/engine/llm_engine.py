@@ -6,7 +6,6 @@ new requests wait in a locked inbox and join the scheduler at the start of the n
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -16,21 +15,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nvcli.config import ConfigError, EngineConfig
+from nvcli.engine.admission import Admission, fit_cache, resolve_config
 from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.models.tokenizer import extend_vocabulary, vocabulary_texts
-from nvcli.outputs import CompletionOutput, FlatLogprobs, RequestOutput
-from nvcli.reasoning import THINK_END, THINK_START, reasoning_ended
+from nvcli.outputs import CompletionOutput, RequestOutput
+from nvcli.reasoning import THINK_END, THINK_START
 from nvcli.sampling_params import SamplingParams
-from nvcli.token_ids import valid_token_ids
 
 if TYPE_CHECKING:
-    import torch
 
-    from nvcli.engine.model_runner import TokenMaskHook
-    from nvcli.engine.scheduler import ScheduledBatch
+    from nvcli.engine.sampling_stage import StepHandle
     from nvcli.engine.structured_output import GrammarCompiler
     from nvcli.models.model_config import ModelConfig
 
@@ -79,33 +76,15 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from nvcli.engine.executor import make_executor
-        from nvcli.engine.model_runner import start_compile_workers_if_cold
+        from nvcli.engine.startup import start_compile_workers_if_cold
         from nvcli.models.model_config import load_model_config
         from nvcli.models.resolve import resolve_model
         from nvcli.models.tokenizer import load_tokenizer
 
         self.model_dir = resolve_model(config.model, config.load_format)
         self.model_config = load_model_config(self.model_dir)
-        max_pos = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > max_pos:
-            raise ConfigError(f"--max-model-len={config.max_model_len} exceeds the model's {max_pos} positions")
-        window = self.model_config.sliding_window
-        if window is not None and window < max_pos:
-            # the kernels attend to the whole context: the same as the model's sliding layers only within the window
-            if config.max_model_len is not None and config.max_model_len > window:
-                raise ConfigError(
-                    f"--max-model-len={config.max_model_len} exceeds the model's sliding attention window of {window} "
-                    f"tokens (config.json use_sliding_window), which nv does not implement; lower it to at most {window}"
-                )
-            if config.max_model_len is None:
-                log.warning("max_model_len capped to the model's sliding attention window of %d tokens", window)
-            max_pos = window
         explicit_len = config.max_model_len is not None
-        async_scheduling = config.async_scheduling
-        if async_scheduling is None:  # on where there is something to overlap: a GPU
-            async_scheduling = config.resolved_device() == "cuda"
-        self.config = dataclasses.replace(config, max_model_len=config.max_model_len or max_pos,
-                                          async_scheduling=async_scheduling)
+        self.config = resolve_config(config, self.model_config)
         # A first start-up on a machine compiles its kernels ahead (kernels/compile_ahead.py): its compile workers
         # start here, so that their start and warm-up overlap the tokenizer's load (transformers' imports).
         workers = start_compile_workers_if_cold(self.config, self.model_config)
@@ -118,15 +97,7 @@ class LLMEngine:
                 workers.shutdown()
             raise
         num_blocks = self.executor.num_kvcache_blocks
-        capacity = num_blocks * self.config.kvcache_block_size
-        if capacity < self.config.max_model_len:
-            if explicit_len:
-                raise ConfigError(
-                    f"--max-model-len={self.config.max_model_len}: the KV cache holds only {capacity} tokens "
-                    f"({num_blocks} blocks); lower it, or raise --gpu-memory-utilization / --num-kvcache-blocks"
-                )
-            log.warning("max_model_len capped to the KV cache's %d tokens", capacity)
-            self.config.max_model_len = capacity
+        self.config.max_model_len = fit_cache(self.config, num_blocks, explicit_len)
         self.max_model_len = self.config.max_model_len
         self.block_manager = BlockManager(num_blocks, self.config.kvcache_block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -137,6 +108,8 @@ class LLMEngine:
             self.config.enable_chunked_prefill,
         )
         self.eos_token_ids = _eos_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.admission = Admission(self.config, self.model_config.vocab_size, self.max_model_len, self.encode,
+                                   self.eos_token_ids, self.reasoning_markers, self._structured_outputs)
         self._inbox: deque[Sequence] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
@@ -194,58 +167,9 @@ class LLMEngine:
     ) -> str:
         """Queue a request. `prompt` is text (tokenized here) or token ids; with token ids,
         `prompt_text` is the text they came from (returned as RequestOutput.prompt)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            token_ids, text = self.encode(prompt), prompt
-        else:
-            token_ids, text = list(prompt), prompt_text
-            vocab = self.model_config.vocab_size
-            if not valid_token_ids(token_ids, vocab):
-                raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        kept = self._truncated(token_ids, sampling_params.truncate_prompt_tokens)
-        if len(kept) < len(token_ids):  # the text no longer spells the tokens the model reads
-            token_ids, text = kept, None
-        if sampling_params.logit_bias:
-            vocab = self.model_config.vocab_size
-            outside = sorted(t for t in sampling_params.logit_bias if t >= vocab)
-            if outside:  # an index past the logits' width: the sampler's index_put_ would fail mid-step
-                shown = ", ".join(map(str, outside[:8])) + (", ..." if len(outside) > 8 else "")
-                raise ValueError(f"logit_bias: token id(s) {shown} are outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate "
-                "(shorten the prompt or raise --max-model-len)"
-            )
-        _check_max_tokens(len(token_ids), sampling_params.max_tokens, self.max_model_len)
-        grammar = compiler = None
-        # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule) unless it is to hold in the
-        # reasoning too (--structured-outputs-in-reasoning)
-        thinking = False
-        if sampling_params.structured_outputs is not None:  # compiled (and checked) once for all completions
-            compiler = self._structured_outputs()
-            grammar = compiler.grammar(sampling_params.structured_outputs)
-            thinking = (self.reasoning_markers is not None and not self.config.structured_outputs_in_reasoning
-                        and not reasoning_ended(token_ids, *self.reasoning_markers))
-        banned: tuple[int, ...] = ()
-        if sampling_params.min_tokens:  # the same for every completion
-            ends = set(sampling_params.stop_token_ids) | (set() if sampling_params.ignore_eos else self.eos_token_ids)
-            banned = tuple(sorted(ends))
-        seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size) for sp in _completion_params(sampling_params)]
-        for index, seq in enumerate(seqs):
-            seq.completion_index = index
-            seq.min_tokens_banned = banned
-            if compiler is not None and grammar is not None:
-                seq.grammar = compiler.new_state(grammar, self.reasoning_markers[1] if thinking else None)
-        if sampling_params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
-            seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
-            seqs[0].prompt_logprobs = FlatLogprobs()
-            seqs[0].prompt_logprobs.append_empty()  # the first prompt token: nothing predicts it
-        # siblings wait for the first completion's prompt blocks only where the cache can share a full block
-        hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
-        request = _Request(seqs, text, seqs[1:] if hold else [], [None] * len(seqs))
+        admitted = self.admission.admit(prompt, sampling_params, prompt_text)
+        seqs = admitted.seqs
+        request = _Request(seqs, admitted.prompt, seqs[1:] if admitted.hold else [], [None] * len(seqs))
         with self._lock:
             if request_id is None:
                 request_id = f"req-{self._request_counter}"
@@ -256,8 +180,8 @@ class LLMEngine:
                 seq.request_id = request_id
             self._requests[request_id] = request
             self._num_held += len(request.held)
-            self._num_constrained += len(seqs) if grammar is not None else 0
-            self._inbox.extend(seqs[:1] if hold else seqs)
+            self._num_constrained += len(seqs) if admitted.constrained else 0
+            self._inbox.extend(seqs[:1] if admitted.hold else seqs)
         return request_id
 
     def _structured_outputs(self) -> GrammarCompiler:
@@ -301,18 +225,24 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.schedule_s += t1 - t0
+        # The pipeline: launch this step's forward; sample it (a constrained row's mask needs the token before it,
+        # so then the step in flight is read first, while the device runs this forward); with async scheduling, read
+        # the previous step while the device runs this one; without, read this one.
         handle = None
         if batch.seqs:
             self.prompt_tokens += sum(
                 n for s, start, n in zip(batch.seqs, batch.start, batch.num_new_tokens) if start < s.num_prompt_tokens
             )
             self.num_decode_steps += batch.is_decode_only
-            token_masks = None
+            handle = self.executor.launch(batch, self._in_flight)
+            masks = None
             if self._num_constrained and any(s.grammar is not None for s in batch.seqs):
-                token_masks = self._token_mask_hook(batch, finished)
-            handle = self.executor.launch(batch, self._in_flight, token_masks)
-        # With async scheduling the device now runs this step while the host reads the previous
-        # one's tokens; otherwise the step just launched is the one to collect.
+                if self._in_flight is not None:
+                    finished.extend(self._collect(self._in_flight))
+                    self._in_flight = None
+                assert self._grammar_compiler is not None
+                masks = self._grammar_compiler.step_mask(batch.seqs, batch.sample_index)
+            self.executor.sample(handle, masks)
         if not self.async_scheduling:
             self._in_flight, handle = handle, None
         if self._in_flight is not None:
@@ -322,20 +252,7 @@ class LLMEngine:
         self.last_step_time = time.perf_counter() - t0
         return [out for out in map(self._finish_output, finished) if out is not None]
 
-    def _token_mask_hook(self, batch: ScheduledBatch, finished: list[Sequence]) -> TokenMaskHook:
-        """Called by the runner between `batch`'s forward and its sampling: a constrained row's mask needs the token
-        before it, which the step in flight (if any) is still computing. So the host reads that step now, while the
-        device runs this one's forward, then builds the masks."""
-        def token_masks() -> tuple[list[int], torch.Tensor] | None:
-            if self._in_flight is not None:
-                finished.extend(self._collect(self._in_flight))
-                self._in_flight = None
-            assert self._grammar_compiler is not None
-            return self._grammar_compiler.step_mask(batch)
-
-        return token_masks
-
-    def _collect(self, handle) -> list[Sequence]:
+    def _collect(self, handle: StepHandle) -> list[Sequence]:
         t1 = time.perf_counter()
         result = self.executor.collect(handle)
         t2 = time.perf_counter()
@@ -442,18 +359,6 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room for one
-        generated token)."""
-        if keep is None:
-            return token_ids
-        if keep == -1:
-            keep = self.max_model_len - 1
-        elif keep >= self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens={keep} must be below max_model_len={self.max_model_len} (-1 keeps "
-                             "as many tokens as fit)")
-        return token_ids[-keep:] if len(token_ids) > keep else token_ids
-
     def token_texts(self) -> list[str]:
         """Every token id's text alone (vLLM's decoded_token), by id, for every id the model reads or writes: the
         logprobs' texts are read from it (outputs.FlatLogprobs.use_vocabulary), and a job's formatting processes get
@@ -510,13 +415,6 @@ def _reasoning_markers(tokenizer: Any, parser: str | None) -> tuple[int, int] | 
     return vocab[THINK_START], vocab[THINK_END]
 
 
-def _completion_params(sp: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion: n=1 each; with a seed, completion i draws from seed + i (vLLM)."""
-    if sp.n == 1:
-        return [sp]
-    return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
-
-
 def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:
     import json
 
@@ -534,11 +432,3 @@ def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:
     add(model_config.eos_token_id)
     add(tokenizer.eos_token_id)
     return ids
-
-
-def _check_max_tokens(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """vLLM's 400 for a request whose prompt plus max_tokens exceeds the context: it could never finish as asked."""
-    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-        raise ValueError(f"max_tokens={max_tokens} is too large: the prompt has {prompt_tokens} tokens and "
-                         f"max_model_len={max_model_len} leaves room for {max_model_len - prompt_tokens} more "
-                         "(lower max_tokens or shorten the prompt)")

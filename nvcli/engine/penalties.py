@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from nvcli.engine.scheduler import PENDING
-from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
+from nvcli.uploads import upload
 
 if TYPE_CHECKING:
     from nvcli.engine.sequence import Sequence

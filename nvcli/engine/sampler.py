@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from nvcli.engine.penalties import PenaltyBatch, apply_penalties
-from nvcli.engine.uploads import upload
 from nvcli.kernels.ops import use_triton
 from nvcli.outputs import FlatLogprobs
+from nvcli.uploads import upload
 
 _MASK = float("-inf")
 

@@ -20,16 +20,14 @@ min_tokens bans or structured-output masks sample eagerly from the graph's logit
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from nvcli.engine.sampler import RowValues
 
 # Decode steps of up to this many rows sample inside CUDA graphs. Larger steps keep the GPU busy for longer than the
-# host takes to launch them (2 ms and more from 17 rows of Qwen3-0.6B on an H100). NV_SAMPLER_GRAPHS=0 turns it off.
-MAX_ROWS = 16 if os.environ.get("NV_SAMPLER_GRAPHS", "1") != "0" else 0
+# host takes to launch them (2 ms and more from 17 rows of Qwen3-0.6B on an H100).
+MAX_ROWS = 16
 KINDS = ("greedy", "temperature", "filtered")
 
 

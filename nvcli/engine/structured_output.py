@@ -17,15 +17,23 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from nvcli.sampling_params import StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from nvcli.engine.scheduler import ScheduledBatch
+
+class ConstrainedRow(Protocol):
+    """What the masks read of a step's sequence (engine/sequence.Sequence)."""
+
+    grammar: GrammarState | None
+    num_prompt_tokens: int
+
+    @property
+    def is_finished(self) -> bool: ...
 
 _CACHED_GRAMMARS = 256  # a job usually repeats one schema on every line: compile it once
 
@@ -122,15 +130,17 @@ class GrammarCompiler:
         return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar.text, log_level=0), grammar,
                             reasoning_end)
 
-    def step_mask(self, batch: ScheduledBatch) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, bitmask [len(rows), mask_words] int32) for the rows of `batch` that sample a constrained token now;
+    def step_mask(self, seqs: Sequence[ConstrainedRow], sample_index: Sequence[int]
+                  ) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask [len(rows), mask_words] int32) for the rows of a step (its sequences, and the index of the
+        token each samples, -1 for none) that sample a constrained token now;
         None if there are none. Every token a row's matcher needs must have been consumed (the engine collects the
         previous step first). Rows that sample nothing (a prompt chunk), or whose sequence ended while this step was
         in flight, are left out: their token is dropped anyway."""
         targets: list[tuple[Any, int]] = []
         firsts: list[tuple[int, torch.Tensor]] = []  # (mask row, the grammar's first mask)
         rows: list[int] = []
-        for row, (seq, index) in enumerate(zip(batch.seqs, batch.sample_index)):
+        for row, (seq, index) in enumerate(zip(seqs, sample_index)):
             state: GrammarState | None = seq.grammar
             if state is None or index < 0 or seq.is_finished or state.is_done:
                 continue

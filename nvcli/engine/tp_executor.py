@@ -27,18 +27,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nvcli import env
+from nvcli.attention.backend import fill_tables
 from nvcli.child_processes import exit_with_parent
 from nvcli.config import EngineConfig
-from nvcli.engine.model_runner import (
-    ModelRunner,
-    StepHandle,
-    StepInput,
-    StepResult,
-    TokenMaskHook,
-    build_step_input,
-    fill_tables,
-)
+from nvcli.engine.model_runner import ModelRunner
+from nvcli.engine.sampling_stage import SamplingInputs, StepHandle, StepResult, TokenMasks, collect
 from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.engine.step_input import StepInput, build_step_input
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers
@@ -121,10 +117,11 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str,
                 event, ack) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 coordinates shutdown on Ctrl-C
     exit_with_parent()
-    if os.environ.get("NV_DEBUG_STACKS_AFTER_S"):  # diagnosing a hang: print this worker's stacks
+    stacks_after_s = env.settings().debug_stacks_after_s
+    if stacks_after_s is not None:  # diagnosing a hang: print this worker's stacks
         import faulthandler
 
-        faulthandler.dump_traceback_later(float(os.environ["NV_DEBUG_STACKS_AFTER_S"]), exit=False)
+        faulthandler.dump_traceback_later(stacks_after_s, exit=False)
     _init_dist(config, rank, port)
     runner = ModelRunner(config, model_config, Path(model_dir), rank=rank)
     shm = SharedMemory(name=shm_name)
@@ -150,7 +147,7 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str,
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path,
                  compile_workers: CompileWorkers | None = None) -> None:
-        """`compile_workers`: rank 0's, already started (model_runner.start_compile_workers_if_cold)."""
+        """`compile_workers`: rank 0's, already started (startup.start_compile_workers_if_cold)."""
         self.config = config
         self.block_size = config.kvcache_block_size
         world = config.tensor_parallel_size
@@ -209,8 +206,7 @@ class TensorParallelExecutor:
 
     supports_async = True  # rank 0 broadcasts each step's tokens; workers fill pending inputs from them
 
-    def launch(self, batch: ScheduledBatch, prev: StepHandle | None, token_masks: TokenMaskHook | None = None
-               ) -> StepHandle:
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         step = build_step_input(batch, self.block_size, prev.row_of if prev is not None else None)
         for a in self.acks:  # every worker has read the previous step out of the channel
             while not a.wait(timeout=1.0):
@@ -221,14 +217,21 @@ class TensorParallelExecutor:
         for e in self.events:
             e.set()
         try:
-            return self.runner.launch(batch, step, token_masks)  # masks on rank 0: it samples for every rank
+            return self.runner.launch(step, SamplingInputs.of(batch))
+        except Exception as e:
+            self._worker_died(e)
+            raise
+
+    def sample(self, handle: StepHandle, masks: TokenMasks | None = None) -> None:
+        try:
+            self.runner.sample(handle, masks)  # rank 0 samples for every rank (and broadcasts the tokens)
         except Exception as e:
             self._worker_died(e)
             raise
 
     def collect(self, handle: StepHandle) -> StepResult:
         try:
-            return self.runner.collect(handle)
+            return collect(handle)
         except Exception as e:
             self._worker_died(e)
             raise

@@ -1,7 +1,6 @@
 """Kernel entry points used by the model: Triton on CUDA tensors, the torch reference elsewhere.
 
-Setting NV_ATTENTION_BACKEND=torch forces the references on the GPU too (for A/B checks); the
-model layers and the sampler ask `use_triton` as well, so the switch covers every kernel.
+The model layers, attention (nvcli/attention/) and the sampler ask `use_triton` too: one rule for every kernel.
 
 k_scale / v_scale are the per-tensor scales of an fp8 KV cache (None = 1.0, a float or a
 1-element float32 tensor; tensors are read on the device, so CUDA graphs may capture them):
@@ -11,21 +10,15 @@ other dtype ignore them.
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING
-
 import torch
 
 from nvcli.kernels import reference
 from nvcli.kernels.reference import Scale
 
-if TYPE_CHECKING:
-    from nvcli.engine.attention_metadata import DecodeSplit
-
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether `t`'s computation goes to a Triton kernel: on CUDA, unless NV_ATTENTION_BACKEND=torch."""
-    return t.is_cuda and os.environ.get("NV_ATTENTION_BACKEND", "triton") == "triton"
+    """Whether `t`'s computation goes to a Triton kernel: on CUDA; elsewhere the torch reference runs."""
+    return t.is_cuda
 
 
 def store_kvcache(
@@ -75,47 +68,6 @@ def paged_decode_attention(
     return reference.paged_decode_attention_ref(
         q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     )
-
-
-def paged_split_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    split: DecodeSplit,
-    scale: float,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
-    invariant: bool = False,
-) -> torch.Tensor:
-    """Attention of a step whose first `split.num_rows` rows are one-token queries (decode kernel) and whose other
-    rows are prompt chunks (prefill kernel) -> like q. Triton only (the split exists on the GPU).
-
-    The decode kernel runs first: in a CUDA graph its capacity may reach into the prompt rows, where it writes
-    zeros (length 0) that the prefill kernel then overwrites. `invariant` (--batch-invariant): the one-token rows
-    take the prefill kernel's invariant form too, one query each, so every row gets the same arithmetic."""
-    from nvcli.kernels.decode_attention import paged_decode_attention_triton
-    from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
-
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    d = split.num_rows
-    if d and invariant:
-        one_each = torch.arange(d + 1, dtype=torch.int32, device=q.device)  # [d + 1] query starts
-        paged_prefill_attention_triton(q[:d], k_cache, v_cache, one_each, split.seq_lens, split.block_tables, 1, 0,
-                                       scale, k_scale, v_scale, out=out[:d], invariant=True)
-    elif d and split.shared_prefix_len is not None:
-        from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
-
-        shared_prefix_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens,
-                                              split.shared_prefix_len, scale, split.order, out=out[:d],
-                                              k_scale=k_scale, v_scale=v_scale)
-    elif d:
-        paged_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens, scale, k_scale,
-                                      v_scale, order=split.order, out=out[:d])
-    if split.prefill_seq_lens.shape[0]:
-        paged_prefill_attention_triton(q, k_cache, v_cache, split.prefill_query_start_loc, split.prefill_seq_lens,
-                                       split.prefill_block_tables, split.prefill_max_query_len, 0, scale, k_scale,
-                                       v_scale, out=out, invariant=invariant)
-    return out
 
 
 def paged_prefill_attention(

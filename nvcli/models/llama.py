@@ -15,18 +15,15 @@ steps compute rstd(h) once per row with a small kernel instead (a pass over h, w
 rotary and SiLU kernels read it (RESULTS, session 22). A few rows keep the fused kernels (the norm in the skinny
 GEMM's prologue). Not with tensor parallelism (o_proj and down are summed across ranks after the GEMM) or projection
 biases (a bias is added after the scaling).
-NV_DEFERRED_NORM=0 turns it off, `decode` limits it to decode steps (A/B runs).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from nvcli.attention.metadata import AttentionMetadata
 from nvcli.distributed import all_reduce, set_rank_ordered_sums, tp_size
-from nvcli.engine.attention_metadata import AttentionMetadata
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
@@ -41,19 +38,6 @@ from nvcli.models.layers.norm import RMSNorm, row_rstd_vector, row_scale
 from nvcli.models.layers.rotary import RotaryEmbedding
 from nvcli.models.model_config import ModelConfig
 
-# Decode steps on the GPU fold the rotary step into the attention kernel: one launch per layer fewer.
-# Session 3 kept it to 16 rows (at larger batches the fatter kernel then cost more than the launch: fp8
-# 25,962 -> 24,475 tok/s); with session 9's kernels it pays at every batch size (H100, two rounds each:
-# fp8 27,667 / 27,791 -> 28,169 / 28,258 tok/s, bf16 19,018 / 19,108 -> 19,319 / 19,055).
-# NV_DECODE_ROPE=0 keeps the separate rotary kernel everywhere, NV_DECODE_ROPE_MAX_ROWS bounds the rows (A/B runs).
-FUSED_DECODE_ROPE = os.environ.get("NV_DECODE_ROPE", "1") != "0"
-FUSED_DECODE_ROPE_MAX_ROWS = int(os.environ.get("NV_DECODE_ROPE_MAX_ROWS", str(1 << 30)))
-# "1" (the default): every step; "decode": decode steps only; "0": off. Prompt steps gained once their row scale was
-# precomputed (a 16,384-token prompt step 36.4 -> 35.4 ms of GPU, a prompt-heavy job +3-6%; RESULTS, session 22);
-# with each rotary program re-reading its row for it they had lost 1-4% (session 21).
-DEFERRED_NORM = os.environ.get("NV_DEFERRED_NORM", "1")
-if DEFERRED_NORM not in ("0", "1", "decode"):
-    raise ValueError(f"NV_DEFERRED_NORM={DEFERRED_NORM!r}: use 0, 1 or decode")
 # Up to SMALL_M rows the skinny GEMM computes the norm in its prologue (kernels/skinny_gemm.py): no kernel to save.
 DEFERRED_NORM_MIN_ROWS = 17
 
@@ -96,10 +80,10 @@ class DecoderAttention(nn.Module):
         scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized (or
         # their 1 / RMS precomputed, [num_tokens] float32: layers.norm.row_scale)
         scale_eps: float = 1e-6,
-        invariant: bool = False,  # --batch-invariant on the GPU: separate rotary kernel, one attention kernel shape
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], before o_proj
-        """q/k norm, rotary, KV store and attention; with `scale_rows` (deferred norm) q, k and v are first scaled
-        by each row's 1 / RMS (inside the rotary kernels on the GPU)."""
+        """q/k norm, rotary, KV store and attention (what runs is the step's attention plan, in `meta`); with
+        `scale_rows` (deferred norm) q, k and v are first scaled by each row's 1 / RMS (inside the rotary kernels on
+        the GPU)."""
         if scale_rows is not None and not use_triton(qkv):
             qkv = (qkv.float() * row_scale(scale_rows, scale_eps)).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -107,32 +91,8 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if use_triton(q):
-            q_w = self.q_norm.weight if self.qk_norm else None
-            k_w = self.k_norm.weight if self.qk_norm else None
-            eps = self.q_norm.eps if self.qk_norm else 0.0
-            attn = self.attn
-            if (meta.decode_only and FUSED_DECODE_ROPE and q.shape[0] <= FUSED_DECODE_ROPE_MAX_ROWS
-                    and meta.shared_prefix_len is None and not invariant):
-                # norm + rotary + KV store inside the attention kernel
-                from nvcli.kernels.decode_attention import DecodeRope
-
-                rope = DecodeRope(k, v, positions, self.rotary_emb.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps,
-                                  scale_rows, scale_eps)
-                o = attn.decode_with_rope(q, rope, meta)
-            else:  # one fused kernel: per-head norm (Qwen3) + rotary on q, k + the KV-cache store
-                from nvcli.kernels.rotary import rope_qk_norm_triton
-
-                q, k = rope_qk_norm_triton(q, k, positions, self.rotary_emb.cos_sin_cache, q_w, k_w, eps, v=v,
-                                           k_cache=attn.k_cache, v_cache=attn.v_cache,
-                                           slot_mapping=meta.slot_mapping, k_scale=attn.k_scale, v_scale=attn.v_scale,
-                                           scale_rows=scale_rows, scale_eps=scale_eps)
-                o = attn(q, k, v, meta, kv_stored=True, invariant=invariant)
-        else:
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-            o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        o = self.attn(q, k, v, positions, meta, self.rotary_emb, q_norm, k_norm, scale_rows, scale_eps)
         return o.flatten(1)
 
 
@@ -164,14 +124,7 @@ class DecoderLayer(nn.Module):
             norm, proj = self.input_layernorm, self.self_attn.qkv_proj
             qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             x = self.self_attn.attend(positions, qkv, meta)
-            from nvcli.kernels.fused_mlp import fused_mlp_triton, use_fused_mlp
-
             norm, proj, down = self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj
-            if proj.bias is None and down.bias is None and use_fused_mlp(x, proj.weight, down.weight):
-                # one token: norm, gate_up, SiLU and down in one launch (kernels/fused_mlp.py; off by default:
-                # slower than the two kernels on the H100)
-                out, residual = fused_mlp_triton(x, residual, norm.weight, norm.eps, proj.weight, down.weight)
-                return all_reduce(out), residual
             gate_up, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             return down.forward_silu_mul(gate_up), residual
         if residual is None:
@@ -198,7 +151,7 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         qkv = mm(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [num_tokens, (H + 2 * KH) * head_dim]
-        o = attn.attention_heads(positions, qkv, meta, invariant=True)  # [num_tokens, H * head_dim]
+        o = attn.attention_heads(positions, qkv, meta)  # [num_tokens, H * head_dim]
         o = all_reduce(mm(o, attn.o_proj.weight, attn.o_proj.bias))  # rank-ordered under TP (distributed.py)
         x, residual = self.post_attention_layernorm(o, residual)
         act = mlp.act(mm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))  # [num_tokens, intermediate]
@@ -252,11 +205,9 @@ class DecoderModel(nn.Module):
         self.can_defer_norm = (bool(self.layers) and tp_size() == 1
                                and all(layer.can_defer_norm for layer in self.layers))
 
-    def defers_norm(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+    def defers_norm(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` rows runs the deferred-norm layers (module docstring)."""
-        if DEFERRED_NORM == "0" or num_tokens < DEFERRED_NORM_MIN_ROWS or not self.can_defer_norm:
-            return False
-        return DEFERRED_NORM == "1" or meta.decode_only
+        return num_tokens >= DEFERRED_NORM_MIN_ROWS and self.can_defer_norm
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -266,7 +217,7 @@ class DecoderModel(nn.Module):
         if self.batch_invariant:
             return self._forward_invariant(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        if self.defers_norm(x.shape[0], meta):
+        if self.defers_norm(x.shape[0]):
             for layer in self.layers:
                 x = layer.forward_deferred(positions, x, meta)
             return x, None

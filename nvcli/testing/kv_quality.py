@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nvcli.engine.model_runner import ModelRunner, StepInput
+from nvcli.engine.model_runner import ModelRunner
+from nvcli.engine.step_input import StepInput
 
 
 def teacher_forced_logits(runner: ModelRunner, prompts: list[list[int]],

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nvcli import LLM, SamplingParams, StructuredOutputsParams
-from nvcli.engine import model_runner
+from nvcli.attention import plan
+from nvcli.engine import cuda_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -52,16 +53,22 @@ def _with_and_without_shared_prefix(llm: LLM, prompts: list[list[int]], params: 
     """The job's tokens with the shared-prefix graphs where its steps qualify, then with the ordinary kernel only
     (the instruction computed again: the prefix cache reset)."""
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    llm.engine.executor.runner.shared_prefix_ok = False
+    llm.engine.executor.runner.attention.shared_prefix = False
     llm.engine.reset_prefix_cache()
     return got, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("single_upload_bytes", [model_runner.SINGLE_UPLOAD_BYTES, 0])
+def _captured(runner, mixed: bool, shared: bool = True) -> list:
+    """The keys of the graphs `runner` holds of one family, shared-prefix variants or the others."""
+    return [k for k in runner.cuda_graphs.graphs if bool(k.chunks) == mixed and k.shared == shared]
+
+
+@pytest.mark.parametrize("single_upload_bytes", [cuda_graphs.SINGLE_UPLOAD_BYTES, 0])
 def test_graph_replay_equals_eager(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, single_upload_bytes: int) -> None:
+    """Decode graphs uploading a small step's inputs in one copy, or always field by field, give the eager tokens."""
     model_dir = tiny_model_dir("qwen3")
     eager = _generate(model_dir, enforce_eager=True)
-    monkeypatch.setattr(model_runner, "SINGLE_UPLOAD_BYTES", single_upload_bytes)
+    monkeypatch.setattr(cuda_graphs, "SINGLE_UPLOAD_BYTES", single_upload_bytes)
     graphs = _generate(model_dir)
     assert [len(t) for t in graphs] == [p.max_tokens for p in PARAMS]
     assert graphs == eager
@@ -127,15 +134,15 @@ def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
     shared-prefix decode graphs, captured when first needed (kernels/shared_prefix_attention.py): float32 on the
     GPU gives the CPU's tokens with them, and without them."""
     prompts, params = _lines_behind_one_instruction(40, lambda i: 12 + i % 5)
-    assert len(prompts) >= model_runner.SHARED_PREFIX_MIN_ROWS
+    assert len(prompts) >= plan.SHARED_PREFIX_MIN_ROWS
     model_dir = tiny_model_dir("qwen3")
     want = _cpu_tokens(model_dir, prompts, params)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
     try:
         runner = llm.engine.executor.runner
-        assert runner.shared_prefix_ok and not runner.shared_graphs
+        assert runner.attention.shared_prefix and not _captured(runner, mixed=False)
         got, got_plain = _with_and_without_shared_prefix(llm, prompts, params)
-        assert runner.shared_graphs  # the shared pages were found and their graphs replayed
+        assert _captured(runner, mixed=False)  # the shared pages were found and their graphs replayed
     finally:
         llm.shutdown()
     assert got == want
@@ -144,7 +151,7 @@ def test_shared_prefix_graphs_match_cpu(tiny_model_dir) -> None:
 
 def test_two_instructions_share_their_pages_group_by_group(tiny_model_dir) -> None:
     """Lines behind two different instructions, interleaved: each group of rows that the shared-prefix kernel forms
-    holds one instruction's rows (model_runner.shared_prefix_plan) and reads its pages once. float32 on the GPU gives
+    holds one instruction's rows (attention/plan.shared_prefix_plan) and reads its pages once. float32 on the GPU gives
     the CPU's tokens, with the shared-prefix graphs captured."""
     first, second = _lines_behind_one_instruction(40, lambda i: 6 + i % 11)
     other = [list(range(7000, 7400)) + p[320:] for p in first[:40]]  # a 400-token instruction of its own
@@ -155,7 +162,7 @@ def test_two_instructions_share_their_pages_group_by_group(tiny_model_dir) -> No
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert llm.engine.executor.runner.shared_graphs
+        assert _captured(llm.engine.executor.runner, mixed=False)
     finally:
         llm.shutdown()
     assert got == want
@@ -174,20 +181,18 @@ def test_shared_prefix_mixed_graphs_match_cpu(tiny_model_dir) -> None:
     try:
         runner = llm.engine.executor.runner
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert runner.shared_mixed_graphs, runner.num_mixed_replays  # mixed steps with shared pages replayed them
+        assert _captured(runner, mixed=True), runner.cuda_graphs.replays  # mixed steps with shared pages replayed them
     finally:
         llm.shutdown()
     assert got == want
 
 
-@pytest.mark.parametrize("mode", ["mixed graphs", "mixed graphs, few-chunk captures", "eager split",
-                                  "one prefill kernel"])
+@pytest.mark.parametrize("mode", ["mixed graphs", "mixed graphs, few-chunk captures", "eager split"])
 def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Two slots for six requests: new prompts are admitted beside running decodes, so most steps carry prompt
     chunks and one-token rows. float32 on the GPU gives the CPU's tokens whether such steps replay the mixed graphs
-    (64-256 tokens), run eagerly with the one-token rows on the decode kernel, or run every row through the prefill
-    kernel (NV_SPLIT_MIXED=0). With few-chunk captures of one chunk, one-chunk steps replay those graphs and
-    two-chunk steps the full ones."""
+    (64-256 tokens) or run eagerly, with the one-token rows on the decode kernel either way. With few-chunk captures
+    of one chunk, one-chunk steps replay those graphs and two-chunk steps the full ones."""
     model_dir = tiny_model_dir("qwen3")
     common = dict(max_model_len=512, max_num_seqs=2, max_num_batched_tokens=256, num_kvcache_blocks=256)
     cpu = LLM(str(model_dir), device="cpu", **common)
@@ -195,19 +200,16 @@ def test_steps_with_prompt_chunks_match_cpu(tiny_model_dir, monkeypatch: pytest.
         want = [o.outputs[0].token_ids for o in cpu.generate(PROMPTS, PARAMS)]
     finally:
         cpu.shutdown()
-    if mode == "eager split":
-        monkeypatch.setattr(model_runner, "MIXED_GRAPHS", False)
-    elif mode == "one prefill kernel":
-        monkeypatch.setattr(model_runner, "SPLIT_MIXED", False)
-    elif mode == "mixed graphs, few-chunk captures":
-        monkeypatch.setattr(model_runner, "MIXED_FEW_CHUNKS", 1)
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", **common)
+    if mode == "mixed graphs, few-chunk captures":
+        monkeypatch.setattr(cuda_graphs, "MIXED_FEW_CHUNKS", 1)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", enforce_eager=mode == "eager split", **common)
     try:
         runner = llm.engine.executor.runner
         if mode == "mixed graphs, few-chunk captures":
-            assert {chunks for _, chunks in runner.mixed_graphs} == {1, 2}
+            assert {k.chunks for k in runner.cuda_graphs.graphs if k.chunks} == {1, 2}
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
-        assert (runner.num_mixed_replays > 0) == mode.startswith("mixed graphs")
+        if mode != "eager split":
+            assert runner.cuda_graphs.replays["mixed"] > 0
     finally:
         llm.shutdown()
     assert got == want
@@ -227,7 +229,7 @@ def test_prompt_logprobs_from_mixed_graphs_match_cpu(tiny_model_dir) -> None:
     llm = LLM(str(model_dir), device="cuda", dtype="float32", **common)
     try:
         got = llm.generate(PROMPTS, params)
-        assert llm.engine.executor.runner.num_mixed_replays > 0
+        assert llm.engine.executor.runner.cuda_graphs.replays["mixed"] > 0
     finally:
         llm.shutdown()
     for g, w in zip(got, want):
@@ -263,7 +265,7 @@ def test_structural_tags_and_the_reasoning_gate_with_graphs_match_cpu(tiny_model
         cpu.shutdown()
     llm = LLM(model_dir, device="cuda", dtype="float32", **common)
     try:
-        assert llm.engine.async_scheduling and llm.engine.executor.runner.graphs
+        assert llm.engine.async_scheduling and llm.engine.executor.runner.cuda_graphs.graphs
         outs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
@@ -297,7 +299,7 @@ def test_structured_outputs_with_graphs_and_async_scheduling_match_cpu(tiny_mode
         cpu.shutdown()
     llm = LLM(str(model_dir), device="cuda", dtype="float32", **common)
     try:
-        assert llm.engine.async_scheduling and llm.engine.executor.runner.graphs
+        assert llm.engine.async_scheduling and llm.engine.executor.runner.cuda_graphs.graphs
         outs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
@@ -313,20 +315,21 @@ def test_structured_outputs_with_graphs_and_async_scheduling_match_cpu(tiny_mode
             assert text in ("yes", "no")
 
 
-def test_fp8_steps_with_prompt_chunks_match_one_prefill_kernel(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_steps_with_prompt_chunks_match_one_prefill_kernel(tiny_model_dir) -> None:
     """An fp8 cache (32-token pages, V sealed dims-major when full) through the same admissions: the mixed graphs'
-    split attention gives the tokens of the old path, every row on the prefill kernel (both read the same
-    quantized cache; float32 model)."""
+    split attention gives the tokens of every row on the prefill kernel, eagerly (both read the same quantized
+    cache; float32 model)."""
     model_dir = tiny_model_dir("qwen3")
     common = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8", max_model_len=512, max_num_seqs=2,
                   max_num_batched_tokens=256, num_kvcache_blocks=128)
     results = []
     for split in (True, False):
-        monkeypatch.setattr(model_runner, "SPLIT_MIXED", split)
-        llm = LLM(str(model_dir), **common)
+        llm = LLM(str(model_dir), enforce_eager=not split, **common)
         try:
+            llm.engine.executor.runner.attention.split_mixed = split
             results.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)])
-            assert (llm.engine.executor.runner.num_mixed_replays > 0) == split
+            if split:
+                assert llm.engine.executor.runner.cuda_graphs.replays["mixed"] > 0
         finally:
             llm.shutdown()
     assert results[0] == results[1]
@@ -341,7 +344,8 @@ def test_fp8_shared_prefix_graphs_match_the_ordinary_kernel(tiny_model_dir) -> N
               max_num_seqs=40, num_kvcache_blocks=128)
     try:
         got, want = _with_and_without_shared_prefix(llm, prompts, params)
-        assert llm.engine.executor.runner.shared_graphs and llm.engine.executor.runner.shared_mixed_graphs
+        runner = llm.engine.executor.runner
+        assert _captured(runner, mixed=False) and _captured(runner, mixed=True)
     finally:
         llm.shutdown()
     assert got == want
@@ -352,18 +356,18 @@ import json, os, random, sys, tempfile
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a machine's first job: nothing compiled yet
 import triton
 from nvcli import LLM, SamplingParams, StructuredOutputsParams
-from nvcli.kernels import ops
+from nvcli.attention import forward
 from nvcli.kernels.compile_ahead import variant_difference
 
 llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=64,
           max_num_batched_tokens=12000, kv_cache_dtype=sys.argv[2])
 compiled, split_rows = [], []
 triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append((kw["fn"].jit_function, kw["key"]))  # compiles
-split = ops.paged_split_attention
+split = forward.split_attention
 def counting_split(q, k_cache, v_cache, s, *a, **kw):
     split_rows.append(s.num_rows)
     return split(q, k_cache, v_cache, s, *a, **kw)
-ops.paged_split_attention = counting_split
+forward.split_attention = counting_split
 rng = random.Random(0)
 prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(350, 450))] for _ in range(60)]
 params = [SamplingParams(temperature=0.7, seed=i, max_tokens=rng.randint(4, 60), ignore_eos=True) for i in range(60)]
@@ -382,7 +386,7 @@ instruction = [rng.randrange(10, 1000) for _ in range(320)]
 llm.generate([instruction + [rng.randrange(10, 1000) for _ in range(1 + i % 5)] for i in range(100)],
              [SamplingParams(temperature=0.7, max_tokens=8 + i % 9, ignore_eos=True) for i in range(100)])
 runner = llm.engine.executor.runner
-shared_graphs = sorted(runner.shared_graphs) + sorted(runner.shared_mixed_graphs)
+shared_graphs = sorted([k.tokens, k.chunks] for k in runner.cuda_graphs.graphs if k.shared)
 llm.shutdown()
 print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" for fn, key in compiled],
                   "split_rows": sorted(set(split_rows)), "shared_graphs": shared_graphs}))
@@ -395,7 +399,7 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir, kv_cache_dtype: 
     for a compile (seconds each). The job here takes eager steps of more than the mixed graphs' 8,192 tokens with
     running decodes beside new prompts (the DESIGN workload's prompt phase): decode attention over long tables
     (KV split, merged in the kernel) and prefill attention on metadata offset by the decode-row count. Both were
-    compiled mid-run before (3 variants, 4-7 s of the benchmark's first run, RESULTS session 24). Some requests are
+    compiled mid-run before (3 variants, 4-7 s of the benchmark's first run). Some requests are
     constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws. A
     second job's lines share one instruction (shared-prefix decode and mixed graphs). An fp8 cache has kernel variants
     of its own (dequantizing loads, the seal kernel, the shared-prefix kernel's fp8 tiles): the same job over one."""
@@ -409,8 +413,8 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir, kv_cache_dtype: 
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert any(rows > 1 and rows % 4 for rows in result["split_rows"]), result  # eager split steps did run
-    assert any(isinstance(g, int) for g in result["shared_graphs"]), result  # shared-prefix decode steps did run
-    assert any(isinstance(g, list) for g in result["shared_graphs"]), result  # ... and mixed ones
+    assert any(chunks == 0 for _, chunks in result["shared_graphs"]), result  # shared-prefix decode steps did run
+    assert any(chunks > 0 for _, chunks in result["shared_graphs"]), result  # ... and mixed ones
     assert result["compiled"] == [], "\n".join(result["compiled"])
 
 
@@ -419,9 +423,9 @@ import json, os, sys, tempfile
 os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # a machine's first start-up
 import triton
 from nvcli import LLM, SamplingParams
-from nvcli.engine import model_runner
+from nvcli.engine import startup
 
-model_runner.DRY_PASS_LAYERS = int(sys.argv[2])
+startup.DRY_PASS_LAYERS = int(sys.argv[2])
 outside = []  # compiles at real launches, that is outside compile-ahead's dry pass and loads
 triton.knobs.runtime.jit_cache_hook = lambda **kw: (None if kw["is_manual_warmup"]
                                                     else outside.append(f"{kw['fn'].jit_function.__name__} {kw['key']}"))
@@ -433,7 +437,7 @@ print(json.dumps(sorted(outside)))
 
 
 def test_the_dry_pass_over_two_layers_records_every_variant(tmp_path) -> None:
-    """Compile-ahead's dry pass runs two of the model's decoder layers (model_runner.DRY_PASS_LAYERS): every later
+    """Compile-ahead's dry pass runs two of the model's decoder layers (startup.DRY_PASS_LAYERS): every later
     layer launches the variants the second one does. On an empty Triton cache, a five-layer model's start-up and
     first steps compile at their launches exactly what they compile when the dry pass runs all five layers: the
     shortened pass records every variant the full one does."""

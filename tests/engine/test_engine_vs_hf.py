@@ -253,13 +253,11 @@ def test_text_prompts_and_chat(tiny_model_dir) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 @pytest.mark.parametrize("regime", ["prefix_off", "chunked_prefill"])
-@pytest.mark.parametrize("mode", ["1", "decode"])
 def test_greedy_matches_hf_with_deferred_norm(tiny_model_dir, monkeypatch: pytest.MonkeyPatch, arch: str,
-                                              regime: str, mode: str) -> None:
+                                              regime: str) -> None:
     """Deferred RMSNorm (models/llama.py: norm weights folded into the projections, the 1 / RMS applied after
-    them, residual adds inside the o_proj / down GEMMs) at every step of any size (the default, "1": prompt and
-    mixed steps with the row scale precomputed) or at decode steps only ("decode"): still HF's tokens. Qwen2's biased qkv
-    projection keeps the explicit norms (a bias is added after the scaling)."""
+    them, residual adds inside the o_proj / down GEMMs) at every step, prompt, mixed and decode: still HF's tokens.
+    Qwen2's biased qkv projection keeps the explicit norms (a bias is added after the scaling)."""
     from nvcli.models import llama
 
     calls = []
@@ -270,7 +268,6 @@ def test_greedy_matches_hf_with_deferred_norm(tiny_model_dir, monkeypatch: pytes
         return real(self, *args, **kw)
 
     monkeypatch.setattr(llama, "DEFERRED_NORM_MIN_ROWS", 1)
-    monkeypatch.setattr(llama, "DEFERRED_NORM", mode)
     monkeypatch.setattr(llama.DecoderLayer, "forward_deferred", counting)
     check_greedy(tiny_model_dir, arch, regime, async_scheduling=False)
     assert bool(calls) == (arch != "qwen2")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nvcli import LLM, SamplingParams
+from nvcli.engine import kv_sizing
 from nvcli.kernels import ops
 from nvcli.kernels.reference import (
     dequantize_kv,
@@ -123,8 +124,8 @@ def test_block_accounting_same_budget(tiny_model_dir, ref) -> None:
     assert runners["fp8"].block_size == 32  # the fp8 default: 32-token pages, V dims-major
     assert tokens["fp8"] == 2 * tokens["bfloat16"]  # fp8 doubles a 16-bit cache's tokens
     for kv, r in runners.items():
-        assert r.kv_cache.nbytes == blocks[kv] * r.kv_bytes_per_block() <= BUDGET_GIB * 2**30
-    assert runners["fp8"].kv_bytes_per_block() == runners["bfloat16"].kv_bytes_per_block()  # twice the tokens
+        assert r.kv_cache.nbytes == blocks[kv] * kv_sizing.kv_bytes_per_block(r) <= BUDGET_GIB * 2**30
+    assert kv_sizing.kv_bytes_per_block(runners["fp8"]) == kv_sizing.kv_bytes_per_block(runners["bfloat16"])  # twice the tokens
 
 
 def test_fp8_default_pages_store_v_dims_major(tiny_model_dir) -> None:

@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent('''
     torch.zeros = zeros
     torch.cuda.synchronize = lambda *a, **k: None
     from nvcli import LLM, SamplingParams
-    from nvcli.engine import model_runner
+    from nvcli.engine import startup
+    from nvcli.engine.cuda_graphs import CudaGraphs, Graph
 
     model_dir, mode = sys.argv[1], sys.argv[2]
     prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
@@ -55,32 +56,32 @@ SCRIPT = textwrap.dedent('''
 
     llm = LLM(model_dir, **common)
     r = llm.engine.executor.runner
-    r.split_mixed = True  # the GPU's path, on CPU tensors through the interpreter
+    r.attention.split_mixed = True  # the GPU's plan, on CPU tensors through the interpreter
+    replays = {}
     if mode == "graphs":
-        model_runner.MIXED_FEW_CHUNKS = 1  # one-chunk steps replay the few-chunks graphs, two-chunk steps the full ones
-        r.mixed_graph_sizes = model_runner.mixed_graph_sizes(256)
-        r.config.enforce_eager = False
-        r._make_graph_inputs()
-        replays = {}
+        g = CudaGraphs(r.model, r.attention, r.device, 2, 256, shared_prefix=False, logits_max_rows=0)
+        g.few_chunks = 1  # one-chunk steps replay the few-chunks graphs, two-chunk steps the full ones
+        g.make_inputs()
 
-        class StandInGraph:  # replay = the captured forward on the static buffers, into the graph's outputs
+        class StandInGraph:  # replay = the captured forward on the static inputs, into the graph's outputs
             def __init__(self, key):
                 self.key = key
 
             def replay(self):
-                replays[str(self.key[1])] = replays.get(str(self.key[1]), 0) + 1
-                for out, new in zip(r.mixed_outputs[self.key], r._mixed_graph_forward(*self.key)):
+                name = f"{self.key.tokens}x{self.key.chunks}"
+                replays[name] = replays.get(name, 0) + 1
+                for out, new in zip(g.graphs[self.key].outputs, g.forward(self.key)):
                     if out is not None:
                         out.copy_(new)
 
-        for key in r._mixed_graph_keys():
-            r.mixed_outputs[key] = tuple(None if x is None else x.clone() for x in r._mixed_graph_forward(*key))
-            r.mixed_graphs[key] = StandInGraph(key)
-        r._warm_up_kernels()  # its 18-sequence step exceeds the graphs' capacity (2 sequences): eager
+        for key in g.keys():  # decode graphs of 1 and 2 rows, mixed graphs of 64-256 tokens at 1 and 2 chunks
+            outputs = tuple(None if x is None else x.clone() for x in g.forward(key))
+            g.graphs[key] = Graph(StandInGraph(key), outputs, None)
+        r.cuda_graphs = g
+        startup.warm_up_kernels(r)  # its 18-sequence step exceeds the graphs' capacity (2 sequences): eager
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.shutdown()
-    print(json.dumps({"replays": r.num_mixed_replays, "by_chunks": replays if mode == "graphs" else {},
-                      "got": got, "want": want}))
+    print(json.dumps({"replays": replays, "got": got, "want": want}))
 ''')
 
 
@@ -95,7 +96,10 @@ def test_split_steps_give_the_reference_tokens(tiny_model_dir, mode: str) -> Non
                           cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (result["replays"] > 0) == (mode == "graphs")
-    if mode == "graphs":
-        assert result["by_chunks"].get("1", 0) > 0 and result["by_chunks"].get("2", 0) > 0, result["by_chunks"]
+    chunks = {}
+    for name, n in result["replays"].items():
+        chunks[int(name.split("x")[1])] = chunks.get(int(name.split("x")[1]), 0) + n
+    assert bool(chunks) == (mode == "graphs")
+    if mode == "graphs":  # decode graphs, and mixed graphs of one and of two chunks, all replayed
+        assert chunks.get(0, 0) > 0 and chunks.get(1, 0) > 0 and chunks.get(2, 0) > 0, result["replays"]
     assert result["got"] == result["want"]

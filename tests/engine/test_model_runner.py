@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from nvcli.engine import model_runner
-from nvcli.engine.model_runner import ModelRunner, StepInput, shared_prefix_plan
+from nvcli.attention import plan
+from nvcli.attention.plan import shared_prefix_plan
+from nvcli.engine.model_runner import ModelRunner
+from nvcli.engine.step_input import StepInput
 
 
 def _step(n: int, pending: list[tuple[int, int]]) -> StepInput:
@@ -50,11 +52,11 @@ def test_step_inputs_do_not_wait_for_the_device(tiny_model_dir) -> None:
         qsl = [0, 40, 73]
         step = StepInput([1] * 73, [p for n in lens for p in range(n)], [-1] * 73, qsl, lens, [[0, 1, 2], [3, 4, 5]],
                          False)
-        runner._tensors(step)  # pinned-memory pools warm
+        runner.eager_inputs(step)  # pinned-memory pools warm
         torch.cuda.synchronize()
         torch.cuda._sleep(int(0.5 * _cycles_per_second()))
         t0 = time.perf_counter()
-        _, _, meta = runner._tensors(step)
+        _, _, meta = runner.eager_inputs(step)
         elapsed = time.perf_counter() - t0
         assert elapsed < 0.25, f"building the step's tensors waited {elapsed:.3f} s for the device"
         torch.cuda.synchronize()
@@ -94,9 +96,9 @@ def test_step_columns_of_prompt_chunks_and_decodes() -> None:
     still in flight (the array path), and a decode-only step (the list path), give every token its id, position
     and cache slot, and every in-flight token its pending row."""
     from nvcli.engine.block_manager import BlockManager
-    from nvcli.engine.model_runner import build_step_input
     from nvcli.engine.scheduler import Scheduler
     from nvcli.engine.sequence import Sequence
+    from nvcli.engine.step_input import build_step_input
     from nvcli.sampling_params import SamplingParams
 
     bs = 4
@@ -132,9 +134,9 @@ def test_step_columns_of_many_decode_rows_beside_a_prompt() -> None:
     follows. The one-token rows are gathered in one pass; each must still get its own id, position, slot and
     length, and the decode-row count must cover exactly them."""
     from nvcli.engine.block_manager import BlockManager
-    from nvcli.engine.model_runner import build_step_input
     from nvcli.engine.scheduler import Scheduler
     from nvcli.engine.sequence import Sequence
+    from nvcli.engine.step_input import build_step_input
     from nvcli.sampling_params import SamplingParams
 
     bs = 4
@@ -188,7 +190,7 @@ def test_importing_the_engine_decorates_no_kernel() -> None:
 def test_the_dry_pass_runs_the_first_decoder_layers_then_all_again(tmp_path) -> None:
     """first_decoder_layers (compile-ahead's dry pass): within it the decoder holds only its first n layers, and
     all of them again afterwards, also when the pass fails; a model of n layers or fewer stays whole."""
-    from nvcli.engine.model_runner import first_decoder_layers
+    from nvcli.engine.startup import first_decoder_layers
     from nvcli.models.model_config import load_model_config
     from nvcli.models.registry import model_class
     from nvcli.testing.tiny_models import make_tiny_model
@@ -251,7 +253,7 @@ def test_the_kv_cache_leaves_room_for_a_step_that_samples_with_everything(tiny_m
                             ignore_eos=True)
         outs = llm.generate([[1000 + i, 2000 + i, 3000 + i] for i in range(256)], sp)
         assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
-        assert llm.engine.executor.runner.penalty_slots.num_slots >= 256  # the pool did grow to the batch
+        assert llm.engine.executor.runner.sampling.penalty_slots.num_slots >= 256  # the pool did grow to the batch
         assert torch.cuda.max_memory_allocated() + outside <= util * total
     finally:
         llm.shutdown()
@@ -266,7 +268,7 @@ def _shared_tables(rows: int, shared_pages: int, own_pages: int) -> np.ndarray:
 
 
 def test_shared_prefix_plan_finds_the_pages_every_group_shares() -> None:
-    rows = model_runner.SHARED_PREFIX_MIN_ROWS
+    rows = plan.SHARED_PREFIX_MIN_ROWS
     tables = _shared_tables(rows, 32, 2)
     lens = np.full(rows, 32 * 16 + 20, dtype=np.int32)
     lens[7] += 5  # longest first among rows that begin with the same page
@@ -280,7 +282,7 @@ def test_shared_prefix_plan_finds_the_pages_every_group_shares() -> None:
 
 
 def test_shared_prefix_plan_counts_only_pages_full_in_every_row_of_a_group() -> None:
-    rows = model_runner.SHARED_PREFIX_MIN_ROWS
+    rows = plan.SHARED_PREFIX_MIN_ROWS
     tables = _shared_tables(rows, 32, 2)  # the tables share more pages than the shortest row has filled
     lens = np.full(rows, 600, dtype=np.int32)
     lens[3] = 20 * 16  # this row's 20th page holds its last token: 19 pages are whole and leave it a token
@@ -312,8 +314,8 @@ def test_several_instructions_group_their_own_rows(common_header: bool) -> None:
 
 @pytest.mark.parametrize("case", ["few rows", "short prefix", "prefix under half the KV", "no shared page"])
 def test_shared_prefix_plan_declines(case: str) -> None:
-    rows = model_runner.SHARED_PREFIX_MIN_ROWS - (1 if case == "few rows" else 0)
-    shared_pages = {"short prefix": model_runner.SHARED_PREFIX_MIN_TOKENS // 16 - 1}.get(case, 32)
+    rows = plan.SHARED_PREFIX_MIN_ROWS - (1 if case == "few rows" else 0)
+    shared_pages = {"short prefix": plan.SHARED_PREFIX_MIN_TOKENS // 16 - 1}.get(case, 32)
     tables = _shared_tables(rows, shared_pages, 40)
     lens = np.full(rows, shared_pages * 16 + 30, dtype=np.int32)
     if case == "prefix under half the KV":

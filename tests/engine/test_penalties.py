@@ -212,7 +212,7 @@ def test_the_pool_grows_past_its_capacity_keeping_every_history() -> None:
         assert pb.all_rows
         slots.record(pb, torch.arange(i + 1) + 10 * (i % 2))
     assert slots.num_slots == 8 and slots.num_held == 5  # 2 -> 4 -> 8
-    assert slots.slots_for(5) == 8  # what KV sizing reserves for 5 sequences (model_runner._largest_penalty_pool)
+    assert slots.slots_for(5) == 8  # what KV sizing reserves for 5 sequences (kv_sizing.largest_penalty_pool)
     assert slots.seen is None
     counts = slots.counts
     for row, seq in enumerate(seqs):
@@ -330,7 +330,7 @@ def test_frequency_and_presence_penalties_match_a_python_reference(tiny_model_di
     llm = LLM(str(model_dir), device="cpu", max_model_len=256, num_kvcache_blocks=128)
     runner = llm.engine.executor.runner
     llm.generate(PROMPTS[:1], greedy())
-    assert runner.penalty_slots.counts is None  # a job without penalties allocates nothing
+    assert runner.sampling.penalty_slots.counts is None  # a job without penalties allocates nothing
     cases = [dict(frequency=2.0), dict(presence=1.5, frequency=0.5), dict(presence=-0.5, frequency=1.0, repetition=1.2)]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
@@ -378,7 +378,7 @@ def test_rows_without_penalties_are_unchanged_by_penalized_neighbours(tiny_model
     batch = beside_penalized_neighbours(targets)
     outs = llm.generate([p for p, _ in batch], [sp for _, sp in batch])
     assert [outs[i].outputs[0].token_ids for i in (1, 2, 4)] == alone
-    assert llm.engine.executor.runner.penalty_slots.num_held > 0
+    assert llm.engine.executor.runner.sampling.penalty_slots.num_held > 0
 
 
 def test_tensor_parallel_async_with_penalties_matches_one_rank(tiny_model_dir) -> None:
@@ -498,7 +498,7 @@ print(json.dumps({"compiled": compiled, "lens": [len(o.outputs[0].token_ids) for
 @needs_gpu
 def test_a_first_job_with_penalties_compiles_no_kernel_mid_run(tiny_model_dir) -> None:
     """A bf16 model's penalized steps sample from a float32 copy: the fused kernels' float32 variant is compiled at
-    start-up (model_runner._warm_up_kernels), not at the job's first penalized step."""
+    start-up (startup.warm_up_kernels), not at the job's first penalized step."""
     import json
     import subprocess
     import sys

@@ -93,7 +93,7 @@ def _run(model_dir, params: list[SamplingParams], prompts: list[list[int]] = PRO
     llm = _llm(model_dir)
     try:
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        graphs = llm.engine.executor.runner.sampler_graphs
+        graphs = llm.engine.executor.runner.sampling.sampler_graphs
         return [(o.token_ids, o.logprobs) for o in outs], 0 if graphs is None else graphs.num_steps
     finally:
         llm.shutdown()

@@ -122,7 +122,7 @@ def test_a_step_with_prompt_chunks_reaches_the_workers_whole() -> None:
     import numpy as np
 
     from nvcli.config import EngineConfig
-    from nvcli.engine.model_runner import StepInput
+    from nvcli.engine.step_input import StepInput
     from nvcli.engine.tp_executor import CMD_STEP, channel_words, pack_step, unpack_step
 
     config = EngineConfig(model="unused", device="cpu", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)

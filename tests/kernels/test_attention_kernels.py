@@ -110,25 +110,20 @@ def test_decode_splits(num_splits: int | None, block_n: int) -> None:
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
 
 
-@pytest.mark.parametrize("fused_reduce,kvh_major", [(True, False), (False, False), (True, True)])
-def test_decode_split_merge_paths(fused_reduce: bool, kvh_major: bool) -> None:
-    """The in-kernel merge (last split to finish) and the reduce kernel agree with the reference and each
-    other, in either grid order, and the arrival counters are back at zero afterwards (so the next call,
-    or a CUDA-graph replay, starts from a clean count)."""
+def test_decode_split_merge() -> None:
+    """The in-kernel merge (last split to finish) agrees with the reference, gives the same bits on every call,
+    and leaves the arrival counters back at zero (so the next call, or a CUDA-graph replay, starts from a clean
+    count)."""
     gen = torch.Generator().manual_seed(17)
     lens = [100, 33, 16, 1, 0, 64]
     k_cache, v_cache, tables = make_paged_kv(lens, 2, 16, gen, table_width=8)
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    kw = dict(num_splits=4, block_n=16, kvh_major=kvh_major)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, fused_reduce=fused_reduce, **kw)
+    kw = dict(num_splits=4, block_n=16)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, **kw)
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
     assert (out[seq_lens == 0] == 0).all()
-    other = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE,
-                                          fused_reduce=not fused_reduce, **kw)
-    assert_close(out, other, atol=1e-6, rtol=1e-6)
-    again = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, fused_reduce=fused_reduce,
-                                          **kw)
+    again = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, **kw)
     assert torch.equal(out, again)  # deterministic: the merge runs in split order whoever finishes last
     assert arrival_counters.all_zero()
 
@@ -442,8 +437,8 @@ def test_split_attention_matches_one_pass(graph_padding: bool, many_decodes: boo
     holds it (graph_padding): the decode kernel's capacity reaches into the prompt rows (length 0: it writes zeros
     there first), the prefill kernel sees padding entries (no queries) and the step has padding rows at the end.
     Every real row equals the reference over the whole step."""
-    from nvcli.engine.attention_metadata import DecodeSplit
-    from nvcli.kernels.ops import paged_split_attention
+    from nvcli.attention.forward import split_attention as paged_split_attention
+    from nvcli.attention.metadata import DecodeSplit
 
     gen = torch.Generator().manual_seed(23)
     if many_decodes:

@@ -174,8 +174,8 @@ def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypa
     pages), the per-tensor scales passed through."""
     from kernel_device import DEVICE
 
-    from nvcli.engine.attention_metadata import DecodeSplit
-    from nvcli.kernels.ops import paged_split_attention
+    from nvcli.attention.forward import split_attention as paged_split_attention
+    from nvcli.attention.metadata import DecodeSplit
     from nvcli.kernels.reference import paged_attention_ref
 
     gen = torch.Generator().manual_seed(29)

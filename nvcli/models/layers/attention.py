@@ -1,18 +1,13 @@
-"""Paged attention layer: writes this step's K/V into the cache (sealing the pages it filled), then attends over
-it."""
+"""Paged attention layer: holds a layer's KV cache pages and fp8 scales; one forward, whose kernel calls are the
+attention backend's (nvcli/attention/forward.py)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from nvcli.engine.attention_metadata import AttentionMetadata
-from nvcli.kernels import ops
-
-if TYPE_CHECKING:
-    from nvcli.kernels.decode_attention import DecodeRope
+from nvcli.attention.forward import HeadNorm, Rotary, paged_attention
+from nvcli.attention.metadata import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -30,42 +25,16 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], raw projections
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
+        positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
-        kv_stored: bool = False,  # the caller's fused rotary kernel already wrote k and v to the cache
-        invariant: bool = False,  # --batch-invariant (GPU): every row, decode or prompt, by the prefill kernel
-    ) -> torch.Tensor:
-        if not kv_stored:
-            ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        # A page is full once its last slot is written, so this step's slots name the pages it filled (kv_layout.py)
-        ops.seal_pages(self.v_cache, meta.slot_mapping)
-        if meta.split is not None:
-            return ops.paged_split_attention(q, self.k_cache, self.v_cache, meta.split, self.scale, self.k_scale,
-                                             self.v_scale, invariant=invariant)
-        if meta.decode_only and not invariant:
-            if meta.shared_prefix_len is not None:  # GPU only: the model runner's decode graphs
-                from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
-
-                return shared_prefix_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                             meta.seq_lens, meta.shared_prefix_len, self.scale,
-                                                             meta.decode_order, k_scale=self.k_scale,
-                                                             v_scale=self.v_scale)
-            return ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                self.k_scale, self.v_scale, meta.decode_order,
-            )
-        return ops.paged_prefill_attention(
-            q, self.k_cache, self.v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, meta.max_seq_len, self.scale, self.k_scale, self.v_scale, invariant=invariant,
-        )
-
-    def decode_with_rope(self, q: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> torch.Tensor:
-        """Decode attention (GPU) whose kernel first norms and rotates q and the new key and stores the
-        new key and value (and seals the page that the new token fills)."""
-        from nvcli.kernels.decode_attention import paged_decode_attention_triton
-
-        return paged_decode_attention_triton(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                             self.scale, self.k_scale, self.v_scale, rope=rope,
-                                             order=meta.decode_order)
+        rotary: Rotary,
+        q_norm: HeadNorm | None = None,
+        k_norm: HeadNorm | None = None,
+        scale_rows: torch.Tensor | None = None,
+        scale_eps: float = 1e-6,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Per-head norm and rotary of q and k, the KV store, then attention over the cache (attention/forward.py)."""
+        return paged_attention(self, q, k, v, positions, meta, rotary, q_norm, k_norm, scale_rows, scale_eps)
