@@ -95,6 +95,9 @@ class EngineConfig:
             f"must be in (0, 1] (got {self.gpu_memory_utilization})",
         )
         need(self.device in DEVICES, "--device", f"must be one of {DEVICES}")
+        if self.device == "cuda":
+            cuda, why = _cuda_available()
+            need(cuda, "--device", f"cuda: {why}")
         need(self.dtype in DTYPES, "--dtype", f"must be one of {DTYPES}")
         need(self.kv_cache_dtype in KV_CACHE_DTYPES, "--kv-cache-dtype", f"must be one of {KV_CACHE_DTYPES}")
         need(
@@ -118,6 +121,17 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cuda_available() -> tuple[bool, str]:
+    """Whether torch sees a CUDA device, and if not, why (the check torch would fail later with a traceback)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True, ""
+    if torch.version.cuda is None:
+        return False, "this torch build has no CUDA support (a CPU-only wheel); use --device cpu or auto"
+    return False, "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES); use --device cpu or auto"
 
 
 def _pos_int(x: object) -> bool:

@@ -225,7 +225,9 @@ def test_completions_echo_scores_the_prompt(model):
     assert len(lp["tokens"]) == n_prompt and "".join(lp["tokens"]) == prompt
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx([e["logprob"] for e in native["prompt_logprobs"][1:]], abs=1e-5)
-    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    # vLLM's shape: each token's own entry, plus the most likely other where the token is not the most likely
+    assert all(tok in top and len(top) == (1 if max(top.values()) == top[tok] else 2)
+               for tok, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     plain_choice = plain["response"]["body"]["choices"][0]
     cont_choice = cont["response"]["body"]["choices"][0]
     assert cont_choice["text"] == prompt + plain_choice["text"]
@@ -589,3 +591,43 @@ def test_reasoning_parser_splits_chat_lines_and_constrains_their_answers(model):
     assert bad.exit_code == 2 and "--reasoning-parser: must be one of qwen3, deepseek_r1" in bad.output
     alone = nv(model, "-", "-q", "--structured-outputs-in-reasoning", input=data)
     assert alone.exit_code == 2 and "--structured-outputs-in-reasoning: needs --reasoning-parser" in alone.output
+
+
+def test_unusable_settings_are_one_line_errors_not_tracebacks(model, tmp_path, monkeypatch):
+    """--device cuda without CUDA (generate and bench), a corrupt or truncated GGUF file and a cache directory that
+    cannot be made: exit 2 with one `nv: error:` line naming the problem."""
+    import torch
+
+    from nvcli.models.resolve import default_model_gguf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    src = write(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 50)
+    whole = default_model_gguf().read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    cases = [
+        (["generate", str(src), "--device", "cuda"], "--device: cuda: "),
+        (["bench", "--device", "cuda", "--latency"], "--device: cuda: "),
+        (["generate", str(src), "--model", str(bad)], "not a valid GGUF file"),
+        (["generate", str(src), "--model", str(truncated)], "not a valid GGUF file, or a truncated one"),
+    ]
+    for argv, words in cases:
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 2, (argv, r.output)
+        assert words in r.stderr and "Traceback" not in r.output, r.output
+        assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1, r.stderr
+
+
+@pytest.mark.parametrize("var, below", [("XDG_CACHE_HOME", ""), ("NV_CACHE_DIR", "x")])
+def test_a_cache_dir_that_cannot_be_made_is_a_one_line_error(tmp_path, monkeypatch, var, below):
+    """The default model is converted into nv's cache: a cache directory below a file stops the job at once."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    monkeypatch.delenv("NV_CACHE_DIR", raising=False)
+    monkeypatch.setenv(var, str(a_file / below) if below else str(a_file))
+    src = write(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    r = runner.invoke(app, ["generate", str(src), "-q", "--max-tokens", "1"])
+    assert r.exit_code == 2, r.output
+    assert "nv's cache directory" in r.stderr and "Not a directory" in r.stderr and "Traceback" not in r.output

@@ -63,3 +63,16 @@ def test_kv_cache_dtype_choices(kv: str) -> None:
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**kwargs)
+
+
+def test_device_cuda_without_cuda_fails_at_construction(monkeypatch) -> None:
+    """Not deep in the engine with torch's AssertionError ("Torch not compiled with CUDA enabled")."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ConfigError, match=r"--device: cuda: this torch build has no CUDA support.*--device cpu"):
+        EngineConfig(model="x", device="cuda")
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    with pytest.raises(ConfigError, match="--device: cuda: no CUDA device is visible"):
+        EngineConfig(model="x", device="cuda")

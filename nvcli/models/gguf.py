@@ -100,6 +100,10 @@ class GGUFError(ValueError):
     """A GGUF file nv cannot convert; the message says what is unsupported and what is."""
 
 
+class CacheDirError(GGUFError):
+    """nv's cache directory cannot be created or written, so a GGUF file cannot be converted into it."""
+
+
 # --------------------------------------------------------------------------------------------
 # cache
 
@@ -174,7 +178,10 @@ def convert_gguf_to_hf_dir(path: str | Path, cache_dir: Path | None = None, dtyp
     if dtype not in STORE_DTYPES:
         raise ValueError(f"dtype must be one of {STORE_DTYPES}, got {dtype!r}")
     root = Path(cache_dir if cache_dir is not None else nv_cache_dir()).expanduser() / "gguf"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _cache_dir_error(root, e) from None
     digest = _cached_digest(path, root)
     final = root / f"{digest}-{dtype}-v{CONVERTER_VERSION}"
     if (final / MARKER).is_file():
@@ -183,7 +190,10 @@ def convert_gguf_to_hf_dir(path: str | Path, cache_dir: Path | None = None, dtyp
     _remove_stale_temps(root)
     t0 = time.perf_counter()
     log.info("converting %s to a Hugging Face directory in %s (first use only)", path, final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest}-pid{os.getpid()}-", dir=root))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest}-pid{os.getpid()}-", dir=root))
+    except OSError as e:
+        raise _cache_dir_error(root, e) from None
     try:
         info = _convert(path, tmp, dtype)
         info.update(source=str(path.resolve()), size=path.stat().st_size, xxh64=digest, dtype=dtype,
@@ -204,6 +214,14 @@ def convert_gguf_to_hf_dir(path: str | Path, cache_dir: Path | None = None, dtyp
             shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", path.name, time.perf_counter() - t0)
     return final
+
+
+def _cache_dir_error(root: Path, e: OSError) -> CacheDirError:
+    why = e.strerror or type(e).__name__
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(root) else ""
+    return CacheDirError(f"nv's cache directory {root} cannot be used ({why}{where}); GGUF files are converted "
+                         "into it. The cache is $NV_CACHE_DIR, else $XDG_CACHE_HOME/nv, else ~/.cache/nv: point "
+                         "NV_CACHE_DIR at a writable directory")
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +251,13 @@ def open_gguf(path: str | Path) -> Any:
                 self._nv_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
         _READER_CLASS = _Reader
-    return _READER_CLASS(str(path), "r")
+    try:
+        return _READER_CLASS(str(path), "r")
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError) as e:
+        # the gguf package's parser on a file that is not GGUF ("GGUF magic invalid") or is cut short ("cannot
+        # reshape array ..."): its own errors say nothing of the file
+        raise GGUFError(f"{path}: not a valid GGUF file, or a truncated one ({e}); download or convert it "
+                        "again") from None
 
 
 def _f32(value: Any) -> float:
