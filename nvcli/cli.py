@@ -27,6 +27,10 @@ _BATCH_INVARIANT_HELP = (
     "(vLLM's VLLM_BATCH_INVARIANT): reruns of a seeded or greedy line give the same bits (with --tp and fp8 KV "
     "caches too). Slower."
 )
+_CPU_KVCACHE_HELP = (
+    "CPU only: the KV cache's most memory in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); it holds max-model-len x "
+    "max-num-seqs tokens up to that."
+)
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"
 
@@ -76,6 +80,7 @@ def generate(
     num_kvcache_blocks: Annotated[Optional[int], typer.Option(help="Fix the number of KV blocks (default: sized from free memory).", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
     device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
+    cpu_kvcache_space: Annotated[float, typer.Option("--cpu-kvcache-space", metavar="GIB", help=_CPU_KVCACHE_HELP, rich_help_panel=ENGINE)] = _D["cpu_kvcache_space_gib"],
     seed: Annotated[int, typer.Option(help="Engine random seed (a line's own \"seed\" makes that request reproducible).", rich_help_panel=ENGINE)] = _D["seed"],
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per request (default: until EOS or max-model-len).", rich_help_panel=SAMPLING)] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default: the model's generation_config.json, else 1.0).", rich_help_panel=SAMPLING)] = None,
@@ -135,6 +140,7 @@ def generate(
         num_kvcache_blocks=num_kvcache_blocks,
         load_format=load_format,
         device=device,
+        cpu_kvcache_space_gib=cpu_kvcache_space,
         seed=seed,
         kv_cache_scale=kv_cache_scale,
         reasoning_parser=reasoning_parser,
@@ -189,6 +195,7 @@ def bench(
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV-cache block (default: 16; 32 for an fp8 cache).", rich_help_panel=ENGINE)] = _D["kvcache_block_size"],
     num_kvcache_blocks: Annotated[Optional[int], typer.Option(rich_help_panel=ENGINE)] = None,
     device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
+    cpu_kvcache_space: Annotated[float, typer.Option("--cpu-kvcache-space", metavar="GIB", help=_CPU_KVCACHE_HELP, rich_help_panel=ENGINE)] = _D["cpu_kvcache_space_gib"],
     num_prompts: Annotated[int, typer.Option(min=1, help="Requests in the workload.", rich_help_panel=JOB)] = 256,
     input_len: Annotated[str, typer.Option(help="Prompt length N or MIN-MAX (random token ids).", rich_help_panel=JOB)] = "100-1024",
     output_len: Annotated[str, typer.Option(help="max_tokens N or MIN-MAX (ignore_eos).", rich_help_panel=JOB)] = "100-1024",
@@ -220,6 +227,7 @@ def bench(
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
+            cpu_kvcache_space_gib=cpu_kvcache_space,
         )
         run_bench(config, num_prompts=num_prompts, input_len=in_range, output_len=out_range, seed=seed,
                   temperature=temperature, repeats=repeats, latency_mode=latency,

@@ -19,6 +19,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 
 
+DEFAULT_CPU_KVCACHE_SPACE_GIB = 1.0
+
+
 class ConfigError(ValueError):
     """A setting the user must change; the message says which flag."""
 
@@ -50,7 +53,11 @@ class EngineConfig:
     load_format: str = "auto"
     tokenizer: str | None = None
     async_scheduling: bool | None = None  # None: on for a single GPU (host work overlaps the device)
-    cpu_kvcache_space_gib: float = 4.0  # CPU only: KV bytes to allocate when num_kvcache_blocks is None
+    # CPU only (vLLM's VLLM_CPU_KVCACHE_SPACE, --cpu-kvcache-space): the KV cache's bound in GiB when
+    # num_kvcache_blocks is None; the cache holds max_model_len x max_num_seqs tokens up to it (the memory is
+    # touched at start-up). 1 GiB holds 23k tokens of the default model in float32, more than a CPU decodes at once;
+    # vLLM's 4 GiB is 40 times the default model's 98 MB file.
+    cpu_kvcache_space_gib: float = DEFAULT_CPU_KVCACHE_SPACE_GIB
     # vLLM's --reasoning-parser (reasoning.py): a structured-output constraint starts where the reasoning has ended
     reasoning_parser: str | None = None
     # vLLM's structured outputs option enable_in_reasoning: the constraint holds from the first token, reasoning
@@ -107,6 +114,12 @@ class EngineConfig:
             f"must be a finite number > 0 (got {self.kv_cache_scale!r})",
         )
         need(self.load_format in LOAD_FORMATS, "--load-format", f"must be one of {LOAD_FORMATS}")
+        need(
+            isinstance(self.cpu_kvcache_space_gib, (int, float)) and not isinstance(self.cpu_kvcache_space_gib, bool)
+            and math.isfinite(self.cpu_kvcache_space_gib) and self.cpu_kvcache_space_gib > 0,
+            "--cpu-kvcache-space",
+            f"must be a number of GiB > 0 (got {self.cpu_kvcache_space_gib!r})",
+        )
         need(isinstance(self.seed, int), "--seed", "must be an integer")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(

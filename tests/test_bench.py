@@ -61,3 +61,19 @@ def test_latency_samples_as_asked(tiny_model_dir) -> None:
     assert [(sp.temperature, sp.top_k, sp.top_p, sp.ignore_eos) for sp in asked] == [(0.6, 20, 0.95, True)] * 3
     assert [sp.max_tokens for sp in asked] == [8, 8, 8]  # the warm-up request, then the two timed ones
     assert res["output_len"] == 8 and len(res["latencies"]) == 2
+
+
+def test_cpu_kvcache_space_bounds_the_cpu_kv_cache(tiny_model_dir, tmp_path) -> None:
+    """--cpu-kvcache-space GIB (vLLM's VLLM_CPU_KVCACHE_SPACE): the cache holds max-model-len x max-num-seqs tokens
+    up to that many bytes."""
+    model = tiny_model_dir("qwen3")
+    cfg = json.loads((model / "config.json").read_text())
+    per_block = 2 * cfg["num_hidden_layers"] * 16 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4  # float32
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(model), "--device", "cpu", "--num-prompts", "1", "--input-len", "4",
+        "--output-len", "2", "--max-model-len", "64", "--max-num-seqs", "512", "--cpu-kvcache-space", "0.001",
+        "--output-json", str(out), "--quiet",
+    ])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["kv_blocks"] == min(4 * 512, int(0.001 * 2**30) // per_block)
