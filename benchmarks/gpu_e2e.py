@@ -195,7 +195,7 @@ def bench_structured_outputs(model_dir: str, repeats: int) -> None:
                         ("json_object on every request", constrained(1, StructuredOutputsParams(json_object=True))),
                         ("a JSON schema on every other request", constrained(2, StructuredOutputsParams(json=schema)))]:
         times, tokens, steps = [], [], []
-        compiler = llm.engine._grammar_compiler
+        compiler = llm.engine.grammar_compiler
         m0 = (compiler.mask_s, compiler.num_masked_steps, compiler.consume_s) if compiler else (0.0, 0, 0.0)
         h0 = llm.stats()
         for _ in range(repeats):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+import threading
 from typing import TYPE_CHECKING, Any
 
 from nvcli.config import ConfigError, EngineConfig
@@ -75,17 +75,25 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, vocab_size: int, max_model_len: int, encode: Callable[[str], list[int]],
-                 eos_token_ids: set[int], reasoning_markers: tuple[int, int] | None,
-                 structured_outputs: Callable[[], GrammarCompiler]) -> None:
-        """`structured_outputs`: the grammar compiler, made at its first use."""
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 eos_token_ids: set[int], reasoning_markers: tuple[int, int] | None) -> None:
         self.config = config
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.encode = encode
         self.eos_token_ids = eos_token_ids
         self.reasoning_markers = reasoning_markers
-        self.structured_outputs = structured_outputs
+        self.compiler: GrammarCompiler | None = None  # structured outputs: made at the first such request
+        self._lock = threading.Lock()  # requests may come from a reader thread
+
+    def structured_outputs(self) -> GrammarCompiler:
+        """The grammar compiler of structured outputs, made at its first use."""
+        with self._lock:
+            if self.compiler is None:
+                from nvcli.engine.structured_output import GrammarCompiler
+
+                self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self.compiler
 
     def admit(self, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None) -> Admitted:
         """Check a request and make its sequences. `prompt` is text (tokenized here) or token ids; with token ids,
@@ -93,7 +101,7 @@ class Admission:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            token_ids, text = self.encode(prompt), prompt
+            token_ids, text = self.tokenizer(prompt).input_ids, prompt
         else:
             token_ids, text = list(prompt), prompt_text
             if not valid_token_ids(token_ids, self.vocab_size):

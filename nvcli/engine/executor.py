@@ -53,7 +53,7 @@ class LocalExecutor:
         return collect(handle)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.release_cuda_graphs()
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, model_dir: Path, compile_workers: CompileWorkers | None = None

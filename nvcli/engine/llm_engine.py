@@ -108,8 +108,8 @@ class LLMEngine:
             self.config.enable_chunked_prefill,
         )
         self.eos_token_ids = _eos_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.admission = Admission(self.config, self.model_config.vocab_size, self.max_model_len, self.encode,
-                                   self.eos_token_ids, self.reasoning_markers, self._structured_outputs)
+        self.admission = Admission(self.config, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                   self.eos_token_ids, self.reasoning_markers)
         self._inbox: deque[Sequence] = deque()
         self._aborts: set[str] = set()
         self._lock = threading.Lock()
@@ -126,7 +126,6 @@ class LLMEngine:
         self.num_decode_steps = 0
         self._request_counter = 0
         self._in_flight = None  # launched step whose tokens are not read yet (async scheduling)
-        self._grammar_compiler: GrammarCompiler | None = None  # structured outputs: made at the first such request
         self._num_constrained = 0  # unfinished sequences with a grammar: steps without any skip the mask hook
         self.async_scheduling = bool(self.config.async_scheduling) and self.executor.supports_async
 
@@ -184,14 +183,10 @@ class LLMEngine:
             self._inbox.extend(seqs[:1] if admitted.hold else seqs)
         return request_id
 
-    def _structured_outputs(self) -> GrammarCompiler:
-        with self._lock:  # requests may come from a reader thread
-            if self._grammar_compiler is None:
-                from nvcli.engine.structured_output import GrammarCompiler
-
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                         self.eos_token_ids)
-            return self._grammar_compiler
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Structured outputs' compiler (engine/structured_output.py); None until a request has a constraint."""
+        return self.admission.compiler
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -240,8 +235,9 @@ class LLMEngine:
                 if self._in_flight is not None:
                     finished.extend(self._collect(self._in_flight))
                     self._in_flight = None
-                assert self._grammar_compiler is not None
-                masks = self._grammar_compiler.step_mask(batch.seqs, batch.sample_index)
+                compiler = self.admission.compiler
+                assert compiler is not None
+                masks = compiler.step_mask(batch.seqs, batch.sample_index)
             self.executor.sample(handle, masks)
         if not self.async_scheduling:
             self._in_flight, handle = handle, None
@@ -268,8 +264,9 @@ class LLMEngine:
         logprob_at = {row: j for j, row in enumerate(result.logprob_rows)}  # batch row -> its position in `logprobs`
         rows = {s.seq_id: i for i, s in enumerate(batch.seqs)} if logprob_at else {}
         produced = self.scheduler.postprocess(batch, result.tokens)
-        if self._num_constrained and self._grammar_compiler is not None:  # the constrained rows' matchers: their tokens
-            self._grammar_compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
+        compiler = self.admission.compiler
+        if self._num_constrained and compiler is not None:  # the constrained rows' matchers: their tokens
+            compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
                                             if seq.grammar is not None])
         self.generation_tokens += len(produced)
         for seq, index in produced:

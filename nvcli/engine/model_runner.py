@@ -23,10 +23,8 @@ import torch
 from nvcli.attention.backend import AttentionBackend
 from nvcli.attention.metadata import AttentionMetadata
 from nvcli.config import EngineConfig
-from nvcli.engine import kv_sizing, startup
+from nvcli.engine import kv_sizing, sampler_graphs, startup
 from nvcli.engine.cuda_graphs import CudaGraphs
-from nvcli.engine.sampler_graphs import MAX_ROWS as SAMPLER_GRAPH_ROWS
-from nvcli.engine.sampler_graphs import SamplerGraphs
 from nvcli.engine.sampling_stage import SamplingInputs, SamplingStage, StepHandle, TokenMasks
 from nvcli.engine.step_input import Final, Ints, StepInput
 from nvcli.models.layers.attention import Attention
@@ -87,7 +85,7 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             # decode graphs of a few rows end with the LM head (not under TP, whose LM head gathers across ranks)
-            logits_rows = SAMPLER_GRAPH_ROWS if config.tensor_parallel_size == 1 else 0
+            logits_rows = sampler_graphs.MAX_ROWS if config.tensor_parallel_size == 1 else 0
             self.cuda_graphs = CudaGraphs(self.model, self.attention, self.device, config.max_num_seqs,
                                           config.max_num_batched_tokens, not config.batch_invariant, logits_rows)
         if marker is not None:
@@ -110,7 +108,8 @@ class ModelRunner:
             self.attention.shared_prefix = (bool(self.cuda_graphs.shared_keys())
                                             and supports_shared_prefix(layer.k_cache, layer.v_cache))
             rows = self.cuda_graphs.logits_max_rows if rank == 0 else 0
-            self.cuda_graphs.capture_all(SamplerGraphs(rows, model_config.vocab_size, self.device) if rows else None)
+            self.cuda_graphs.capture_all(sampler_graphs.SamplerGraphs(rows, model_config.vocab_size, self.device)
+                                         if rows else None)
             self.sampling.sampler_graphs = self.cuda_graphs.sampler_graphs
             phase("cuda_graphs")
         if self.device.type == "cuda":
