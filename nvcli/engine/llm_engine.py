@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nvcli.config import ConfigError, EngineConfig
+from nvcli.cpu_threads import set_cpu_threads
 from nvcli.engine.admission import Admission, fit_cache, resolve_config
 from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nvcli.engine.protocol import EngineStats
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.models.tokenizer import extend_vocabulary, vocabulary_texts
@@ -47,32 +49,6 @@ class _Request:
     outputs: list[CompletionOutput | None]
 
 
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    prefix_cache_hit_tokens: int
-    prefix_cache_query_tokens: int
-    prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int
-    num_steps: int
-    last_step_time_s: float
-    num_finished: int
-    num_chunked_prefills: int = 0
-    # Cumulative wall seconds per phase of step(): where host time goes.
-    schedule_s: float = 0.0
-    execute_s: float = 0.0
-    postprocess_s: float = 0.0
-    num_decode_steps: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from nvcli.engine.executor import make_executor
@@ -81,6 +57,8 @@ class LLMEngine:
         from nvcli.models.resolve import resolve_model
         from nvcli.models.tokenizer import load_tokenizer
 
+        if config.resolved_device() == "cpu":  # before the weights load: conversion runs torch operators too
+            set_cpu_threads(config.cpu_threads)
         self.model_dir = resolve_model(config.model, config.load_format)
         self.model_config = load_model_config(self.model_dir)
         explicit_len = config.max_model_len is not None

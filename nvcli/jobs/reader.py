@@ -25,8 +25,8 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
+from nvcli.engine.protocol import Engine
 from nvcli.jobs import tool_calls
 from nvcli.jobs.format_pool import asks_logprobs
 from nvcli.jobs.formatting import error_line
@@ -89,7 +89,7 @@ class InputReader(threading.Thread):
     def __init__(
         self,
         stream: Iterable[bytes],
-        engine: Any,
+        engine: Engine,
         defaults: Defaults,
         events: queue.Queue,
         slots: threading.Semaphore,
@@ -199,7 +199,7 @@ class InputReader(threading.Thread):
         """A chat line that offers tools, rendered with them; its tool_choice "auto" gets the job's parser (the
         one --tool-call-parser names, or the one its chat template's format calls for)."""
         assert req.tools is not None and req.messages is not None
-        template = tool_calls.template_text(getattr(self.engine, "tokenizer", None), req.chat_template_kwargs)
+        template = tool_calls.template_text(self.engine.tokenizer, req.chat_template_kwargs)
         req.tools.parser = tool_calls.resolve_parser(self.defaults.tool_call_parser, template)
         problem = tool_calls.serving_problem(req.tools, template)
         if problem is not None:
@@ -282,12 +282,12 @@ def _reject(req: Request, kind: str, message: str) -> LineError:
     return LineError(req.line_no, req.id, req.key, req.shape, kind, message, req.custom_id)
 
 
-def _classify(message: str, req: Request, engine: Any) -> str:
+def _classify(message: str, req: Request, engine: Engine) -> str:
     if message.startswith(("truncate_prompt_tokens", "max_tokens")):  # the field is wrong, not the prompt
         return INVALID_REQUEST
     n = len(req.prompt_token_ids) if req.prompt_token_ids is not None else None
-    max_len = getattr(engine, "max_model_len", None)
-    if (n is not None and max_len is not None and n > max_len) or "max_model_len" in message or "too long" in message:
+    max_len = engine.max_model_len
+    if (n is not None and n > max_len) or "max_model_len" in message or "too long" in message:
         return PROMPT_TOO_LONG
     return INVALID_REQUEST
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
+from nvcli.engine.protocol import Engine, EngineStats
 from nvcli.jobs import jsonio
 from nvcli.jobs.format_pool import FormatPool, has_logprobs
 from nvcli.jobs.formatting import FormatContext, error_line, result_line
@@ -65,7 +66,7 @@ class JobProgress:
     total: int | None  # non-blank input lines, when known (files); None for pipes
     prompt_tokens: int
     completion_tokens: int
-    stats: Any = None  # EngineStats, or None
+    stats: EngineStats | None = None
     draining: bool = False
     model_name: str = ""
 
@@ -134,7 +135,7 @@ class LineCounter(threading.Thread):
 
 
 class _Job:
-    def __init__(self, engine: Any, src: Iterable[bytes], dst: BinaryIO, opts: JobOptions,
+    def __init__(self, engine: Engine, src: Iterable[bytes], dst: BinaryIO, opts: JobOptions,
                  reporter: Reporter | None, counter: LineCounter | None) -> None:
         self.engine = engine
         self.opts = opts
@@ -145,9 +146,9 @@ class _Job:
         self.pending: dict[str, Request] = {}
         self.reader = InputReader(src, engine, opts.defaults, self.events, self.slots, self.pending, opts.done)
         self.writer = LineWriter(dst, ordered=opts.ordered, slots=self.slots)
-        self.ctx = FormatContext(model_name=opts.model_name, tokenizer=getattr(engine, "tokenizer", None),
+        self.ctx = FormatContext(model_name=opts.model_name, tokenizer=engine.tokenizer,
                                  # the engine's own setting: its constraint gate and this split read one value
-                                 reasoning_parser=getattr(getattr(engine, "config", None), "reasoning_parser", None),
+                                 reasoning_parser=engine.config.reasoning_parser,
                                  raw_json=jsonio.FRAGMENTS)  # the writer and the pool's workers write with jsonio
         self.result = JobResult(counts=self.reader.counts)
         self.pool: FormatPool | None = None  # started at the first line with logprobs
@@ -288,8 +289,7 @@ class _Job:
     def _pool_context(self) -> FormatContext:
         """The workers' context: the engine's token texts go with it, so that a worker shows the texts this thread
         would (and does not decode a vocabulary of its own)."""
-        texts = getattr(self.engine, "token_texts", None)
-        return self.ctx if texts is None else dataclasses.replace(self.ctx, vocabulary=texts())
+        return dataclasses.replace(self.ctx, vocabulary=self.engine.token_texts())
 
     def _format(self, req: Request, out: Any) -> tuple[dict[str, Any] | bytes, str | None]:
         try:
@@ -374,18 +374,15 @@ class _Job:
         )
 
 
-def _stats(engine: Any) -> Any:
-    fn = getattr(engine, "stats", None)
-    if fn is None:
-        return None
+def _stats(engine: Engine) -> EngineStats | None:
     try:
-        return fn()
+        return engine.stats()
     except Exception:  # noqa: BLE001 - the dashboard must never end a job
         return None
 
 
 def run_job(
-    engine: Any,
+    engine: Engine,
     src: Iterable[bytes],
     dst: BinaryIO,
     opts: JobOptions | None = None,

@@ -9,12 +9,15 @@ prompt that contains one of its keys generates that key's text, then stops (a mo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from pathlib import Path
 
+from nvcli.config import EngineConfig
+from nvcli.engine.protocol import EngineStats
 from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -35,20 +38,12 @@ class FakeTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    kv_blocks_total: int = 100
-    kv_blocks_used: int = 0
-    prefix_cache_hit_tokens: int = 0
-    prefix_cache_query_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    num_steps: int = 0
-    last_step_time_s: float = 0.0
-    num_finished: int = 0
+def engine_stats(**fields) -> EngineStats:
+    """EngineStats with `fields`, every other count 0 (and 100 KV blocks)."""
+    base = dict(num_running=0, num_waiting=0, num_preemptions=0, kv_blocks_total=100, kv_blocks_used=0,
+                prefix_cache_hit_tokens=0, prefix_cache_query_tokens=0, prompt_tokens=0, generation_tokens=0,
+                num_steps=0, last_step_time_s=0.0, num_finished=0)
+    return EngineStats(**{**base, **fields})
 
 
 class _Req:
@@ -59,16 +54,20 @@ class _Req:
 
 
 class FakeEngine:
+    """Implements nvcli.engine.protocol.Engine."""
+
     def __init__(self, max_model_len: int = 200, max_num_seqs: int = 4, step_delay: float = 0.0,
                  replies: dict[str, str] | None = None) -> None:
         self.tokenizer = FakeTokenizer()
+        self.config = EngineConfig(model="fake", device="cpu")
+        self.model_dir = Path("fake-model")
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.step_delay = step_delay
         self.lock = threading.Lock()
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
-        self.st = FakeStats()
+        self.st = engine_stats()
         self.added: list[str] = []
         self.sampling_seen: list = []
         self.max_unfinished_seen = 0
@@ -158,8 +157,11 @@ class FakeEngine:
             self.st.num_waiting = len(self.waiting)
             return outs
 
-    def stats(self) -> FakeStats:
-        return FakeStats(**vars(self.st))
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.st)
+
+    def token_texts(self) -> list[str]:
+        return [chr(i) for i in range(0x3000)]
 
     def shutdown(self) -> None:
         self.shut = True

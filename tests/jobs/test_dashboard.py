@@ -3,7 +3,7 @@ from __future__ import annotations
 import io
 from collections import Counter
 
-from fake_engine import FakeStats
+from fake_engine import engine_stats
 from rich.console import Console
 
 from nvcli.dashboard import (
@@ -23,7 +23,7 @@ from nvcli.jobs.runner import JobProgress, JobResult
 def progress(**kw) -> JobProgress:
     base = dict(elapsed_s=83.0, written=1234, failed=4, skipped=0, read=1800, in_flight=512, buffered=3, total=10000,
                 prompt_tokens=400_000, completion_tokens=150_000, model_name="Qwen3-0.6B",
-                stats=FakeStats(num_running=256, num_waiting=250, num_preemptions=3, kv_blocks_total=4096,
+                stats=engine_stats(num_running=256, num_waiting=250, num_preemptions=3, kv_blocks_total=4096,
                                 kv_blocks_used=3277, prefix_cache_hit_tokens=4321, prefix_cache_query_tokens=10000,
                                 prompt_tokens=420_000, generation_tokens=160_000, num_steps=4567,
                                 last_step_time_s=0.0123))
@@ -77,7 +77,7 @@ def test_rate_tracker_rolls():
 def test_summary_table():
     res = JobResult(written=10, errors=Counter({"invalid_json": 1, "prompt_too_long": 2}),
                     counts=ReaderCounts(lines=12, blank=2, outputs=10), prompt_tokens=1000, completion_tokens=500,
-                    elapsed_s=2.0, stats=FakeStats(prefix_cache_hit_tokens=1, prefix_cache_query_tokens=4))
+                    elapsed_s=2.0, stats=engine_stats(prefix_cache_hit_tokens=1, prefix_cache_query_tokens=4))
     text = capture(render_summary(res))
     assert "succeeded" in text and "invalid_json" in text and "prompt_too_long" in text
     assert "output tokens/s" in text and "250.0" in text and "25.0%" in text
@@ -103,7 +103,7 @@ def test_prompts_admitted_in_the_first_step_show_in_the_prompt_rate(monkeypatch)
     job's start (it read 0.0 while the summary counted 2,030), and the last frame shows the job's averages."""
     clock = [100.0]
     monkeypatch.setattr("nvcli.dashboard.time.monotonic", lambda: clock[0])
-    stats = FakeStats(prompt_tokens=2030, generation_tokens=200)
+    stats = engine_stats(prompt_tokens=2030, generation_tokens=200)
     buf = io.StringIO()
     plain = PlainProgress(buf, interval_s=0.0)
     plain.start()
@@ -119,7 +119,7 @@ def test_prompts_admitted_in_the_first_step_show_in_the_prompt_rate(monkeypatch)
     live.update(progress(elapsed_s=2.0, stats=stats))
     assert live.last is not None and live.last[1].prompt_tps == 1015
     clock[0] = 120.0  # 18 s of decoding later the rolling prompt rate is 0; the last frame is the job's
-    live.update(progress(elapsed_s=20.0, stats=FakeStats(prompt_tokens=2030, generation_tokens=4000)))
+    live.update(progress(elapsed_s=20.0, stats=engine_stats(prompt_tokens=2030, generation_tokens=4000)))
     assert live.last[1].prompt_tps == 0
     live.stop()
     assert "prompt 102   generation 200" in console.export_text()  # 2,030 and 4,000 tokens over 20 s
