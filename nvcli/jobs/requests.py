@@ -1,22 +1,21 @@
 """Turn one JSONL input line into a request (or a per-line error), for every input shape.
 
-Shapes (DESIGN.md §1):
+Shapes:
 - native: `{"prompt": str}`, `{"messages": [...]}` or `{"prompt_token_ids": [int, ...]}`, with
   optional `id` and sampling fields at the top level;
 - OpenAI Batch envelope: `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
   "/v1/completions", "body": {...}}`, answered in the OpenAI Batch output shape.
 
-A line may constrain its output (structured outputs, vLLM's and OpenAI's fields): `response_format` (`json_object` or
-`json_schema`), `structured_outputs` ({"json" | "regex" | "choice" | "grammar" | "json_object", "disable_any_whitespace"})
-or vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; one constraint per line. A line
-without one takes the job's (`--json-schema`), if any.
+A line may constrain its output (structured outputs, constraints.py); one constraint per line. A line without one
+takes the job's (`--json-schema`), if any.
 
 A chat line (`messages`, native or /v1/chat/completions) may offer functions: `tools`, `tool_choice`,
 `parallel_tool_calls` (tool_calls.py validates them); tool_choice "required" or a named function is the line's
 constraint, and then it may set no other. Assistant tool-call turns and tool results are taken as chat templates
 want them (tool_calls.template_message).
 
-A line's id is its `id`, else its `custom_id`, else its 0-based line number. A line whose id cannot be read (not
+A line's id is its `id`, else its `custom_id`, else its line number (1-based, as editors count and as an error
+line's "line" says). A line whose id cannot be read (not
 JSON, not an object, an id of another type) is answered with `"id": null` and its line number: it must not take an id
 that another line may own. Per-line sampling fields override the command-line defaults. Nothing here touches the engine: chat rendering and
 tokenization happen in the reader, so this module is testable without a model.
@@ -24,7 +23,6 @@ tokenization happen in the reader, so this module is testable without a model.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -32,9 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nvcli.jobs import jsonio
+from nvcli.jobs.constraints import STRUCTURED_FIELDS, ConstraintError, line_constraint
 from nvcli.jobs.jsonio import json_type as _json_type
 from nvcli.jobs.tool_calls import ToolCallError, ToolSpec, parse_tools, template_message
-from nvcli.sampling_params import CONSTRAINT_FIELDS, SamplingParams, StructuredOutputsParams
+from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 from nvcli.token_ids import valid_token_ids
 
 NATIVE = "native"
@@ -88,22 +87,6 @@ _OPENAI_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 # Tool calling (tool_calls.py) is a chat feature: a /v1/completions body may carry its fields at "no tools" only.
 _COMPLETION_TOOLS: dict[str, tuple[Any, ...]] = {"tools": (None, []), "tool_choice": (None, "none")}
-# Structured outputs (native lines and OpenAI bodies alike, as vLLM's server takes them; their constraint fields are
-# CONSTRAINT_FIELDS): vLLM's older guided_* names for them, and every field a line may constrain its output with.
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED, "guided_decoding_backend",
-                      "guided_whitespace_pattern")
-# keys of vLLM's structured_outputs that nv ignores (the backend is always llguidance)
-_SO_IGNORED = ("backend", "disable_fallback")
-# structured_outputs' switches that modify the constraint (StructuredOutputsParams' fields of those names)
-_SO_MODIFIERS = ("disable_any_whitespace", "disable_additional_properties")
-_SO_WHITESPACE = "whitespace_pattern"  # a regular expression, also given as the line's guided_whitespace_pattern
-_RESPONSE_FORMATS = '"text", "json_object", "json_schema", "structural_tag"'  # OpenAI's response_format types nv serves
-# what a constraint's value must be, for values StructuredOutputsParams would take for "not set" (false, 0)
-_CONSTRAINT_TYPES = {"json": "a JSON schema: an object or its JSON text", "regex": "a non-empty string",
-                     "choice": "a non-empty list of non-empty strings", "grammar": "a non-empty Lark or GBNF grammar",
-                     "json_object": "true or false",
-                     "structural_tag": "a structural tag {\"triggers\", \"structures\"} or its JSON text"}
 
 
 @dataclass
@@ -196,7 +179,7 @@ def parse_line(
     custom_id = obj.get("custom_id")
     rid: Any = obj.get("id", custom_id)
     if rid is None:
-        rid = line_no
+        rid = line_no + 1
     if not _valid_id(rid):
         name = "id" if "id" in obj else "custom_id"
         return _error(
@@ -224,7 +207,7 @@ def _error(line_no: int, rid: str | int | None, shape: str, kind: str, message: 
 
 
 def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None) -> Request:
-    _warn_unknown(obj, set(_NATIVE_OWN) | set(SAMPLING_FIELDS) | set(_STRUCTURED_FIELDS), "", warn)
+    _warn_unknown(obj, set(_NATIVE_OWN) | set(SAMPLING_FIELDS) | set(STRUCTURED_FIELDS), "", warn)
     given = [k for k in ("prompt", "messages", "prompt_token_ids") if k in obj]
     if not given:
         raise _Invalid("missing prompt: give one of \"prompt\", \"messages\" or \"prompt_token_ids\"")
@@ -267,7 +250,7 @@ def _parse_openai_body(
     body: dict, shape: str, line_no: int, rid: str | int, defaults: Defaults, warn: Callable | None
 ) -> Request:
     common = tuple(f for f in SAMPLING_FIELDS if f != "logprobs")  # OpenAI's logprobs differ by endpoint (below)
-    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(_STRUCTURED_FIELDS)
+    known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(STRUCTURED_FIELDS)
     known |= {"return_token_ids", "logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
     if shape == CHAT:
         known |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
@@ -342,123 +325,16 @@ def _constrain(overrides: dict[str, Any], obj: dict, defaults: Defaults, prefix:
     function), else the one it sets itself, else the job's."""
     schema = tools.schema() if tools is not None else None
     if tools is None or schema is None:
-        params = _structured_outputs(obj, defaults.structured_outputs, prefix, warn)
+        default, exclusive = defaults.structured_outputs, ""
     else:
         choice = tools.choice if tools.name is None else f"naming {tools.name!r}"
-        params = _structured_outputs(obj, StructuredOutputsParams(json=schema), prefix, warn,
-                                     exclusive=f"{prefix}tool_choice {choice}")
+        default, exclusive = StructuredOutputsParams(json=schema), f"{prefix}tool_choice {choice}"
+    try:
+        params = line_constraint(obj, default, prefix, warn, exclusive)
+    except ConstraintError as e:
+        raise _Invalid(str(e)) from None
     if params is not None:
         overrides["structured_outputs"] = params
-
-
-def _structured_outputs(
-    obj: dict, default: StructuredOutputsParams | None, prefix: str, warn: Callable | None, exclusive: str = ""
-) -> StructuredOutputsParams | None:
-    """The constraint a line sets with response_format, structured_outputs or a guided_* field (at most one of them),
-    else `default` (the job's `--json-schema`, or the schema of the line's tool_choice: `exclusive` names that, which
-    then admits no constraint of the line's own), else None. vLLM's semantics; its checks are
-    StructuredOutputsParams'."""
-    found: list[tuple[str, str, Any]] = []  # (the line's field, StructuredOutputsParams' field, value)
-    modifiers: dict[str, Any] = {}  # disable_any_whitespace, disable_additional_properties set true; whitespace_pattern
-    whitespace_name = ""  # the line's field that gave whitespace_pattern
-    fmt = obj.get("response_format")
-    if fmt is not None:
-        constraint = _response_format(fmt, prefix + "response_format")
-        if constraint is not None:
-            found.append(constraint)
-    so = obj.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _Invalid(f"{prefix}structured_outputs must be a JSON object like {{\"json\": {{...}}}} or "
-                           f"{{\"regex\": \"...\"}}, got {_json_type(so)}")
-        for key, value in so.items():
-            name = f"{prefix}structured_outputs.{key}"
-            if key in CONSTRAINT_FIELDS:
-                if value is not None and not (key == "json_object" and value is False):
-                    found.append((name, key, value))
-            elif key in _SO_MODIFIERS:
-                if value is not None and not isinstance(value, bool):
-                    raise _Invalid(f"{name}: must be true or false (got {value!r})")
-                if value:
-                    modifiers[key] = True
-            elif key == _SO_WHITESPACE:
-                if value is not None:
-                    modifiers[key] = _whitespace_pattern(value, name)
-                    whitespace_name = name
-            elif key not in _SO_IGNORED and warn is not None:
-                warn(f"ignoring unknown field {name!r}")
-    for field_name, key in _GUIDED.items():
-        if obj.get(field_name) is not None:
-            found.append((prefix + field_name, key, obj[field_name]))
-    if obj.get("guided_whitespace_pattern") is not None:
-        pattern = _whitespace_pattern(obj["guided_whitespace_pattern"], prefix + "guided_whitespace_pattern")
-        if modifiers.get(_SO_WHITESPACE, pattern) != pattern:
-            raise _Invalid(f"{prefix}guided_whitespace_pattern and {prefix}structured_outputs.whitespace_pattern "
-                           "differ: give one")
-        modifiers[_SO_WHITESPACE] = pattern
-        whitespace_name = prefix + "guided_whitespace_pattern"
-    backend = obj.get("guided_decoding_backend")
-    if backend is not None and not isinstance(backend, str):  # any backend name is served by llguidance
-        raise _Invalid(f"{prefix}guided_decoding_backend must be a string, got {_json_type(backend)}")
-    if found and exclusive:
-        raise _Invalid(f"give one output constraint per line (got 2: {exclusive} constrains the output to tool calls, "
-                       f"and {', '.join(name for name, _, _ in found)})")
-    if len(found) > 1:
-        raise _Invalid(f"give one output constraint per line (got {len(found)}: "
-                       + ", ".join(name for name, _, _ in found) + ")")
-    if not found:
-        if not modifiers:
-            return default
-        if default is None:
-            first = next(iter(modifiers))
-            name = whitespace_name if first == _SO_WHITESPACE else f"{prefix}structured_outputs.{first}"
-            raise _Invalid(f"{name} needs a constraint: set one of "
-                           + ", ".join(CONSTRAINT_FIELDS))
-        try:
-            return dataclasses.replace(default, **modifiers)
-        except ValueError as e:  # whitespace_pattern beside the job's compact --json-schema, say
-            raise _Invalid(str(e).replace(f"StructuredOutputsParams.{_SO_WHITESPACE}", whitespace_name, 1)) from None
-    name, key, value = found[0]
-    if not isinstance(value, bool) if key == "json_object" else isinstance(value, (bool, int, float)):
-        raise _Invalid(f"{name}: must be {_CONSTRAINT_TYPES[key]} (got {value!r})")
-    try:
-        return StructuredOutputsParams(**{key: value}, **modifiers)
-    except ValueError as e:  # "StructuredOutputsParams.regex: must be ..." -> "body.guided_regex: must be ..."
-        raise _Invalid(str(e).replace(f"StructuredOutputsParams.{key}", name, 1)
-                       .replace(f"StructuredOutputsParams.{_SO_WHITESPACE}", whitespace_name, 1)) from None
-
-
-def _whitespace_pattern(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _Invalid(f"{name}: must be a non-empty regular expression, the whitespace JSON may have between its "
-                       f"tokens (got {value!r})")
-    return value
-
-
-def _response_format(value: Any, name: str) -> tuple[str, str, Any] | None:
-    """OpenAI's response_format: (name, StructuredOutputsParams' field, value), or None for plain text."""
-    if not isinstance(value, dict):
-        raise _Invalid(f"{name} must be a JSON object like {{\"type\": \"json_object\"}}, got {_json_type(value)}")
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return name, "json_object", True
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise _Invalid(f"{name}.json_schema must be a JSON object {{\"name\", \"schema\"}} when "
-                           f"{name}.type is \"json_schema\", got {_json_type(spec)}")
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise _Invalid(f"{name}.json_schema.schema must be a JSON schema (an object), got {_json_type(schema)}")
-        return f"{name}.json_schema.schema", "json", schema
-    if kind == "structural_tag":  # vLLM's: {"type", "structures", "triggers"}
-        return name, "structural_tag", {key: item for key, item in value.items() if key != "type"}
-    if isinstance(kind, str):
-        raise _Invalid(f"{name}.type {kind!r} is not supported: nv serves {_RESPONSE_FORMATS}")
-    raise _Invalid(f"{name}.type must be one of {_RESPONSE_FORMATS}, got {_json_type(kind)}")
-
 
 
 def _fill_prompt(req: Request, obj: dict, key: str, defaults: Defaults, prefix: str = "") -> None:

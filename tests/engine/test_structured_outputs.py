@@ -305,7 +305,7 @@ def test_a_constraint_compiles_once_and_its_cached_first_mask_is_a_fresh_matcher
     """Every request of a job usually repeats one schema: it compiles once, and the mask of the first token (the
     slowest, computed when the request is added) is what each new matcher would compute."""
     llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=256, num_kvcache_blocks=32)
-    compiler = llm.engine._structured_outputs()
+    compiler = llm.engine.admission.structured_outputs()
     for c in CONSTRAINTS:
         compiled = compiler.grammar(StructuredOutputsParams(**c))
         assert compiler.grammar(StructuredOutputsParams(**c)) is compiled
