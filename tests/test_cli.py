@@ -78,9 +78,9 @@ def test_every_input_shape_file_to_file(model, tmp_path):
             ("prompts.jsonl", "chat.jsonl", "tokens.jsonl", "openai_batch.jsonl")]
     assert len(lines) == sum(n_in)
     by_id = {x["id"]: x for x in lines}
-    # native prompt; the line without an id got its 0-based line number
+    # native prompt; the line without an id got its line number, 1-based as an error line's "line"
     assert by_id["france"]["finish_reason"] == "length" and by_id["france"]["usage"]["completion_tokens"] == 6
-    assert 4 in by_id and isinstance(by_id[4]["text"], str)
+    assert 5 in by_id and isinstance(by_id[5]["text"], str)
     assert by_id["haiku"]["usage"]["completion_tokens"] == 8  # the line's max_tokens beats --max-tokens
     # chat: a per-line chat_template_kwargs beats --no-thinking (Qwen3's template adds an empty think block)
     assert by_id["think"]["usage"]["prompt_tokens"] < by_id["greet"]["usage"]["prompt_tokens"] + 10

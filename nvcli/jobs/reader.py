@@ -60,18 +60,19 @@ class ReaderCounts:
 
 class SeenIds:
     """The ids that lines have taken, for the duplicate-id check. Most jobs give no ids, and a line without one takes
-    its 0-based line number: such a line (any line whose id is the integer of its own line number) is one bit of a
-    bytearray instead of a dict entry of about 100-160 bytes (tracemalloc, RESULTS session 44), so a job of ten
-    million id-less lines keeps 1.25 MB here, not 1.5 GB. Other ids stay in a dict, with the line that took each."""
+    its line number (1-based): such a line (any line whose id is the integer of its own line number) is one bit of a
+    bytearray instead of a dict entry of about 100-160 bytes (tracemalloc), so a job of ten million id-less lines
+    keeps 1.25 MB here, not 1.5 GB. Other ids stay in a dict, with the line that took each. `line_no` arguments and
+    answers are 0-based positions; the id of the line at position n is n + 1."""
 
     def __init__(self) -> None:
-        self._others: dict[str, int] = {}  # id key -> the 0-based line that has it
-        self._own = bytearray()  # bit n: line n's id is n
+        self._others: dict[str, int] = {}  # id key -> the 0-based position of the line that has it
+        self._own = bytearray()  # bit n: the line at position n has the id n + 1
 
     def claim(self, rid: str | int, key: str, line_no: int) -> int:
         """The first line with this id (key: its id_key), which is line_no when the id is new; it is then taken.
         Lines come in order."""
-        if type(rid) is int and rid == line_no:
+        if type(rid) is int and rid == line_no + 1:
             first = self._others.get(key)  # an earlier line that gave this number as its id
             if first is None:
                 byte = line_no >> 3
@@ -80,8 +81,9 @@ class SeenIds:
                 self._own[byte] |= 1 << (line_no & 7)
                 return line_no
             return first
-        if type(rid) is int and 0 <= rid < line_no and rid >> 3 < len(self._own) and self._own[rid >> 3] >> (rid & 7) & 1:
-            return rid  # an earlier line without an id took this number
+        at = rid - 1 if type(rid) is int else -1  # the position of the line whose own number rid is
+        if 0 <= at < line_no and at >> 3 < len(self._own) and self._own[at >> 3] >> (at & 7) & 1:
+            return at  # an earlier line without an id took this number
         return self._others.setdefault(key, line_no)
 
 
@@ -162,7 +164,7 @@ class InputReader(threading.Thread):
                 item = LineError(
                     line_no, item.id, line_key(line_no), item.shape, DUPLICATE_ID,
                     f"duplicate id {item.id!r}: line {first + 1} already has it"
-                    + (" (a line without an id takes its 0-based line number)" if isinstance(item.id, int) else "")
+                    + (" (a line without an id takes its line number)" if isinstance(item.id, int) else "")
                     + "; ids must be unique",
                     item.custom_id,
                 )

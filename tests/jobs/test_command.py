@@ -49,7 +49,7 @@ def test_file_to_file(tmp_path, engines):
     r = nv(src, "-o", out, "--max-tokens", 3, "--temperature", 0, "--max-num-seqs", 2)
     assert r.exit_code == 0, r.output
     lines = read_jsonl(out)
-    assert [x["id"] for x in lines] == [0, 1, 2, 3, 4]
+    assert [x["id"] for x in lines] == [1, 2, 3, 4, 5]
     assert [x["usage"]["completion_tokens"] for x in lines] == [1, 2, 3, 4, 5]  # per-line max_tokens wins
     assert r.stdout == ""
     assert "summary" in r.stderr and "succeeded" in r.stderr
@@ -84,7 +84,7 @@ def test_unordered_flag(tmp_path, engines):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "max_tokens": 12 - i} for i in range(10)])
     r = nv(src, "--unordered", "--max-num-seqs", 10, "-q")
     ids = [json.loads(x)["id"] for x in r.stdout.splitlines()]
-    assert r.exit_code == 0 and sorted(ids) == list(range(10)) and ids != list(range(10))
+    assert r.exit_code == 0 and sorted(ids) == list(range(1, 11)) and ids != list(range(1, 11))
 
 
 def test_bad_lines_exit_1_with_summary(tmp_path, engines):
@@ -220,13 +220,13 @@ def test_an_unreadable_line_takes_no_other_lines_id(tmp_path, engines):
 
 
 def test_a_duplicate_names_the_line_that_has_the_id(tmp_path, engines):
-    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}, {"id": 0, "prompt": "y"}, {"id": "k", "prompt": "z"},
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}, {"id": 1, "prompt": "y"}, {"id": "k", "prompt": "z"},
                                               {"id": "k", "prompt": "again"}])
     out = tmp_path / "out.jsonl"
     assert nv(src, "-o", out, "--max-tokens", 2, "-q").exit_code == 1
     lines = read_jsonl(out)
-    assert [x["id"] for x in lines] == [0, 0, "k", "k"]
-    assert "line 1 already has it (a line without an id takes its 0-based line number)" in lines[1]["error"]["message"]
+    assert [x["id"] for x in lines] == [1, 1, "k", "k"]
+    assert "line 1 already has it (a line without an id takes its line number)" in lines[1]["error"]["message"]
     assert "line 3 already has it; ids must be unique" in lines[3]["error"]["message"]
 
 

@@ -35,7 +35,7 @@ def test_native_prompt_with_overrides():
 
 
 def test_ids_default_to_custom_id_then_line_number():
-    assert parse({"prompt": "x"}, 12).id == 12
+    assert parse({"prompt": "x"}, 12).id == 13  # line 13 as an editor counts (line_no is 0-based)
     assert parse({"prompt": "x", "custom_id": "c"}, 12).id == "c"
     assert parse({"prompt": "x", "custom_id": "c", "id": 4}, 12).id == 4
     assert id_key(4) != id_key("4")
@@ -95,7 +95,7 @@ def test_bad_lines_become_errors_with_messages():
     for unreadable in (b"{bad", b"[1, 2]", b'{"id": [1], "prompt": "x"}'):
         r = parse(unreadable, 3)
         assert (r.id, r.key) == (None, "l:3"), r
-    assert parse({"prompt": "x"}, 3).id == 3  # a readable line without an id takes its line number
+    assert parse({"prompt": "x"}, 3).id == 4  # a readable line without an id takes its line number, 1-based
     assert parse({"custom_id": "z", "url": "/v1/embeddings", "body": {}}).shape in (CHAT, COMPLETION)
     assert DUPLICATE_ID  # produced by the reader, which sees every line
 

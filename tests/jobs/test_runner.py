@@ -62,7 +62,7 @@ def test_all_shapes_and_stop(fake_engine):
     result, lines = run(fake_engine, data, model_name="tiny")
     assert result.exit_code == EXIT_OK
     a, b, c, d, e, f = lines
-    assert set(a) == {"id", "text", "finish_reason", "usage"} and a["id"] == 0
+    assert set(a) == {"id", "text", "finish_reason", "usage"} and a["id"] == 1
     assert a["usage"] == {"prompt_tokens": 5, "completion_tokens": 4}
     assert b["finish_reason"] == "stop"
     assert c["usage"]["prompt_tokens"] == len("<user>hi<assistant>")
@@ -136,7 +136,7 @@ def test_read_ahead_is_bounded():
     for ordered in (True, False):
         engine.max_unfinished_seen = 0
         result, lines = run(engine, data, ordered=ordered, max_in_flight=8)
-        assert len(lines) == n and sorted(x["id"] for x in lines) == list(range(n))
+        assert len(lines) == n and sorted(x["id"] for x in lines) == list(range(1, n + 1))
         assert engine.max_unfinished_seen <= 8
 
 
@@ -192,7 +192,7 @@ def test_resume_skips_done_ids(fake_engine):
     from nvcli.jobs.requests import id_key
 
     data = jsonl(*[{"id": f"r{i}", "prompt": f"p{i}"} for i in range(6)], {"prompt": "no id"})
-    done = {id_key("r1"): False, id_key("r3"): True, id_key(6): False}
+    done = {id_key("r1"): False, id_key("r3"): True, id_key(7): False}
     result, lines = run(fake_engine, data, done=done)
     assert [x["id"] for x in lines] == ["r0", "r2", "r4", "r5"]
     assert result.counts.skipped == 3 and result.counts.skipped_errors == 1
@@ -500,3 +500,10 @@ def test_lines_without_tools_are_answered_byte_for_byte_as_before():
     out = re.sub(r'"(nv-batch|chatcmpl|cmpl)-[0-9a-f]{32}"', r'"\1-X"', dst.getvalue().decode())
     out = re.sub(r'"created":\d+', '"created":0', out)
     assert out.splitlines() == BEFORE_TOOLS
+
+
+def test_a_line_without_an_id_takes_the_line_number_its_error_gives(fake_engine):
+    """Both 1-based, as an editor counts: the id of line 3 is 3, and its error says line 3."""
+    _, lines = run(fake_engine, jsonl({"prompt": "a"}, {"prompt": "b"}, {"prompt": ""}))
+    assert [x["id"] for x in lines] == [1, 2, 3]
+    assert lines[2]["error"]["line"] == 3
