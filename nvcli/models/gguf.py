@@ -41,23 +41,20 @@ from typing import Any
 
 import numpy as np
 
+from nvcli.models.gguf_reader import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from nvcli.models.gguf_reader import SUPPORTED_QUANT_TYPES as SUPPORTED_QUANT_TYPES
+from nvcli.models.gguf_reader import GGUFError as GGUFError
+from nvcli.models.gguf_reader import _f32, _field, check_supported
+from nvcli.models.gguf_reader import open_gguf as open_gguf
+from nvcli.models.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS as SUPPORTED_PRE_TOKENIZERS
+from nvcli.models.gguf_tokenizer import build_tokenizer as build_tokenizer
+
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
 MARKER = "nv_gguf.json"
 SHARD_BYTES = 4 << 30  # safetensors shard size for large models
 
-# GGUF `general.architecture` -> (transformers model_type, architectures entry)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-# Quant types dequantized by the `gguf` package that we accept (names of GGMLQuantizationType).
-SUPPORTED_QUANT_TYPES: tuple[str, ...] = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)
 STORE_DTYPES = ("float32", "bfloat16")
 
 # GGUF per-layer tensor name -> Hugging Face name (after "model.layers.N.")
@@ -81,25 +78,6 @@ _TOP_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 
-# Pre-tokenizer regexes, as in the Hugging Face tokenizer.json of each family (and llama.cpp).
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-SUPPORTED_PRE_TOKENIZERS = ("smollm", "qwen2", "llama-bpe", "gpt-2")
-
-# llama.cpp token types
-_TOKEN_UNKNOWN = 2
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-
-class GGUFError(ValueError):
-    """A GGUF file nv cannot convert; the message says what is unsupported and what is."""
-
-
 class CacheDirError(GGUFError):
     """nv's cache directory cannot be created or written, so a GGUF file cannot be converted into it."""
 
@@ -109,11 +87,10 @@ class CacheDirError(GGUFError):
 
 
 def nv_cache_dir() -> Path:
-    """nv's cache root: $NV_CACHE_DIR, else $XDG_CACHE_HOME/nv, else ~/.cache/nv."""
-    if os.environ.get("NV_CACHE_DIR"):
-        return Path(os.environ["NV_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "nv"
+    """nv's cache root (nvcli/env.py)."""
+    from nvcli import env
+
+    return env.settings().cache_dir
 
 
 def file_digest(path: Path) -> str:
@@ -226,77 +203,6 @@ def _cache_dir_error(root: Path, e: OSError) -> CacheDirError:
 
 # --------------------------------------------------------------------------------------------
 # metadata
-
-
-_READER_CLASS: Any = None
-
-
-def open_gguf(path: str | Path) -> Any:
-    """A gguf.GGUFReader over a plain ndarray view of the file's memory map.
-
-    Same parsing code as gguf.GGUFReader; slicing an ndarray view instead of np.memmap skips
-    memmap's per-slice bookkeeping, which makes reading the metadata about 2.5x faster.
-    """
-    global _READER_CLASS
-    if _READER_CLASS is None:
-        from gguf.gguf_reader import GGUFReader
-
-        class _Reader(GGUFReader):
-            @property
-            def data(self) -> np.ndarray:
-                return self._nv_data
-
-            @data.setter
-            def data(self, value: np.ndarray) -> None:
-                self._nv_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-        _READER_CLASS = _Reader
-    try:
-        return _READER_CLASS(str(path), "r")
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError) as e:
-        # the gguf package's parser on a file that is not GGUF ("GGUF magic invalid") or is cut short ("cannot
-        # reshape array ..."): its own errors say nothing of the file
-        raise GGUFError(f"{path}: not a valid GGUF file, or a truncated one ({e}); download or convert it "
-                        "again") from None
-
-
-def _f32(value: Any) -> float:
-    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    if isinstance(value, np.generic):
-        value = value.item()
-    return value
-
-
-def _tensor_type_name(tensor: Any) -> str:
-    return tensor.tensor_type.name
-
-
-def check_supported(reader: Any) -> str:
-    """Raise GGUFError unless every tensor type and the architecture are supported; return the arch."""
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"GGUF architecture {arch!r} is not supported; nv converts {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "GGUF files (general.architecture)"
-        )
-    bad = [(t.name, _tensor_type_name(t)) for t in reader.tensors if _tensor_type_name(t) not in SUPPORTED_QUANT_TYPES]
-    if bad:
-        kinds = sorted({k for _, k in bad})
-        examples = ", ".join(f"{n} ({k})" for n, k in bad[:3])
-        raise GGUFError(
-            f"GGUF quant type {', '.join(kinds)} is not supported (tensors {examples}"
-            f"{', ...' if len(bad) > 3 else ''}); supported: {', '.join(SUPPORTED_QUANT_TYPES)}. "
-            "Use a GGUF with one of those types, or the original safetensors checkpoint"
-        )
-    return arch
 
 
 def gguf_hf_config(reader: Any) -> dict[str, Any]:
@@ -523,137 +429,6 @@ def _write_safetensors(reader: Any, cfg: dict[str, Any], out: Path, dtype: str) 
 
 # --------------------------------------------------------------------------------------------
 # tokenizer
-
-
-def _byte_level_parts(pre: str) -> tuple[Any, Any, bool]:
-    """(normalizer, pre_tokenizer, ignore_merges) for llama.cpp's `tokenizer.ggml.pre`."""
-    from tokenizers import Regex, normalizers, pre_tokenizers
-
-    if pre == "smollm":
-        return None, pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]), False
-    if pre == "qwen2":
-        return normalizers.NFC(), pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ]), False
-    if pre in ("llama-bpe", "llama3"):
-        return None, pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-        ]), True
-    if pre == "gpt-2":
-        return None, pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True), False
-    raise GGUFError(f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (tokenizer.ggml.pre); "
-                    f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}. Pass --tokenizer with a Hugging Face "
-                    "tokenizer directory for this model")
-
-
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """BPE merges for a SentencePiece vocabulary, ranked by the merged piece's score.
-
-    The same construction as transformers' SentencePieceExtractor (used for Llama 2's
-    tokenizer.json); llama.cpp's SPM tokenizer also merges the pair whose result scores best.
-    """
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for piece, score, ty in zip(tokens, scores, types, strict=True):
-        if ty != 1:
-            continue
-        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
-                 if piece[:k] in vocab and piece[k:] in vocab]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
-    merges.sort(key=lambda m: m[2], reverse=True)
-    return [(a, b) for a, b, _ in merges]
-
-
-def build_tokenizer(reader: Any, model_max_length: int | None = None) -> Any:
-    """A transformers fast tokenizer from the GGUF tokenizer metadata.
-
-    tokenizer.ggml.model "gpt2": byte-level BPE (Llama 3, SmolLM, Qwen2/Qwen3) with the
-    pre-tokenizer of tokenizer.ggml.pre; "llama": SentencePiece BPE with byte fallback
-    (Llama 2, TinyLlama, Mistral), built like Hugging Face's Llama tokenizer.json.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise GGUFError(f"GGUF tokenizer model {kind!r} is not supported (tokenizer.ggml.model); nv builds "
-                        "'gpt2' (byte-level BPE: Llama 3, SmolLM, Qwen2/Qwen3) and 'llama' (SentencePiece: "
-                        "Llama 2, Mistral) tokenizers")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type") or []
-    if len(types) != len(tokens):
-        types = [1] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise GGUFError("GGUF vocabulary has duplicate tokens; cannot build a tokenizer from it")
-
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-        pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
-        normalizer, pre_tokenizer, ignore_merges = _byte_level_parts(pre)
-        tok = Tokenizer(models.BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False,
-                                   ignore_merges=ignore_merges))
-        if normalizer is not None:
-            tok.normalizer = normalizer
-        tok.pre_tokenizer = pre_tokenizer
-        tok.decoder = decoders.ByteLevel()
-    else:
-        scores = _field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-        unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
-        tok = Tokenizer(models.BPE(vocab, _spm_merges(tokens, list(scores), types), fuse_unk=True,
-                                   byte_fallback=True, unk_token=tokens[int(unk_id)] if unk_id is not None else None))
-        space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
-        norms = ([normalizers.Prepend("\u2581")] if space_prefix else []) + [normalizers.Replace(" ", "\u2581")]
-        tok.normalizer = normalizers.Sequence(norms)
-        decs = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        tok.decoder = decoders.Sequence(decs + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
-    added = []
-    for i, (t, ty) in enumerate(zip(tokens, types, strict=True)):
-        if ty in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED):
-            added.append((i, AddedToken(t, special=ty != _TOKEN_USER_DEFINED, normalized=False)))
-    for _, a in sorted(added, key=lambda x: x[0]):
-        (tok.add_special_tokens if a.special else tok.add_tokens)([a])
-
-    def token(key: str) -> str | None:
-        i = _field(reader, f"tokenizer.ggml.{key}")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    bos, eos = token("bos_token_id"), token("eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
-    if add_bos or add_eos:
-        b = [f"{bos}:0"] if add_bos else []
-        e = [f"{eos}:0"] if add_eos else []
-        specials = [(t, vocab[t]) for t in dict.fromkeys(([bos] if add_bos else []) + ([eos] if add_eos else []))]
-        tok.post_processor = processors.TemplateProcessing(
-            single=[*b, "$A:0", *e], pair=[*b, "$A:0", *e, *b, "$B:1", *e], special_tokens=specials)
-    elif kind == "gpt2":
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    kwargs: dict[str, Any] = {"clean_up_tokenization_spaces": False}
-    for key, hf_key in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
-                        ("unknown_token_id", "unk_token"), ("padding_token_id", "pad_token")):
-        if (t := token(key)) is not None:
-            kwargs[hf_key] = t
-    template = _field(reader, "tokenizer.chat_template")
-    named = {k.removeprefix("tokenizer.chat_template."): _field(reader, k) for k in reader.fields
-             if k.startswith("tokenizer.chat_template.")}
-    if named:
-        kwargs["chat_template"] = {**({"default": template} if template else {}), **named}
-    elif template:
-        kwargs["chat_template"] = template
-    if model_max_length:
-        kwargs["model_max_length"] = model_max_length
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
-
-
-# --------------------------------------------------------------------------------------------
-# conversion
 
 
 def _generation_config(reader: Any) -> dict[str, Any]:

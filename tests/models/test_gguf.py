@@ -597,12 +597,17 @@ def test_cache_key_follows_content_and_dtype(tiny_src, tmp_path):
 
 
 def test_default_cache_dir_env(monkeypatch, tmp_path):
+    from nvcli import env
+
     monkeypatch.setenv("NV_CACHE_DIR", str(tmp_path / "x"))
+    env.reload()
     assert nvgguf.nv_cache_dir() == tmp_path / "x"
     monkeypatch.delenv("NV_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    env.reload()
     assert nvgguf.nv_cache_dir() == tmp_path / "xdg" / "nv"
     monkeypatch.delenv("XDG_CACHE_HOME")
+    env.reload()
     assert nvgguf.nv_cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "nv"
 
 

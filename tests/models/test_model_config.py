@@ -184,7 +184,7 @@ def test_a_sliding_window_model_runs_only_within_its_window(tmp_path: Path) -> N
 
     model_dir = make_tiny_model(tmp_path / "swa", "qwen3", use_sliding_window=True, sliding_window=48,
                                 max_window_layers=1)
-    with pytest.raises(ConfigError, match="--max-model-len=64 exceeds the model's sliding attention window of 48"):
+    with pytest.raises(ConfigError, match="max_model_len=64 exceeds the model's sliding attention window of 48"):
         LLM(str(model_dir), device="cpu", max_model_len=64, num_kvcache_blocks=64)
     llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64)
     assert llm.engine.max_model_len == 48
