@@ -29,8 +29,7 @@ class FlatLogprobs(Sequence["dict[int, Logprob] | None"]):
 
     The engine's columns are numpy arrays, and a sequence's prompt logprobs are views of its steps' arrays
     (`extend_from`). A 16k-token step at 20 alternatives has 344k entries: as Python lists they took the engine's
-    thread 25-35 ms per step, their texts 30 ms more, and pickling them to a formatting process 65 ms (RESULTS,
-    session 42). The columns read as lists (`starts`, `token_ids`, `logprobs`, `ranks`), made once when first read;
+    thread 25-35 ms per step, their texts 30 ms more, and pickling them to a formatting process 65 ms. The columns read as lists (`starts`, `token_ids`, `logprobs`, `ranks`), made once when first read;
     a pickled copy carries arrays. Texts are a list per entry (`decoded_tokens`) or a vocabulary's texts by token id
     (`use_vocabulary`); a pickled copy leaves the vocabulary behind (`wants_vocabulary`) and its reader attaches its
     own."""

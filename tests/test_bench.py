@@ -12,7 +12,7 @@ from nvcli.cli import app
 
 def test_workload_is_nano_vllm_bench() -> None:
     work = make_workload(256, (100, 1024), (100, 1024), seed=0)
-    assert (work.prompt_tokens, work.output_tokens) == (142_827, 133_966)  # DESIGN.md §4
+    assert (work.prompt_tokens, work.output_tokens) == (142_827, 133_966)  # the DESIGN workload's totals (benchmarks/RESULTS.md)
     assert all(p.ignore_eos and p.temperature == 0.6 for p in work.params)
 
 

@@ -113,7 +113,7 @@ class LLMEngine:
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode() of each text, in one tokenizer call: the tokenizer spreads a batch over the CPU's
-        cores outside the GIL, where one call per text holds it (prompt-heavy jobs, RESULTS session 18)."""
+        cores outside the GIL, where one call per text holds it (prompt-heavy jobs, benchmarks/RESULTS.md)."""
         return self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids if texts else []
 
     def render_chat_text(self, messages: list[dict], chat_template_kwargs: dict | None = None,

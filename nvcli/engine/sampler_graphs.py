@@ -1,6 +1,6 @@
 """Sampling inside CUDA graphs, for decode steps of a few rows.
 
-One request that samples is bound by the host on machines with a slower CPU (RESULTS session 36): its step's GPU
+One request that samples is bound by the host on machines with a slower CPU: its step's GPU
 work is about 0.87 ms, and the host spent 0.82-1.2 ms launching it, 0.3 ms more than a greedy step. That 0.3 ms is
 the sampler's eager launches (a Triton launch costs tens of microseconds of Python; top-k / top-p make three of them)
 and four uploads of per-row values. So decode steps of up to `MAX_ROWS` rows compute their logits inside the decode
@@ -101,7 +101,7 @@ class SamplerGraphs:
 
         Through CUDAGraph.capture_begin / capture_end on a side stream, as torch.cuda.graph does, without its
         synchronize, gc.collect and empty_cache before each capture: those made the 15 sampler graphs of a start-up
-        cost 0.6-1.1 s (benchmarks/RESULTS.md, session 37)."""
+        cost 0.6-1.1 s."""
         rows = logits.shape[0]
         assert rows <= self.max_rows
         side = torch.cuda.Stream(logits.device)

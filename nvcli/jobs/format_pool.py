@@ -86,7 +86,7 @@ def decode_only(tokenizer: Any) -> Any:
 
 def _forkserver() -> multiprocessing.context.BaseContext:
     """Workers forked from a server that has imported the formatting code: they start about 1 s sooner than
-    `spawn`ed ones, which import it each (RESULTS, session 42). Not `fork`: the job's process has threads (the
+    `spawn`ed ones, which import it each. Not `fork`: the job's process has threads (the
     engine's), and a forked copy of their locks can deadlock."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["nvcli.jobs.format_pool", "tokenizers"])
@@ -97,7 +97,7 @@ def _start_worker(ctx: FormatContext) -> None:
     global _ctx
     # A session of its own: Ctrl-C (or a kill of the job's process group) reaches the job, which drains and still
     # needs its lines formatted. The executor's own SIGTERM, sent when a worker of a broken pool died, still ends a
-    # worker: one that ignored it left the executor joining it forever under Python 3.12 (RESULTS, session 42).
+    # worker: one that ignored it left the executor joining it forever under Python 3.12.
     try:
         os.setsid()
     except OSError:  # already a session's leader
@@ -126,8 +126,8 @@ class FormatPool:
     Starting a worker can block whoever submits the task that starts it until the new process has read its context,
     so a thread of its own starts them (1-3 s on the H100 host). Lines submitted before they are `ready`
     wait, and go to the workers once they are: a job whose main thread formatted them meanwhile held the GIL against
-    the engine's step loop (a scoring job's first 50-230 lines, about 20-30 ms each at 20 alternatives; RESULTS,
-    session 42). A submitter with nothing else to do takes them back (`take_waiting`) and formats them itself.
+    the engine's step loop (a scoring job's first 50-230 lines, about 20-30 ms each at 20 alternatives).
+    A submitter with nothing else to do takes them back (`take_waiting`) and formats them itself.
     """
 
     def __init__(self, ctx: FormatContext, workers: int) -> None:

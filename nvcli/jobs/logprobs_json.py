@@ -2,7 +2,7 @@
 
 A native line with `prompt_logprobs: 20` over a 1,000-token prompt lists about 21,000 entries. Building a dict per
 entry and handing them to orjson cost a formatting process about 20-30 ms per line, which bounded such a job at 4
-processes (RESULTS, session 42). Here a line's entries are put together as bytes with numpy: the bytes of each entry's
+processes. Here a line's entries are put together as bytes with numpy: the bytes of each entry's
 token (`{"token_id":7,"token":"a","logprob":`, made once per token id of the vocabulary), of its logprob (orjson's
 text for the float, from one `orjson.dumps` of the column) and the punctuation between them, placed by index
 arithmetic into one array of pieces and joined. The caller puts the result into the line as an `orjson.Fragment`;

@@ -10,9 +10,9 @@ RMSNorm(h) @ W.T = (h @ W'.T) * rstd(h) row by row. Steps of more than DEFERRED_
 residual stream h and run a layer as six kernels instead of eight: qkv = h @ Wqkv'.T; attention, whose rotary step
 scales q, k and v by rstd(h); h += o @ Wo.T (cuBLAS adds into h: beta = 1); gate_up = h @ Wgu'.T; SiLU-and-mul, which
 scales gate and up by rstd(h); h += act @ Wd.T. In decode steps the two add+RMSNorm kernels per layer are simply gone:
-each was a few microseconds of launch and latency in a chain of dependent kernels (RESULTS, session 21). Prompt
+each was a few microseconds of launch and latency in a chain of dependent kernels. Prompt
 steps compute rstd(h) once per row with a small kernel instead (a pass over h, where add+RMSNorm made four), and the
-rotary and SiLU kernels read it (RESULTS, session 22). A few rows keep the fused kernels (the norm in the skinny
+rotary and SiLU kernels read it. A few rows keep the fused kernels (the norm in the skinny
 GEMM's prologue). Not with tensor parallelism (o_proj and down are summed across ranks after the GEMM) or projection
 biases (a bias is added after the scaling).
 """

@@ -3,7 +3,7 @@
 Why not transformers' `AutoConfig`: constructing any of its model config classes runs their `auto_docstring`
 decorator, which imports transformers' modeling and generation packages (and with them scikit-learn,
 `torch._dynamo` and `torch.distributed.tensor` where installed): 2.5-3 s of every start-up on the H100 host, a
-quarter of a warm one, for a dozen numbers (benchmarks/RESULTS.md, session 26). So the families nv runs (`FAMILIES`)
+quarter of a warm one, for a dozen numbers. So the families nv runs (`FAMILIES`)
 are read here, with transformers 5's defaults for every key a `config.json` may leave out;
 `tests/models/test_model_config.py` checks each default against transformers' own classes. Any other `model_type`
 goes through `AutoConfig` as before (`ModelConfig.from_hf`), so nothing that loaded before is read differently.

@@ -1,5 +1,5 @@
 """--batch-invariant: a request's tokens and logprobs are the same bits alone, beside other requests, and with its
-prompt chunked differently (DESIGN.md §3: a seeded request gets the same tokens whatever else is in the batch).
+prompt chunked differently (a seeded request gets the same tokens whatever else is in the batch).
 
 On the CPU the engine runs every row alone (models/llama.py, DecoderModel._forward_invariant); on a GPU its batch-
 invariant kernels, in bf16 too, where without the flag a row's logits move with its step's row count."""

@@ -24,7 +24,7 @@ def _minor(package: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-# DESIGN.md: Triton 3.6's interpreter breaks on loops over a runtime bound with numpy >= 2.4 (scripts/constraints-cpu.txt
+# Triton 3.6's interpreter breaks on loops over a runtime bound with numpy >= 2.4 (scripts/constraints-cpu.txt
 # pins numpy below it; the GPU machine's python has numpy 2.5, where tests/engine/test_cuda_graphs.py covers this path).
 # Versions from the metadata: importing triton here, before tests/kernels/conftest.py switches the interpreter on,
 # would leave the kernel modules compiled for a GPU.

@@ -458,7 +458,7 @@ def test_bf16_rows_without_penalties_are_unchanged_by_penalized_neighbours_on_th
     """bf16 logits: a batch with penalized rows samples from a float32 copy; greedy and seeded rows draw what they
     draw beside the same neighbours without penalties. Not what they draw alone: on the GPU a bf16 row's logits move
     with its step's row count (the GEMM kernels differ per row count), which flips near-tie draws of this random
-    model (benchmarks/seed_batch_gpu.py; RESULTS.md, session 36)."""
+    model (benchmarks/seed_batch_gpu.py; benchmarks/RESULTS.md)."""
     llm = LLM(str(tiny_model_dir("qwen3")), device="cuda", dtype="bfloat16", max_model_len=256,
               num_kvcache_blocks=128)
     try:
