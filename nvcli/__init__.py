@@ -9,6 +9,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "LLM":  # imported lazily: torch and transformers load only when an engine is built
+        from nvcli.cpu_threads import prefer_passive_wait
+
+        prefer_passive_wait()  # before torch loads (cpu_threads.py)
         from nvcli.llm import LLM
 
         return LLM

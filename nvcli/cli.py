@@ -31,6 +31,10 @@ _CPU_KVCACHE_HELP = (
     "CPU only: the KV cache's most memory in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE); it holds max-model-len x "
     "max-num-seqs tokens up to that."
 )
+_CPU_THREADS_HELP = (
+    "CPU only: threads of torch's CPU operators (default: one per CPU, or OMP_NUM_THREADS). Idle threads sleep "
+    "(OMP_WAIT_POLICY=PASSIVE unless set), so a core busy with another process slows a job by about its share."
+)
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"
 
@@ -42,6 +46,9 @@ def _choices(values: tuple[str, ...]) -> str:
 @app.callback()
 def main() -> None:
     """nv: batch generation for LLMs (JSONL in, JSONL out)."""
+    from nvcli.cpu_threads import prefer_passive_wait
+
+    prefer_passive_wait()  # before torch loads (cpu_threads.py)
 
 
 def _json_object(value: Optional[str]) -> Optional[dict]:
@@ -81,6 +88,7 @@ def generate(
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
     device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
     cpu_kvcache_space: Annotated[float, typer.Option("--cpu-kvcache-space", metavar="GIB", help=_CPU_KVCACHE_HELP, rich_help_panel=ENGINE)] = _D["cpu_kvcache_space_gib"],
+    cpu_threads: Annotated[Optional[int], typer.Option("--cpu-threads", metavar="N", help=_CPU_THREADS_HELP, rich_help_panel=ENGINE)] = None,
     seed: Annotated[int, typer.Option(help="Engine random seed (a line's own \"seed\" makes that request reproducible).", rich_help_panel=ENGINE)] = _D["seed"],
     max_tokens: Annotated[Optional[int], typer.Option(help="Most tokens to generate per request (default: until EOS or max-model-len).", rich_help_panel=SAMPLING)] = None,
     temperature: Annotated[Optional[float], typer.Option(help="0 = greedy (default: the model's generation_config.json, else 1.0).", rich_help_panel=SAMPLING)] = None,
@@ -141,6 +149,7 @@ def generate(
         load_format=load_format,
         device=device,
         cpu_kvcache_space_gib=cpu_kvcache_space,
+        cpu_threads=cpu_threads,
         seed=seed,
         kv_cache_scale=kv_cache_scale,
         reasoning_parser=reasoning_parser,
@@ -196,6 +205,7 @@ def bench(
     num_kvcache_blocks: Annotated[Optional[int], typer.Option(rich_help_panel=ENGINE)] = None,
     device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
     cpu_kvcache_space: Annotated[float, typer.Option("--cpu-kvcache-space", metavar="GIB", help=_CPU_KVCACHE_HELP, rich_help_panel=ENGINE)] = _D["cpu_kvcache_space_gib"],
+    cpu_threads: Annotated[Optional[int], typer.Option("--cpu-threads", metavar="N", help=_CPU_THREADS_HELP, rich_help_panel=ENGINE)] = None,
     num_prompts: Annotated[int, typer.Option(min=1, help="Requests in the workload.", rich_help_panel=JOB)] = 256,
     input_len: Annotated[str, typer.Option(help="Prompt length N or MIN-MAX (random token ids).", rich_help_panel=JOB)] = "100-1024",
     output_len: Annotated[str, typer.Option(help="max_tokens N or MIN-MAX (ignore_eos).", rich_help_panel=JOB)] = "100-1024",
@@ -227,7 +237,7 @@ def bench(
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
-            cpu_kvcache_space_gib=cpu_kvcache_space,
+            cpu_kvcache_space_gib=cpu_kvcache_space, cpu_threads=cpu_threads,
         )
         run_bench(config, num_prompts=num_prompts, input_len=in_range, output_len=out_range, seed=seed,
                   temperature=temperature, repeats=repeats, latency_mode=latency,

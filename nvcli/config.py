@@ -58,6 +58,10 @@ class EngineConfig:
     # touched at start-up). 1 GiB holds 23k tokens of the default model in float32, more than a CPU decodes at once;
     # vLLM's 4 GiB is 40 times the default model's 98 MB file.
     cpu_kvcache_space_gib: float = DEFAULT_CPU_KVCACHE_SPACE_GIB
+    # CPU only (--cpu-threads): threads of torch's CPU operators; None keeps torch's count, one per CPU this process
+    # may run on (or OMP_NUM_THREADS). Idle threads sleep at once (cpu_threads.py), so a core another process keeps
+    # busy costs about its share, not a stall per operator.
+    cpu_threads: int | None = None
     # vLLM's --reasoning-parser (reasoning.py): a structured-output constraint starts where the reasoning has ended
     reasoning_parser: str | None = None
     # vLLM's structured outputs option enable_in_reasoning: the constraint holds from the first token, reasoning
@@ -120,6 +124,8 @@ class EngineConfig:
             "--cpu-kvcache-space",
             f"must be a number of GiB > 0 (got {self.cpu_kvcache_space_gib!r})",
         )
+        need(self.cpu_threads is None or _pos_int(self.cpu_threads), "--cpu-threads",
+             f"must be a positive integer (got {self.cpu_threads!r})")
         need(isinstance(self.seed, int), "--seed", "must be an integer")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(
