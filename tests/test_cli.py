@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from nvcli.cli import app
@@ -631,3 +633,29 @@ def test_a_cache_dir_that_cannot_be_made_is_a_one_line_error(tmp_path, monkeypat
     r = runner.invoke(app, ["generate", str(src), "-q", "--max-tokens", "1"])
     assert r.exit_code == 2, r.output
     assert "nv's cache directory" in r.stderr and "Not a directory" in r.stderr and "Traceback" not in r.output
+
+
+def test_help_at_80_columns_keeps_every_flag_name_whole():
+    """Rich's panels cut --tensor-parallel-… and --gpu-memory-utili… at 80 columns; click's help wraps the text."""
+    import click
+
+    for command in ("generate", "bench"):
+        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+        assert r.exit_code == 0 and "…" not in r.stdout
+        assert max(map(len, r.stdout.splitlines())) <= 80
+        params = typer.main.get_command(app).commands[command].params  # type: ignore[attr-defined]
+        for name in (opt for p in params if isinstance(p, click.Option) for opt in (*p.opts, *p.secondary_opts)):
+            assert re.search(rf"(^|[\s,]){re.escape(name)}([\s,=]|$)", r.stdout, re.M), (command, name)
+    assert "SmolLM2-135M-Instruct" in runner.invoke(app, ["generate", "--help"]).stdout  # --model's default
+
+
+def test_generate_without_input_says_the_argument_is_missing():
+    r = runner.invoke(app, ["generate"])
+    assert r.exit_code == 2 and "Missing argument 'INPUT'" in r.output and "Options:" not in r.output
+
+
+def test_version():
+    from nvcli import __version__
+
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout == f"nv {__version__}\n"
