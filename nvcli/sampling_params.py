@@ -209,9 +209,9 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+            raise bad("seed", "must be an integer")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be a positive integer or None")
+            raise bad("max_tokens", "must be a positive integer")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -235,7 +235,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
-                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")
@@ -243,7 +243,7 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be a number > 0 (1 means none)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise bad("logit_bias", "must be a dict of {token id: bias} or None")
+                raise bad("logit_bias", "must be a dict of {token id: bias}")
             for t, b in self.logit_bias.items():  # the offending entry, not the whole dict, in the message
                 if not _is_int(t) or t < 0:
                     raise ValueError(f"SamplingParams.logit_bias: keys must be non-negative integer token ids "
@@ -254,9 +254,9 @@ class SamplingParams:
             self.logit_bias = {int(t): float(min(100, max(-100, b))) for t, b in self.logit_bias.items()}
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
-            raise bad("truncate_prompt_tokens", "must be a positive integer, -1 (as many as fit) or None")
+            raise bad("truncate_prompt_tokens", "must be a positive integer, or -1 (as many as fit)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def stop_list(self) -> list[str]:

@@ -57,3 +57,12 @@ def test_truncate_prompt_tokens_is_a_positive_count_or_minus_one(value) -> None:
         SamplingParams(truncate_prompt_tokens=value)
     assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
     assert SamplingParams(truncate_prompt_tokens=8).truncate_prompt_tokens == 8
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("seed", "x"), ("logprobs", 21), ("logit_bias", [1]),
+                                          ("truncate_prompt_tokens", 0)])
+def test_messages_do_not_offer_none(field, value):
+    """A JSON line has null, a command line no None: "or None" in a message only confused (null is "left out")."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert "None" not in str(e.value) and str(e.value).startswith(f"SamplingParams.{field}: must be")
