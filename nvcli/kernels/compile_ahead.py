@@ -335,8 +335,7 @@ def compile_ahead(run: Callable[[], object], device: torch.device, max_workers: 
     if log.isEnabledFor(logging.DEBUG):
         log.debug("compile-ahead, s after the dry pass began (it took %.1f s): %s", dry_s, compile_timeline(timeline))
     t1 = time.perf_counter()
-    load_threads = os.environ.get("NV_COMPILE_AHEAD_LOAD_THREADS")  # A/B runs
-    compile_variants(variants, device, max_workers if load_threads is None else int(load_threads))  # from disk now
+    compile_variants(variants, device, max_workers)  # from disk now
     log.debug("compile-ahead: %d variants loaded in %.2f s (%.2f s after the dry pass began)", len(variants),
               time.perf_counter() - t1, time.perf_counter() - t0)
     return len(variants), dry_s

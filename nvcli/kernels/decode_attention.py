@@ -1,15 +1,15 @@
 """Paged decode attention (one query token per sequence) in Triton, flash-decoding style.
 
-Kernel 1 (`_decode_split_kernel`), grid `(num_seqs, num_kv_heads, num_splits)` (or KV heads
-first, `kvh_major`): each program takes every query head of one KV-head group (so each K/V row
-is read once per group), walks its share of the sequence's KV positions in tiles of BLOCK_N
-tokens (the physical slot of every token is gathered through the block table, so a tile spans
-several pages) and keeps an online softmax. With one split it writes the final output;
-otherwise it writes a normalised partial output and its log-sum-exp (base 2), and the splits
-are merged either by the last split of each (sequence, KV head) to finish (`fused_reduce`: it
-counts arrivals on an int32 counter with an acq_rel atomic and resets it, so no second launch)
-or by kernel 2 (`_decode_reduce_kernel`, grid `(num_seqs, num_heads)`). Both merge in split
-order, so the output does not depend on which program finishes last.
+One kernel (`_decode_split_kernel`), grid `(num_kv_heads, num_seqs, num_splits)`: KV heads first, so a
+sequence's KV heads run side by side (2-5% faster than sequences first from batch 64 up on the H100). Each
+program takes every query head of one KV-head group (so each K/V row is read once per group), walks its share
+of the sequence's KV positions in tiles of BLOCK_N tokens (the physical slot of every token is gathered through
+the block table, so a tile spans several pages) and keeps an online softmax. With one split it writes the
+final output; otherwise it writes a normalised partial output and its log-sum-exp (base 2), and the last split
+of each (sequence, KV head) to finish merges them: it counts arrivals on an int32 counter with an acq_rel
+atomic and resets it, so there is no second launch (with a separate reduce kernel, 32 sequences of 1,500 tokens
+took 105 instead of 88 us). It merges in split order, so the output does not depend on which program finishes
+last.
 
 CUDA-graph safety: the grid and the split count depend only on tensor shapes (num_seqs,
 num_kv_heads, block_tables.shape[1]) and the device's SM count; each program derives its
@@ -34,7 +34,6 @@ transpose through shared memory.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
@@ -47,33 +46,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.kv_layout import is_dims_major
 from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
-from nvcli.kernels.pdl import (
-    L2_PREFETCH,
-    L2_PREFETCH_MAX_SEQS,
-    launch_kwargs,
-    pdl_start,
-    prefetch_l2,
-    use_pdl,
-)
+from nvcli.kernels.pdl import L2_PREFETCH_MAX_SEQS, launch_kwargs, prefetch_l2, use_pdl
 from nvcli.kernels.rms_norm import row_scale_args
 from nvcli.kernels.rotary import rope_qk_norm_store
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # choose_num_splits' bound on KV splits per sequence
 MERGE_WIDTH = 32  # splits the in-kernel merge loads at once (at least; see the launch)
-# A/B switches for benchmarks (the defaults are the measured choices, see decode_defaults)
-_FUSED_REDUCE = os.environ.get("NV_DECODE_FUSED_REDUCE", "1") != "0"
-_KVH_MAJOR = os.environ.get("NV_DECODE_KVH_MAJOR", "1") != "0"
-
-
-def _env_switch(name: str) -> Optional[bool]:
-    """"1" / "0" force a kernel option on / off for A/B runs; unset leaves it to the launch's shapes."""
-    value = os.environ.get(name)
-    return None if value is None else value != "0"
-
-
-_V_DEQUANT_TILE = _env_switch("NV_FP8_V_DEQUANT_TILE")
-_RUN_ADDR = _env_switch("NV_DECODE_RUN_ADDR")
 
 
 @dataclass
@@ -138,10 +117,10 @@ def _decode_split_kernel(
     v_cache_ptr,
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
-    out_ptr,  # [num_seqs, num_heads, head_dim] (written when DIRECT)
+    out_ptr,  # [num_seqs, num_heads, head_dim]
     mid_o_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32 (written unless DIRECT)
     mid_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32 (written unless DIRECT)
-    counter_ptr,  # [num_seqs * num_kv_heads] int32, all zero between calls (FUSED_REDUCE)
+    counter_ptr,  # [num_seqs * num_kv_heads] int32, all zero between calls (unless DIRECT)
     k_scale_ptr,
     v_scale_ptr,
     k_scale_val,
@@ -183,14 +162,12 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,  # cache block_size
     BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr,  # one split: write the final output, no partials
+    DIRECT: tl.constexpr,  # one split: write the final output, no partials (else the last split merges them)
     SCALE_IS_PTR: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache: convert tiles to fp16 (one cvt per pair) and run the dots in fp16
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
-    KVH_MAJOR: tl.constexpr,  # grid (num_kv_heads, num_seqs, splits): a sequence's KV heads run side by side
-    FUSED_REDUCE: tl.constexpr,  # the last split of a (seq, KV head) to finish merges the partials
-    SPLITS_PAD: tl.constexpr,  # FUSED_REDUCE: a power of two >= num_splits
+    SPLITS_PAD: tl.constexpr,  # a power of two >= num_splits (the merge's width)
     ROPE: tl.constexpr,  # first norm + rotate q (in place) and the new k, and store the new k and v
     ROPE_NORM: tl.constexpr,  # with ROPE: Qwen3's per-head q/k RMSNorm before the rotation
     ROPE_GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
@@ -209,14 +186,9 @@ def _decode_split_kernel(
 ):
     if PDL:
         gdc_launch_dependents()
-    if KVH_MAJOR:
-        kvh = tl.program_id(0)
-        seq = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
-    else:
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
+    num_kv_heads = tl.num_programs(0)
     if ORDERED:
         seq = tl.load(order_ptr + seq)
     split = tl.program_id(2)
@@ -366,15 +338,14 @@ def _decode_split_kernel(
         row = base + split
         tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_mask[:, None])
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_REDUCE:
-            # acq_rel: this split's partials are visible before the count moves, and the last split
-            # sees everyone's. The last one resets the counter, so it is zero again for the next call
-            # (a CUDA graph replays the kernel with the same counters).
-            cnt = counter_ptr + seq * num_kv_heads + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
-                tl.atomic_xchg(cnt, 0)
-                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq, kvh, num_kv_heads, num_splits, stride_os,
-                              stride_oh, GROUP, SPLITS_PAD, HEAD_DIM)
+        # acq_rel: this split's partials are visible before the count moves, and the last split
+        # sees everyone's. The last one resets the counter, so it is zero again for the next call
+        # (a CUDA graph replays the kernel with the same counters).
+        cnt = counter_ptr + seq * num_kv_heads + kvh
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == num_splits - 1:
+            tl.atomic_xchg(cnt, 0)
+            _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, seq, kvh, num_kv_heads, num_splits, stride_os,
+                          stride_oh, GROUP, SPLITS_PAD, HEAD_DIM)
 
 
 @triton.jit
@@ -405,23 +376,6 @@ def _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, seq, head, num_heads, num_split
                 mask=s_mask[:, None], other=0.0, cache_modifier=".cg")  # [SPLITS_PAD, HEAD_DIM]
     o = tl.sum(o * w[:, None], axis=0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    mid_o_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
-    mid_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32
-    out_ptr,  # [num_seqs, num_heads, head_dim]
-    stride_os,
-    stride_oh,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_start(PDL)
-    _merge_head(mid_o_ptr, mid_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1), num_splits,
-                stride_os, stride_oh, SPLITS_PAD, HEAD_DIM)
 
 
 @lru_cache(maxsize=16)
@@ -471,8 +425,6 @@ def paged_decode_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     f16_dot: Optional[bool] = None,
-    fused_reduce: Optional[bool] = None,
-    kvh_major: Optional[bool] = None,
     rope: Optional[DecodeRope] = None,
     v_dequant_in_tile: Optional[bool] = None,
     run_addressing: Optional[bool] = None,
@@ -485,11 +437,11 @@ def paged_decode_attention_triton(
     k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
     store quantizes with them when `rope` is given) and are ignored otherwise. With `rope` the kernel
     first norms and rotates q in place and the new key, and stores the new key and value in the cache.
-    The other keyword-only knobs override the tuned defaults (benchmarks). `v_dequant_in_tile` (fp8, fp16
-    dots): convert each V tile to fp16 where it is loaded (an opaque multiply by 1 keeps Triton from moving the
-    conversion after the transpose into the PV dot's layout, where it reads the fp8 tile from shared memory one
-    byte per instruction: there is no 8-bit ldmatrix.trans). `run_addressing`: K/V addresses per run of tokens
-    that share a page instead of per token. NV_FP8_V_DEQUANT_TILE / NV_DECODE_RUN_ADDR = 1 / 0 force either.
+    The other keyword-only knobs override the tuned defaults (tests, benchmarks). `v_dequant_in_tile` (fp8,
+    fp16 dots): convert each V tile to fp16 where it is loaded (an opaque multiply by 1 keeps Triton from moving
+    the conversion after the transpose into the PV dot's layout, where it reads the fp8 tile from shared memory
+    one byte per instruction: there is no 8-bit ldmatrix.trans). `run_addressing`: K/V addresses per run of
+    tokens that share a page instead of per token. Left None, both follow the launch's shapes (below).
     `order` ([num_seqs] int32, a permutation; used without splits): program row i takes sequence order[i], the
     output stays in sequence order. Longest first keeps a long sequence from starting in the kernel's last wave
     (256 sequences of the workload: 1-4% faster, RESULTS session 10).
@@ -518,7 +470,7 @@ def paged_decode_attention_triton(
     # Defaults from `benchmarks/profile_gpu.py --sections sweep` on an H100 (2026-11-22, session 3, at the
     # workload's shapes from 256 x 800 to 8 x 1600 tokens): 64-token tiles and 4 warps for bf16 and fp8 (the
     # 128-token / 8-warp fp8 tiles of session 2 lost at every shape this time), 2 stages for bf16 and 3 for
-    # fp8, KV heads side by side in the grid (2-5% faster from batch 64 up), fp16 dots for an fp8 cache.
+    # fp8, fp16 dots for an fp8 cache.
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     if num_splits is None:
@@ -530,10 +482,6 @@ def paged_decode_attention_triton(
         num_stages = 3 if fp8 else 2
     if f16_dot is None:
         f16_dot = fp8 and q.dtype != torch.float32
-    if fused_reduce is None:
-        fused_reduce = _FUSED_REDUCE
-    if kvh_major is None:
-        kvh_major = _KVH_MAJOR
     # fp8 without splits (the workload's big batches, >= 4 programs per SM): addresses per run of a page's tokens
     # and V converted where it is loaded. The tile loop then issues 504 instead of 823 instructions per warp and
     # tile, and the kernel, bound by instruction issue before, runs 4-5% faster at 128-256 sequences
@@ -541,12 +489,11 @@ def paged_decode_attention_triton(
     # and bf16, bound by bandwidth, lost 3-6% everywhere, so both keep the per-token loop.
     fp8_big_batch = fp8 and f16_dot and num_splits == 1
     if v_dequant_in_tile is None:
-        v_dequant_in_tile = fp8_big_batch if _V_DEQUANT_TILE is None else _V_DEQUANT_TILE
+        v_dequant_in_tile = fp8_big_batch
     v_convert_at_load = bool(v_dequant_in_tile and fp8 and f16_dot and not v_t)  # V_T: no transpose to work around
     if run_addressing is None:
-        run_addressing = fp8_big_batch if _RUN_ADDR is None else _RUN_ADDR
+        run_addressing = fp8_big_batch
     run_addressing = run_addressing or v_t  # dims-major V is read per run
-    fused_reduce = fused_reduce and num_splits > 1
 
     pdl = use_pdl(q, num_seqs)
     if num_splits > 1:
@@ -554,7 +501,7 @@ def paged_decode_attention_triton(
         mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
-    counters = arrival_counters(q.device, num_seqs * num_kv_heads) if fused_reduce else seq_lens
+    counters = arrival_counters(q.device, num_seqs * num_kv_heads) if num_splits > 1 else seq_lens
     if rope is not None:
         assert rope.k.shape == (num_seqs, num_kv_heads, head_dim) and rope.v.shape == rope.k.shape
         assert rope.k.stride(-1) == 1 and rope.v.stride(-1) == 1 and rope.slot_mapping.shape[0] == num_seqs
@@ -573,8 +520,7 @@ def paged_decode_attention_triton(
         rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, q, 0, 1, 0.0, 0, 0, 0, 0)  # unused
     if order is not None:
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
-    grid = (num_kv_heads, num_seqs, num_splits) if kvh_major else (num_seqs, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -614,13 +560,11 @@ def paged_decode_attention_triton(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         F16_DOT=f16_dot,
         PDL=pdl,
-        KVH_MAJOR=kvh_major,
-        FUSED_REDUCE=fused_reduce,
         # One merge width for every split count up to 32 (all a 4096-token table gets): otherwise each batch
         # size's split count compiles its own kernel variant at start-up, for a merge that runs once per
         # (sequence, KV head). Compiled for sm_90a (decode_ptx.py-style) width 32 costs no registers in the
         # plain or the rotary+PDL variant (126-128 bf16, 128 fp8); width 64 would (146 / 168 with rotary).
-        SPLITS_PAD=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)) if fused_reduce else 1,
+        SPLITS_PAD=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)) if num_splits > 1 else 1,
         ROPE=rope is not None,
         ROPE_NORM=norm,
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
@@ -628,8 +572,7 @@ def paged_decode_attention_triton(
         RS_BLOCK=rs_block,
         ROPE_QUANT=fp8,
         FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
-        L2_PREFETCH=(pdl and L2_PREFETCH and num_seqs <= L2_PREFETCH_MAX_SEQS
-                     and head_dim * k_cache.element_size() % 128 == 0),
+        L2_PREFETCH=pdl and num_seqs <= L2_PREFETCH_MAX_SEQS and head_dim * k_cache.element_size() % 128 == 0,
         KV_LINES=max(1, head_dim * k_cache.element_size() // 128),
         V_CONVERT_AT_LOAD=v_convert_at_load,
         SUB=min(page, block_n),
@@ -642,18 +585,4 @@ def paged_decode_attention_triton(
         num_stages=num_stages,
         **launch_kwargs(pdl),
     )
-    if num_splits > 1 and not fused_reduce:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            mid_o,
-            mid_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
-            PDL=pdl,
-            num_warps=4 if head_dim >= 128 else 2,
-            **launch_kwargs(pdl),
-        )
     return out

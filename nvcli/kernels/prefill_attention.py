@@ -18,7 +18,6 @@ per run of a page's tokens as V transposed, except each sequence's open page (to
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -30,11 +29,11 @@ from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
 
 LOG2E = 1.4426950408889634
 # --batch-invariant over an fp8 cache: the query-tile height, a setting of the cache's dtype (never of the rows). On
-# an H100 (batch_invariance_gpu.py --kv-cache-dtype fp8, RESULTS session 45) 16 against 64 rows: 128 requests at
+# an H100 (batch_invariance_gpu.py --kv-cache-dtype fp8) 16 against 64 rows: 128 requests at
 # once 16,403 against 13,260 output tok/s, streamed 7,810 against 6,837, 1,000-token prompts 202k against 242k
 # prompt tok/s. Generation wins; a bf16 cache keeps 64 (16 there: one-token rows 128 against 146 us, prompt
 # chunks 424 against 172).
-INVARIANT_FP8_BLOCK_M = int(os.environ.get("NV_INVARIANT_FP8_BLOCK_M", "16"))
+INVARIANT_FP8_BLOCK_M = 16
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Bandwidth-bound GEMM for small batches in Triton: y = x @ weight.T (+ bias) with M <= 16 by default.
+"""Bandwidth-bound GEMM for small batches in Triton: y = x @ weight.T (+ bias) with M <= 16.
 
 At decode with a handful of sequences a linear layer is a matrix-vector product: the time
 is the time to stream the weight ([N, K], nn.Linear layout) from HBM once. Each program
@@ -21,8 +21,8 @@ Two inner products, picked per config:
 When there are too few column blocks to fill the GPU (o_proj / down_proj: N = hidden),
 K is split across programs: each writes an fp32 partial [SPLIT_K, M, N], counts its arrival
 on its output tile's counter, and the last split to arrive sums the partials in split order,
-adds the bias and casts (deterministic: the order does not depend on who arrives last). That
-saves the second kernel a split used to need (`_splitk_reduce_kernel`, NV_SKINNY_FUSED_SPLIT=0).
+adds the bias and casts (deterministic: the order does not depend on who arrives last), so a split
+needs no second kernel.
 
 Launched with PDL (see pdl.py), a program prefetches its whole weight share into L2 before
 `griddepcontrol.wait` (weights of at most 24 MiB: every decoder layer, not an LM head), so the
@@ -32,11 +32,9 @@ one step, and loads them into registers before the wait; once the previous kerne
 loads, the FMAs and the store are left. That took one request from 1.03 to 0.80 ms per token on
 the H100 (`benchmarks/decode_configs.py`).
 
-Mid-sized batches (a config with block_m: tensor-core tiles of block_m rows, a third grid
-dimension over row blocks; MID_TILES) are supported and tested but not dispatched by default: on the
-H100 these tiles lost to cuBLAS at 32-256 rows, alone (`benchmarks/skinny_gemm.py --mid`, RESULTS.md
-session 3) and in the real decode chain under PDL with every tile shape tried (`benchmarks/decode_configs.py
---mid`, session 13). NV_SKINNY_MAX_M raises use_skinny's bound for A/B runs.
+Past MAX_M rows cuBLAS takes every GEMM: on the H100 tensor-core Triton tiles of 32-256 rows lost to it,
+alone (`benchmarks/skinny_gemm.py --mid`) and in the real decode chain under PDL with every tile shape tried
+(benchmarks/RESULTS.md).
 
 CUDA-graph safety: the config is a pure function of (M, N, K, element size, SM count),
 cached on the host; no autotuning, no host syncs, the only allocations are the output and
@@ -44,8 +42,7 @@ cached on the host; no autotuning, no host syncs, the only allocations are the o
 so one compile per (config, K) serves every batch size that maps to it.
 
 Entry points: `linear(x, weight, bias)` is F.linear that takes this kernel when
-`use_skinny(x, weight)` (CUDA, bf16/fp16, 1..MAX_M rows, K % 16 == 0, row-major weight);
-NV_SKINNY_GEMM=0 in the environment turns it off (cuBLAS everywhere, for A/B runs).
+`use_skinny(x, weight)` (CUDA, bf16/fp16, 1..MAX_M rows, K % 16 == 0, row-major weight).
 The configs `choose_config` gives decoder layers at 1-16 rows were picked end to end
 (`benchmarks/decode_configs.py` swaps configs into the real decode chain); the rest were written
 from first principles, and `benchmarks/skinny_gemm.py --sweep` times alternatives in isolation.
@@ -53,7 +50,6 @@ from first principles, and `benchmarks/skinny_gemm.py --sweep` times alternative
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Optional
@@ -65,31 +61,20 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.arrival_counters import arrival_counters
-from nvcli.kernels.pdl import L2_PREFETCH, launch_kwargs, pdl_start, prefetch_l2, use_pdl
+from nvcli.kernels.pdl import launch_kwargs, prefetch_l2, use_pdl
 
-SMALL_M = 16  # up to here: one row block, fused add+RMSNorm prologue, PDL (decode of a few sequences)
-# use_skinny's bound: above SMALL_M the kernel runs tensor-core tiles of block_m rows (mid-sized decode
-# batches); NV_SKINNY_MAX_M overrides it for A/B runs
-MAX_M = int(os.environ.get("NV_SKINNY_MAX_M", "16"))
-# rows up to which down_proj takes SiLU(gate) * up in its prologue; past it every column block of the
-# tensor-core tiles would re-read and re-activate the [M, 2K] gate_up rows, and the SiLU kernel first is
-# faster (decode_configs.py --mid, 32-256 rows, session 13); a module value so that the benchmark can swap it
-SILU_FUSED_MAX_M = SMALL_M
+# use_skinny's bound: up to here one row block, the fused add+RMSNorm and SiLU-and-mul prologues and PDL (decode
+# of a few sequences); past it cuBLAS
+MAX_M = 16
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
-# A few rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step
-# (_one_pass_config); NV_SKINNY_ONE_PASS=0 restores the looped tiles for A/B runs
-ONE_PASS = os.environ.get("NV_SKINNY_ONE_PASS", "1") != "0"
+# A few rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step (_one_pass_config);
+# also the bound under which the tensor-core tiles take 64 x 256 weight tiles and the weight is prefetched into L2
 ONE_PASS_MAX_BYTES = 24 << 20
 # rows up to which the one-pass tiles replace the tensor-core ones: each further row costs its own cross-warp
 # reduction, and at 8 rows the tensor-core tiles win (decode_configs.py --batches)
 ONE_PASS_MAX_M = 4
 ONE_PASS_ELEMS = 16384  # longest K step (elements) of a one-pass tile: 64 fp32 per thread at 8 warps
-DOT_WIDE = True  # tensor-core tiles of a decoder layer: 64 x 256 weight tiles, K split to fill the SMs
-_ENABLED = os.environ.get("NV_SKINNY_GEMM", "1") != "0"  # NV_SKINNY_GEMM=0: cuBLAS everywhere (A/B)
-# split K: the last split of each tile sums the partials (no second kernel); NV_SKINNY_FUSED_SPLIT=0: the
-# reduce kernel, for A/B runs
-FUSED_SPLIT = os.environ.get("NV_SKINNY_FUSED_SPLIT", "1") != "0"
 
 
 @triton.jit
@@ -173,10 +158,10 @@ def _skinny_gemm_kernel(
     eps,
     stride_rm,
     w_ptr,  # [N, K]
-    b_ptr,  # [N] (read when HAS_BIAS and SPLIT_K == 1)
+    b_ptr,  # [N] (read when HAS_BIAS)
     out_ptr,  # [M, N] in x.dtype (SPLIT_K == 1) or fp32 partials [SPLIT_K, M, N]
-    fin_ptr,  # [M, N] in x.dtype: the sum of the partials (FUSED_SPLIT)
-    cnt_ptr,  # [column blocks x row blocks] int32 arrival counters, zero between calls (FUSED_SPLIT)
+    fin_ptr,  # [M, N] in x.dtype: the sum of the partials (SPLIT_K > 1)
+    cnt_ptr,  # [column blocks] int32 arrival counters, zero between calls (SPLIT_K > 1)
     M,
     N,
     stride_xm,
@@ -187,7 +172,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: the last split of each output tile sums the partials into fin_ptr
     EVEN_K: tl.constexpr,  # SPLIT_K * K_SPLIT == K: no K masks
     USE_DOT: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot (no tf32)
@@ -203,13 +188,11 @@ def _skinny_gemm_kernel(
     LINE_ELEMS: tl.constexpr,  # weight elements per 128-byte line
     NORM_BLOCK: tl.constexpr,  # NORM: columns per load of the row pass that computes the RMS
     ROW_LOOP: tl.constexpr,  # CUDA cores, several rows, one K step, no split: one row at a time (see below)
-    FUSED_SPLIT: tl.constexpr,  # SPLIT_K > 1: the last split of each output tile sums the partials into fin_ptr
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)  # row blocks: more than one only for mid-sized batches (tensor-core tiles)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)  # every row in one block (M <= BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamp instead of masking: unmasked 16-byte loads
     k0 = pid_k * K_SPLIT
@@ -250,7 +233,7 @@ def _skinny_gemm_kernel(
         k_ok = (k0 + offs_k)[None, :] < K
         y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r in tl.static_range(BLOCK_M):
-            row = pid_m * BLOCK_M + r
+            row = r
             rstd_r = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(offs_m == row, rstd, 0.0), axis=0)
             xr_ptrs = x_ptr + row * stride_xm + (k0 + offs_k)[None, :]
             rr_ptrs = r_ptr + row * stride_rm + (k0 + offs_k)[None, :]
@@ -322,9 +305,8 @@ def _skinny_gemm_kernel(
     else:
         part_ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs, y, mask=out_mask)
-        if FUSED_SPLIT:
-            sum_splits_if_last(out_ptr, fin_ptr, b_ptr, cnt_ptr + pid_m * tl.num_programs(0) + pid_n, rows, offs_m,
-                               offs_n, out_mask, M, N, stride_om, SPLIT_K, HAS_BIAS)
+        sum_splits_if_last(out_ptr, fin_ptr, b_ptr, cnt_ptr + pid_n, rows, offs_m, offs_n, out_mask, M, N, stride_om,
+                           SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
@@ -334,7 +316,7 @@ def sum_splits_if_last(part_ptr, fin_ptr, b_ptr, cnt, rows, offs_m, offs_n, mask
     part_ptr ([SPLIT_K, M, N]), it counts its arrival on the tile's counter `cnt`; the last split to arrive sums
     the partials (+ bias[rows]) into fin_ptr ([M, N], row stride stride_om) and resets the counter.
     acq_rel: this split's partial is visible before the count moves, and the last split sees all of them; it sums
-    them in split order (the reduce kernel's order: deterministic); the reset serves the next call (a CUDA graph
+    them in split order (the same bits whichever split arrives last); the reset serves the next call (a CUDA graph
     replays with the same counters)."""
     if tl.atomic_add(cnt, 1, sem="acq_rel") == SPLIT_K - 1:
         tl.atomic_xchg(cnt, 0)
@@ -348,29 +330,6 @@ def sum_splits_if_last(part_ptr, fin_ptr, b_ptr, cnt, rows, offs_m, offs_n, mask
         tl.store(fin_ptrs, total.to(fin_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _splitk_reduce_kernel(
-    part_ptr,  # [SPLIT_K, M, N] fp32
-    b_ptr,  # [N]
-    out_ptr,  # [M, N]
-    MN,
-    N,
-    SPLIT_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl_start(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @dataclass(frozen=True)
 class SkinnyConfig:
     block_n: int
@@ -379,7 +338,6 @@ class SkinnyConfig:
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 1
-    block_m: int = 0  # rows per program (DOT only); 0: all rows, padded to a power of two >= 16
 
 
 @cache
@@ -410,14 +368,13 @@ def block_m_for(m: int, use_dot: bool) -> int:
 @lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     """Config from shapes only (CUDA-graph safe, deterministic); `elt` is the weight's element size."""
-    if m > SMALL_M:
-        return _mid_config(m, n, k, sms)
-    if ONE_PASS and m <= ONE_PASS_MAX_M and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
+    assert 1 <= m <= MAX_M, m
+    if m <= ONE_PASS_MAX_M and n * k * elt <= ONE_PASS_MAX_BYTES and triton.next_power_of_2(k) <= ONE_PASS_ELEMS:
         return _one_pass_config(m, n, k, elt, sms)
     kp = max(16, triton.next_power_of_2(k))
     tile = TILE_BYTES // elt  # weight elements per program per iteration
     use_dot = m > FMA_MAX_M
-    if use_dot and DOT_WIDE and n * k * elt <= ONE_PASS_MAX_BYTES:
+    if use_dot and n * k * elt <= ONE_PASS_MAX_BYTES:
         # a decoder layer: whole 64-row MMAs over 256-wide K steps, and K split until the SMs have work
         # (decode_configs.py --batches: 8 rows 1.56 -> 1.45, 16 rows 1.72 -> 1.61 ms per step)
         block_n, min_n, num_warps = 64, 64, 4
@@ -466,37 +423,6 @@ def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig
     return SkinnyConfig(block_n, block_k, 1, False, num_warps, 1)
 
 
-@dataclass(frozen=True)
-class MidTiles:
-    """The tensor-core tiles of 17..MAX_M rows (a weight tile of block_n rows per program, times up to
-    max_block_m batch rows); a module-level value so that benchmarks can swap it."""
-
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
-    max_block_m: int = 128
-    fill: float = 0.5  # split K when the output tiles would give fewer programs than this share of the SMs
-
-
-MID_TILES = MidTiles()
-
-
-def _mid_config(m: int, n: int, k: int, sms: int) -> SkinnyConfig:
-    """Tensor-core tiles for 17..MAX_M rows (MID_TILES), K split when the output tiles cannot fill
-    MID_TILES.fill of the SMs (the N = hidden layers)."""
-    t = MID_TILES
-    block_m = min(t.max_block_m, triton.next_power_of_2(m))
-    block_n, block_k = t.block_n, t.block_k
-    tiles = _cdiv(n, block_n) * _cdiv(m, block_m)
-    k_iters = _cdiv(k, block_k)
-    split = 1
-    if tiles < sms * t.fill:
-        split = max(1, min(k_iters // 4, _cdiv(sms, tiles)))
-        split = _cdiv(k_iters, _cdiv(k_iters, split))
-    return SkinnyConfig(block_n, block_k, split, True, t.num_warps, min(t.num_stages, _cdiv(k_iters, split)), block_m)
-
-
 def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Shape/dtype/layout conditions of use_skinny, device aside."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -505,8 +431,6 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m = x.numel() // k if k else 0
     return (
         1 <= m <= MAX_M
-        # past SMALL_M rows only a decoder layer's weight: an LM head at many rows is a big GEMM, cuBLAS's
-        and (m <= SMALL_M or weight.numel() * weight.element_size() <= ONE_PASS_MAX_BYTES)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and k % 16 == 0
@@ -518,7 +442,7 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether skinny_linear_triton should replace F.linear(x, weight, bias) for this call."""
-    return _ENABLED and x.is_cuda and skinny_supported(x, weight)
+    return x.is_cuda and skinny_supported(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -533,7 +457,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: Optional[
     else the SiLU-and-mul kernel and then cuBLAS."""
     k = gate_up.shape[-1] // 2
     x = gate_up[..., :k]  # the gate half: the shape and strides the kernel's x pointers walk
-    if use_skinny(x, weight) and gate_up.stride(-1) == 1 and x.numel() // k <= SILU_FUSED_MAX_M:
+    if use_skinny(x, weight) and gate_up.stride(-1) == 1:
         return skinny_linear_triton(x, weight, bias, silu_mul=True)
     from nvcli.kernels.activation import silu_and_mul_triton
 
@@ -550,8 +474,7 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(RMSNorm(x + residual), weight, bias), x + residual): for a few rows one kernel, the norm
     computed in the GEMM's prologue; otherwise the add+RMSNorm kernel and then the GEMM."""
-    fused = x.dim() == 2 and x.shape[0] <= SMALL_M  # more rows: every program re-reading them to get the RMS costs more
-    if fused and use_skinny(x, weight) and (residual is None or residual.stride(-1) == 1):
+    if x.dim() == 2 and use_skinny(x, weight) and (residual is None or residual.stride(-1) == 1):
         new_residual = torch.empty_like(x) if residual is not None else x
         y = skinny_linear_triton(x, weight, bias, norm_weight=norm_weight, residual=residual, eps=eps,
                                  new_residual=new_residual)
@@ -590,10 +513,9 @@ def skinny_linear_triton(
         if m and n:
             out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.view(*x.shape[:-1], n)
+    assert m <= MAX_M, f"M={m}: the skinny GEMM takes at most {MAX_M} rows"
     cfg = config or choose_config(m, n, k, weight.element_size(), num_sms(x.device))
-    block_m = cfg.block_m or block_m_for(m, cfg.use_dot)
-    assert cfg.use_dot or block_m == block_m_for(m, False), "the FMA inner product takes all rows in one block"
-    assert block_m <= 256 and (cfg.block_m or m <= 64), f"M={m}: set a block_m (tensor-core tiles) for this many rows"
+    block_m = block_m_for(m, cfg.use_dot)
     if cfg.use_dot:
         assert cfg.block_n >= 16 and cfg.block_k >= 16, "tl.dot needs 16x16 tiles"
     k_iters = _cdiv(k, cfg.block_k)
@@ -607,7 +529,7 @@ def skinny_linear_triton(
     # L2 prefetch only where the whole weight fits in L2 with room to spare (every decoder layer; not an
     # LM head, whose programs would evict each other's lines)
     l2_lines = 0
-    if pdl and L2_PREFETCH and weight.numel() * weight.element_size() <= (24 << 20):
+    if pdl and weight.numel() * weight.element_size() <= ONE_PASS_MAX_BYTES:
         l2_lines = triton.next_power_of_2(_cdiv(min(k_split, k), line_elems))
     row_loop = not cfg.use_dot and block_m > 1 and split == 1 and k_iters == 1
     # the tensor-core tiles of 3-16 rows load nothing before the wait: measured neutral there (decode_configs.py)
@@ -620,8 +542,7 @@ def skinny_linear_triton(
         if has_res:
             assert residual.shape == x2.shape and residual.stride(-1) == 1
             assert new_residual is not None and new_residual.shape == x2.shape and new_residual.is_contiguous()
-    grid = (_cdiv(n, cfg.block_n), split, _cdiv(m, block_m))
-    fused_split = split > 1 and FUSED_SPLIT
+    grid = (_cdiv(n, cfg.block_n), split)
     _skinny_gemm_kernel[grid](
         x2,
         residual if has_res else x2,
@@ -633,7 +554,7 @@ def skinny_linear_triton(
         bias if has_bias else weight,
         dst,
         out,
-        arrival_counters(x.device, grid[0] * grid[2]) if fused_split else out,
+        arrival_counters(x.device, grid[0]) if split > 1 else out,
         m,
         n,
         x2.stride(0),
@@ -660,24 +581,8 @@ def skinny_linear_triton(
         LINE_ELEMS=line_elems,
         NORM_BLOCK=norm_block(k, block_m) if norm else 0,
         ROW_LOOP=row_loop,
-        FUSED_SPLIT=fused_split,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_kwargs(pdl),
     )
-    if split > 1 and not fused_split:
-        block = 1024
-        _splitk_reduce_kernel[(_cdiv(m * n, block),)](
-            dst,
-            bias if has_bias else dst,
-            out,
-            m * n,
-            n,
-            SPLIT_K=split,
-            BLOCK=block,
-            HAS_BIAS=has_bias,
-            PDL=pdl,
-            num_warps=4,
-            **launch_kwargs(pdl),
-        )
     return out.view(*x.shape[:-1], n)
