@@ -189,8 +189,8 @@ def run_bench(config, *, num_prompts: int, input_len: tuple[int, int], output_le
             if not quiet:
                 from nvcli.dashboard import LiveDashboard, PlainProgress
 
-                reporter = LiveDashboard(err) if err.is_terminal else PlainProgress(sys.stderr)
-                reporter.start("nv bench: warming up")
+                reporter = LiveDashboard(err) if err.is_terminal else PlainProgress(sys.stderr, name="nv bench")
+                reporter.start("warming up")
             progress = _Progress(engine, reporter, num_prompts, str(config.model)) if reporter else None
             try:
                 result = throughput(engine, work, repeats=repeats, on_step=progress)

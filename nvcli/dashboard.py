@@ -246,7 +246,8 @@ def render_summary(r: JobResult) -> Table:
         t.add_row("stopped", "aborted (Ctrl-C twice)")
     elif r.interrupted:
         how = "terminated (SIGTERM)" if r.terminated else "interrupted (Ctrl-C)"
-        t.add_row("stopped", f"{how}: rerun with --resume to finish")
+        t.add_row("stopped", f"{how} after the last line was read: every line is answered" if r.answered_all
+                  else f"{how}: rerun with --resume to finish")
     return t
 
 
@@ -294,14 +295,15 @@ class LiveDashboard:
 class PlainProgress:
     """One line every `interval_s` seconds, for logs and CI (stderr is not a terminal)."""
 
-    def __init__(self, stream: IO[str] | None = None, interval_s: float = 5.0) -> None:
+    def __init__(self, stream: IO[str] | None = None, interval_s: float = 5.0, name: str = "nv") -> None:
         self.stream = stream or sys.stderr
+        self.name = name  # what its lines start with
         self.interval_s = interval_s
         self.tracker = RateTracker()
         self._last: float | None = None
 
     def start(self, message: str = "starting") -> None:
-        self._write(f"nv: {message}")
+        self._write(f"{self.name}: {message}")
         self._last = time.monotonic()
         self.tracker.add(self._last, 0, 0, 0)  # the job starts from zero (see LiveDashboard.start)
 
@@ -314,7 +316,7 @@ class PlainProgress:
             self._write(plain_line(p, rates))
 
     def log(self, message: str) -> None:
-        self._write(f"nv: {message}")
+        self._write(f"{self.name}: {message}")
 
     def stop(self) -> None:
         pass

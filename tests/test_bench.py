@@ -77,3 +77,12 @@ def test_cpu_kvcache_space_bounds_the_cpu_kv_cache(tiny_model_dir, tmp_path) -> 
     ])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["kv_blocks"] == min(4 * 512, int(0.001 * 2**30) // per_block)
+
+
+def test_bench_progress_lines_say_nv_bench_once(tiny_model_dir) -> None:
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(tiny_model_dir("qwen3")), "--device", "cpu", "--num-prompts", "2",
+        "--input-len", "4", "--output-len", "2", "--max-model-len", "64", "--num-kvcache-blocks", "16",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "nv bench: warming up" in result.stderr and "nv: nv bench" not in result.stderr

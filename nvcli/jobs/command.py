@@ -34,6 +34,7 @@ from nvcli.jobs.runner import (
     run_job,
 )
 from nvcli.jobs.tool_calls import PARSER_CHOICES
+from nvcli.jobs.writer import OutputWriteError
 from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -143,6 +144,10 @@ def _generate(args: GenerateArgs) -> int:
         if keep is not None and keep >= engine.max_model_len:  # else every line would get the same error line
             raise UsageError(f"--truncate-prompt-tokens: must be below --max-model-len={engine.max_model_len} "
                              f"(got {keep}; -1 keeps as many tokens as fit)")
+        most = args.sampling.get("max_tokens")
+        if most is not None and most >= engine.max_model_len:  # no prompt would leave room: every line an error
+            raise UsageError(f"--max-tokens: must be below --max-model-len={engine.max_model_len} (got {most}): a "
+                             "prompt and its completion share the context")
         defaults = Defaults(
             sampling=_sampling_defaults(engine, args),
             chat_template_kwargs=dict(args.chat_template_kwargs),
@@ -152,6 +157,7 @@ def _generate(args: GenerateArgs) -> int:
         )
         max_num_seqs = int(args.engine.get("max_num_seqs") or EngineConfig.__dataclass_fields__["max_num_seqs"].default)
         opts = JobOptions(
+            warn=err if args.quiet else None,
             defaults=defaults,
             ordered=not args.unordered,
             max_in_flight=args.max_in_flight or max(64, 4 * max_num_seqs),
@@ -310,12 +316,18 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
         result = run_job(engine, src, dst, opts, reporter, counter)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except OutputWriteError as e:  # a full disk, /dev/full: the job cannot go on
+        if reporter is not None:
+            reporter.stop()
+        where = repr(str(out_path)) if out_path is not None else "stdout"
+        err(f"error: the job stopped: cannot write to {where}: {e.strerror}{_resume_hint(out_path)}")
+        return EXIT_LINE_ERRORS
     except Exception as e:  # the engine died mid-job (a lost TP worker, out of memory, a bug)
         if reporter is not None:
             reporter.stop()
         if env.settings().debug:
             raise
-        where = f"; the finished lines are in {str(out_path)!r}: rerun with --resume to continue" if out_path else ""
+        where = _resume_hint(out_path)
         err(f"error: the job stopped: {type(e).__name__}: {e}{where} ({env.DEBUG}=1 shows the traceback)")
         return EXIT_LINE_ERRORS
     finally:
@@ -332,8 +344,18 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
     if reporter is not None:
         reporter.summary(result)
     elif result.failed or result.counts.skipped_errors:
-        err(f"{result.failed + result.counts.skipped_errors} lines failed (their output lines carry an error)")
+        n = result.failed + result.counts.skipped_errors
+        err("1 line failed (its output line carries an error)" if n == 1
+            else f"{n} lines failed (their output lines carry an error)")
     return result.exit_code
+
+
+def _resume_hint(out_path: Path | None) -> str:
+    """Where the finished lines are and how to go on, for a job that stopped early: only an output file that
+    --resume can read again (not stdout, /dev/full or a pipe)."""
+    if out_path is None or not out_path.is_file():
+        return ""
+    return f"; the finished lines are in {str(out_path)!r}: rerun with --resume to continue"
 
 
 def _stdin_lines() -> Iterable[bytes]:

@@ -56,6 +56,7 @@ class ReaderCounts:
     skipped: int = 0  # answered in the output already (--resume)
     skipped_errors: int = 0  # ... of which error lines
     outputs: int = 0  # lines that will get an output line in this run
+    exhausted: bool = False  # every line of the input was read (not stopped early)
 
 
 class SeenIds:
@@ -132,6 +133,8 @@ class InputReader(threading.Thread):
             for batch in batched_lines(self.stream, BATCH_LINES):
                 if not self._handle_batch(batch):
                     break
+            else:
+                self.counts.exhausted = True
         except Exception as e:  # noqa: BLE001 - handed to the main thread, which reports it
             self.events.put(("failed", e))
         finally:

@@ -237,6 +237,7 @@ def _parse_openai(
     shape = URLS.get(url) if isinstance(url, str) else None
     if shape is None:
         raise _Invalid(f"unknown url {url!r}: nv serves {' and '.join(URLS)}")
+    _warn_unknown(obj, {"id", "custom_id"}, "", warn)  # the envelope's own fields
     method = obj.get("method", "POST")
     if method != "POST":
         raise _Invalid(f"method must be \"POST\", got {method!r}")
@@ -432,7 +433,7 @@ def _warn_unknown(obj: dict, known: set[str], prefix: str, warn: Callable[[str],
         return
     for k in obj:
         if k not in known and k not in ("url", "method", "body"):
-            warn(f"ignoring unknown field {prefix}{k!r}")
+            warn(f"ignoring unknown field {prefix + k!r}")
 
 
 def _same_json(a: Any, b: Any) -> bool:

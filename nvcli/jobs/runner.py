@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -30,7 +30,7 @@ from nvcli.jobs.format_pool import FormatPool, has_logprobs
 from nvcli.jobs.formatting import FormatContext, error_line, result_line
 from nvcli.jobs.reader import InputReader, ReaderCounts
 from nvcli.jobs.requests import ENGINE_ERROR, Defaults, LineError, Request
-from nvcli.jobs.writer import LineWriter, OutputClosed
+from nvcli.jobs.writer import LineWriter, OutputClosed, OutputWriteError
 
 EXIT_OK = 0
 EXIT_LINE_ERRORS = 1
@@ -50,6 +50,8 @@ class JobOptions:
     handle_sigint: bool = True
     # processes that format lines with logprobs (format_pool.py); 0: the main thread formats every line
     format_workers: int = 0
+    # where the reader's warnings (an unknown field, said once) go without a reporter (--quiet)
+    warn: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -98,6 +100,12 @@ class JobResult:
     @property
     def failed(self) -> int:
         return sum(self.errors.values())
+
+    @property
+    def answered_all(self) -> bool:
+        """Every line of the input has its output line: read to its end, nothing dropped (a stop signal that came
+        once the last lines were in flight leaves nothing to resume)."""
+        return self.counts.exhausted and not self.aborted and not self.output_closed
 
     @property
     def succeeded(self) -> int:
@@ -186,7 +194,7 @@ class _Job:
             try:
                 self._collect(wait=True)  # finished lines still being formatted
                 self.writer.flush_buffered()
-            except OutputClosed:
+            except (OutputClosed, OutputWriteError):
                 pass
             raise
         finally:
@@ -257,6 +265,8 @@ class _Job:
             elif kind == "eof":
                 self.reader_done = True
             elif kind == "warn":
+                if self.reporter is None and self.opts.warn is not None:
+                    self.opts.warn(ev[1])
                 self._log(ev[1])
             elif kind == "failed":
                 raise RuntimeError(f"reading the input failed: {ev[1]}") from ev[1]

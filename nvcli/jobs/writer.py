@@ -19,6 +19,10 @@ class OutputClosed(Exception):
     """The reader of our output went away (`nv generate ... | head -1`)."""
 
 
+class OutputWriteError(OSError):
+    """The output could not be written (a full disk, /dev/full, an I/O error): the job cannot go on."""
+
+
 class LineWriter:
     def __init__(self, stream: BinaryIO, ordered: bool = True, slots: threading.Semaphore | None = None) -> None:
         self.stream = stream
@@ -59,6 +63,8 @@ class LineWriter:
             self.stream.flush()
         except BrokenPipeError as e:
             raise OutputClosed() from e
+        except OSError as e:
+            raise OutputWriteError(e.errno, e.strerror or str(e)) from e
         self.written += 1
         if error_kind is not None:
             self.errors[error_kind] += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from fake_engine import FakeEngine
@@ -355,3 +356,27 @@ def test_batch_invariant_goes_with_tp_and_an_fp8_cache(tmp_path, engines):
     assert r.exit_code == 0, r.output
     (config,) = [e.config for e in engines]
     assert config.batch_invariant and config.tensor_parallel_size == 2 and config.kv_cache_dtype == "fp8"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_write_failure_names_the_output_and_offers_no_resume_it_cannot_do(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}, {"prompt": "y"}])
+    r = nv(src, "-o", "/dev/full", "-q", "--max-tokens", 2)
+    assert r.exit_code == 1
+    assert "nv: error: the job stopped: cannot write to '/dev/full': No space left on device" in r.stderr
+    assert "--resume" not in r.stderr and "Traceback" not in r.output
+
+
+def test_quiet_still_warns_of_unknown_fields_once_and_counts_one_failed_line(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_token": 3}, {"prompt": "y", "max_token": 3},
+                                              {"prompt": ""}])
+    r = nv(src, "-o", tmp_path / "out.jsonl", "-q", "--max-tokens", 2)
+    assert r.exit_code == 1
+    assert r.stderr.count("ignoring unknown field 'max_token'") == 1
+    assert "nv: 1 line failed (its output line carries an error)" in r.stderr and "1 lines" not in r.stderr
+
+
+def test_max_tokens_flag_beyond_the_context_is_a_usage_error(tmp_path, engines):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
+    r = nv(src, "--max-tokens", 100000, "--max-model-len", 64)
+    assert r.exit_code == 2 and "--max-tokens: must be below --max-model-len=64 (got 100000)" in r.output

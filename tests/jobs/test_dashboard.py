@@ -123,3 +123,15 @@ def test_prompts_admitted_in_the_first_step_show_in_the_prompt_rate(monkeypatch)
     assert live.last[1].prompt_tps == 0
     live.stop()
     assert "prompt 102   generation 200" in console.export_text()  # 2,030 and 4,000 tokens over 20 s
+
+
+def test_an_interrupt_after_every_line_was_read_offers_no_resume():
+    """Ctrl-C while the last lines were in flight: they were finished and written, nothing is left to resume."""
+    done = JobResult(written=3, counts=ReaderCounts(lines=3, outputs=3, exhausted=True), interrupted=True)
+    text = capture(render_summary(done))
+    assert "interrupted (Ctrl-C) after the last line was read: every line is answered" in text and "--resume" not in text
+    cut = JobResult(written=2, counts=ReaderCounts(lines=3, outputs=2), interrupted=True)
+    assert "rerun with --resume to finish" in capture(render_summary(cut))
+    aborted = JobResult(written=2, counts=ReaderCounts(lines=3, outputs=3, exhausted=True), interrupted=True,
+                        aborted=True)
+    assert "aborted" in capture(render_summary(aborted))

@@ -177,3 +177,8 @@ def test_a_million_lines_without_ids_keep_little_memory():
     tracemalloc.stop()
     assert grown < 512 * 1024  # 125 KB of bits (a dict of the ids held about 100 MB)
     assert seen.claim(1_000_000, id_key(1_000_000), 1_000_001) == 999_999  # a later line that gives one of them
+
+
+def test_the_reader_says_whether_it_read_the_whole_input():
+    result, _ = _run(FakeEngine(), io.BytesIO(_line({"prompt": "a"}) + _line({"prompt": "b"})))
+    assert result.counts.exhausted

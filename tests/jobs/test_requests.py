@@ -533,3 +533,11 @@ def test_completions_take_no_tools():
     r = parse({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                "body": {"prompt": "x", "tools": [], "tool_choice": "none", "parallel_tool_calls": True}})
     assert isinstance(r, Request) and r.tools is None
+
+
+def test_unknown_fields_are_named_whole_the_envelope_s_too():
+    warned: list[str] = []
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "extra": 1,
+            "body": {"prompt": "x", "max_token": 3}}
+    assert isinstance(parse_line(json.dumps(line), 0, Defaults(), warned.append), Request)
+    assert warned == ["ignoring unknown field 'extra'", "ignoring unknown field 'body.max_token'"]
