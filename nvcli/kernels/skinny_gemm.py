@@ -232,12 +232,13 @@ def _skinny_gemm_kernel(
         wf = w_first.to(tl.float32)  # [BLOCK_N, BLOCK_K]
         k_ok = (k0 + offs_k)[None, :] < K
         y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            row = r
+        for row in tl.static_range(BLOCK_M):
             rstd_r = tl.zeros([1], dtype=tl.float32) + tl.sum(tl.where(offs_m == row, rstd, 0.0), axis=0)
             xr_ptrs = x_ptr + row * stride_xm + (k0 + offs_k)[None, :]
             rr_ptrs = r_ptr + row * stride_rm + (k0 + offs_k)[None, :]
-            xr = _load_x(xr_ptrs, rr_ptrs, nw_ptrs, rstd_r, (row < M) & k_ok, K, SILU_MUL, NORM, HAS_RES)
+            # a row past M reads nothing; a select, not `(row < M) & k_ok`: Triton 3.9's interpreter broadcasts that
+            # scalar comparison as int32 data, which its masked loads reject
+            xr = _load_x(xr_ptrs, rr_ptrs, nw_ptrs, rstd_r, tl.where(row < M, k_ok, False), K, SILU_MUL, NORM, HAS_RES)
             yr = tl.sum(wf * xr.to(tl.float32), axis=1)  # [BLOCK_N]
             # kept in registers and stored once below: a store between two rows' x loads would keep them
             # apart (they might alias), one L2 round trip per row

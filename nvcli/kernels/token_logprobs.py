@@ -157,7 +157,8 @@ def _logprob_finish_kernel(
         for j in range(TOPK):
             run_key = tl.max(tl.where(slot == j, top_runs, _MIN_KEY), axis=0)
             cols = (run_key & 0xFFFFFFFF) // RUN * RUN + tl.arange(0, RUN)
-            valid = (run_key != _MIN_KEY) & (cols < vocab)
+            # a padding run reads nothing (a select, not `&`: see skinny_gemm's row loop)
+            valid = tl.where(run_key != _MIN_KEY, cols < vocab, False)
             logit = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + cols, mask=valid, other=float("-inf"))
             keys = _logit_keys(logit.to(tl.float32), cols, valid)
             best = tl.topk(tl.reshape(tl.join(best, tl.topk(keys, TOPK)), [2 * TOPK]), TOPK)  # the largest first
