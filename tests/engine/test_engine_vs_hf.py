@@ -217,7 +217,7 @@ def test_requests_added_from_a_producer_thread(tiny_model_dir) -> None:
 
 def test_bad_requests_raise_clear_errors(tiny_model_dir) -> None:
     llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=64)
-    with pytest.raises(ValueError, match="max-model-len"):
+    with pytest.raises(ValueError, match="raise max_model_len"):  # the Python API names its argument
         llm.generate([list(range(100))], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], GREEDY)
