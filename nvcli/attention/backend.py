@@ -34,9 +34,12 @@ def fill_tables(out: np.ndarray, tables: Sequence[Sequence[int]]) -> None:
     """Row i of `out` starts with table i; entries past a table's length keep what they held (kernels read a
     sequence's table only up to its length). A sequence's table (engine/sequence.BlockTable) is copied from its int32
     mirror."""
-    for i, b in enumerate(tables):
-        mirror = getattr(b, "array", None)
-        out[i, : len(b)] = mirror() if mirror is not None else b
+    if tables and hasattr(tables[0], "array"):  # a step's tables are all BlockTables or all lists
+        for i, b in enumerate(tables):
+            out[i, : len(b)] = b.array()
+    else:
+        for i, b in enumerate(tables):
+            out[i, : len(b)] = b
 
 
 def pad_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
