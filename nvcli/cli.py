@@ -38,6 +38,10 @@ _CPU_THREADS_HELP = (
     "CPU only: threads of torch's CPU operators (default: one per CPU, or OMP_NUM_THREADS). Idle threads sleep "
     "(OMP_WAIT_POLICY=PASSIVE unless set), so a core busy with another process slows a job by about its share."
 )
+_DEBUG_HELP = (
+    "Print every engine setting (resolved against the model) and nv's environment settings once the model is "
+    "loaded; a job that stops on an engine error shows the traceback (as NV_DEBUG=1)."
+)
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"
 
@@ -130,6 +134,7 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard, progress or summary on stderr.", rich_help_panel=JOB)] = False,
     max_in_flight: Annotated[Optional[int], typer.Option(min=1, help="Lines read ahead of the output: in the engine plus waiting to be written in order (default: 4 x max-num-seqs).", rich_help_panel=JOB)] = None,
     format_workers: Annotated[Optional[int], typer.Option(min=0, help="Processes that format output lines with logprobs (scoring, echo): they would hold up the engine's thread (default on a GPU: a quarter of the CPU cores, up to 4; 0: the main thread formats every line).", rich_help_panel=JOB)] = None,
+    debug: Annotated[bool, typer.Option("--debug", help=_DEBUG_HELP, rich_help_panel=JOB)] = False,
 ) -> None:
     """Generate a completion for every line of INPUT; write one JSON line per input line.
 
@@ -192,6 +197,7 @@ def generate(
         format_workers=format_workers,
         json_schema=json_schema,
         tool_call_parser=tool_call_parser,
+        debug=debug,
     )
     raise typer.Exit(run_generate(args))
 
@@ -230,6 +236,7 @@ def bench(
     latency_output_len: Annotated[int, typer.Option(rich_help_panel=JOB)] = 512,
     output_json: Annotated[Optional[str], typer.Option(help="Write the results as JSON (vLLM's keys).", rich_help_panel=JOB)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard on stderr.", rich_help_panel=JOB)] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Print the engine settings and nv's environment settings first.", rich_help_panel=JOB)] = False,
 ) -> None:
     """Throughput on Nano-vLLM's benchmark workload (vLLM's summary lines), or one request's latency."""
     import tempfile
@@ -252,6 +259,10 @@ def bench(
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
             cpu_kvcache_space_gib=cpu_kvcache_space, cpu_threads=cpu_threads,
         )
+        if debug:
+            from nvcli import env
+
+            err(env.report(config), err=True)
         run_bench(config, num_prompts=num_prompts, input_len=in_range, output_len=out_range, seed=seed,
                   temperature=temperature, repeats=repeats, latency_mode=latency,
                   latency_input_len=latency_input_len, latency_output_len=latency_output_len,

@@ -19,6 +19,7 @@ that first use with an `EnvError` naming the variable. `reload()` reads them aga
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from nvcli.config import ConfigError
+from nvcli.config import ConfigError, EngineConfig
 
 CACHE_DIR = "NV_CACHE_DIR"
 DEBUG = "NV_DEBUG"
@@ -98,3 +99,13 @@ def reload() -> Settings:
     """Read the environment again (tests that set these variables)."""
     settings.cache_clear()
     return settings()
+
+
+def report(config: EngineConfig) -> str:
+    """`--debug`'s account of a run's settings: every engine setting (resolved against the model where the engine
+    has done so) and nv's environment variables, one per line."""
+    lines = ["engine settings:"]
+    lines += [f"  {f.name} = {getattr(config, f.name)!r}" for f in dataclasses.fields(config)]
+    lines.append("environment (nvcli/env.py):")
+    lines += [f"  {f.name} = {getattr(settings(), f.name)!r}" for f in dataclasses.fields(Settings)]
+    return "\n".join(lines)

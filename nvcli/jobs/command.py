@@ -58,6 +58,7 @@ class GenerateArgs:
     format_workers: int | None = None  # None: format_pool.default_workers()
     json_schema: str | None = None  # a JSON schema file: the output constraint of lines that set none
     tool_call_parser: str = "auto"  # how tool_choice "auto" finds tool calls in the text (tool_calls.PARSER_CHOICES)
+    debug: bool = False  # print the resolved settings; an engine failure shows its traceback
 
 
 def _device(engine: Any) -> str:
@@ -247,6 +248,8 @@ def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
         engine = make_engine(EngineConfig(**args.engine))
     except _user_error_types() as e:
         raise UsageError(str(e)) from None
+    if args.debug:
+        err(env.report(engine.config))
     return engine, model or _default_model_name(engine)
 
 
@@ -325,7 +328,7 @@ def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | Non
     except Exception as e:  # the engine died mid-job (a lost TP worker, out of memory, a bug)
         if reporter is not None:
             reporter.stop()
-        if env.settings().debug:
+        if args.debug or env.settings().debug:
             raise
         where = _resume_hint(out_path)
         err(f"error: the job stopped: {type(e).__name__}: {e}{where} ({env.DEBUG}=1 shows the traceback)")

@@ -380,3 +380,31 @@ def test_max_tokens_flag_beyond_the_context_is_a_usage_error(tmp_path, engines):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x"}])
     r = nv(src, "--max-tokens", 100000, "--max-model-len", 64)
     assert r.exit_code == 2 and "--max-tokens: must be below --max-model-len=64 (got 100000)" in r.output
+
+
+def test_debug_prints_the_resolved_settings_and_the_environment(tmp_path, engines, monkeypatch):
+    """--debug: every engine setting and nv's environment settings on stderr, once the engine is built; the JSONL
+    is untouched."""
+    monkeypatch.setenv("NV_CACHE_DIR", str(tmp_path / "cache"))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "p"}])
+    r = nv(src, "--max-tokens", 2, "--max-num-seqs", 3, "--debug")
+    assert r.exit_code == 0, r.output
+    assert "engine settings:" in r.stderr and "max_num_seqs = 3" in r.stderr
+    assert f"cache_dir = PosixPath('{tmp_path / 'cache'}')" in r.stderr
+    assert [json.loads(x)["id"] for x in r.stdout.splitlines()] == [1]
+    assert "engine settings" not in nv(src, "--max-tokens", 2).stderr
+
+
+def test_debug_shows_an_engine_failure_as_its_traceback(tmp_path, engines, monkeypatch):
+    from fake_engine import FakeEngine
+
+    def broken_step(self):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(FakeEngine, "step", broken_step)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "p"}])
+    plain = nv(src, "-o", tmp_path / "a.jsonl")
+    assert plain.exit_code != 0 and "the device fell over" in plain.stderr  # one line, no traceback
+    assert not isinstance(plain.exception, RuntimeError)
+    debug = nv(src, "-o", tmp_path / "b.jsonl", "--debug")
+    assert isinstance(debug.exception, RuntimeError) and "the device fell over" in str(debug.exception)
