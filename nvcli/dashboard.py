@@ -11,7 +11,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -20,6 +20,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from nvcli.engine.protocol import EngineStats
 from nvcli.jobs.runner import JobProgress, JobResult
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -72,7 +73,7 @@ class RateTracker:
 def engine_tokens(p: JobProgress) -> tuple[int, int]:
     """Cumulative (prompt, generated) tokens: live engine counters when there are any."""
     s = p.stats
-    if s is not None and hasattr(s, "generation_tokens"):
+    if s is not None:
         return int(s.prompt_tokens), int(s.generation_tokens)
     return p.prompt_tokens, p.completion_tokens
 
@@ -121,9 +122,9 @@ def eta_s(p: JobProgress, rates: Rates) -> float | None:
     return max(0, p.total - p.done) / rates.lines_ps
 
 
-def hit_rate(stats: Any) -> float | None:
-    q = getattr(stats, "prefix_cache_query_tokens", 0) or 0
-    return (getattr(stats, "prefix_cache_hit_tokens", 0) or 0) / q if q else None
+def hit_rate(stats: EngineStats) -> float | None:
+    q = stats.prefix_cache_query_tokens
+    return stats.prefix_cache_hit_tokens / q if q else None
 
 
 # -- the live view ---------------------------------------------------------------------------
@@ -169,8 +170,8 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
 
     s = p.stats
     if s is not None:
-        total = int(getattr(s, "kv_blocks_total", 0) or 0)
-        used = int(getattr(s, "kv_blocks_used", 0) or 0)
+        total = s.kv_blocks_total
+        used = s.kv_blocks_used
         if total:
             kv = Text(f"{used:,} / {total:,} blocks used ({used / total:.0%}), {total - used:,} free")
             grid.add_row("KV cache", _bar(total, used, kv, bar_w, complete_style="magenta", finished_style="red"))
@@ -178,11 +179,11 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
         grid.add_row("prefix cache", f"hit rate {hr:.1%}" if hr is not None else "hit rate --")
         grid.add_row(
             "scheduler",
-            f"running {getattr(s, 'num_running', 0):,}   waiting {getattr(s, 'num_waiting', 0):,}   "
-            f"preempted {getattr(s, 'num_preemptions', 0):,}",
+            f"running {s.num_running:,}   waiting {s.num_waiting:,}   "
+            f"preempted {s.num_preemptions:,}",
         )
-        step_ms = float(getattr(s, "last_step_time_s", 0.0) or 0.0) * 1000
-        grid.add_row("step", f"{step_ms:.1f} ms   steps {getattr(s, 'num_steps', 0):,}   elapsed {fmt_duration(p.elapsed_s)}")
+        step_ms = s.last_step_time_s * 1000
+        grid.add_row("step", f"{step_ms:.1f} ms   steps {s.num_steps:,}   elapsed {fmt_duration(p.elapsed_s)}")
     else:
         grid.add_row("elapsed", fmt_duration(p.elapsed_s))
     title = f"nv generate · {p.model_name}" if p.model_name else "nv generate"
@@ -200,10 +201,10 @@ def plain_line(p: JobProgress, rates: Rates) -> str:
              f"gen {rates.gen_tps:.0f} tok/s"]
     s = p.stats
     if s is not None:
-        total = int(getattr(s, "kv_blocks_total", 0) or 0)
+        total = s.kv_blocks_total
         if total:
-            parts.append(f"KV {int(getattr(s, 'kv_blocks_used', 0) or 0) / total:.0%}")
-        parts.append(f"running {getattr(s, 'num_running', 0)} waiting {getattr(s, 'num_waiting', 0)}")
+            parts.append(f"KV {s.kv_blocks_used / total:.0%}")
+        parts.append(f"running {s.num_running} waiting {s.num_waiting}")
     parts.append(f"elapsed {fmt_duration(p.elapsed_s)}")
     if p.total:
         parts.append(f"ETA {fmt_duration(eta_s(p, rates))}")
@@ -239,7 +240,7 @@ def render_summary(r: JobResult) -> Table:
         hr = hit_rate(s)
         if hr is not None:
             t.add_row("prefix cache hit rate", f"{hr:.1%}")
-        t.add_row("preemptions", f"{getattr(s, 'num_preemptions', 0):,}")
+        t.add_row("preemptions", f"{s.num_preemptions:,}")
     if r.output_closed:
         t.add_row("stopped", "the output was closed")
     elif r.aborted:

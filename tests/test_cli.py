@@ -176,7 +176,7 @@ def test_prompt_logprobs_score_every_prompt_token(model):
         {"id": "e", "prompt": "The cat sat on the mat", "max_tokens": 1},
     ])
     r = nv(model, "-", "-q", input=data)
-    assert r.exit_code == 1 and "1 lines failed" in r.stderr  # line d
+    assert r.exit_code == 1 and "1 line failed" in r.stderr  # line d
     a, b, c, d, e = jsonl(r.stdout)
     n_prompt = a["usage"]["prompt_tokens"]
     scores = a["prompt_logprobs"]
@@ -555,7 +555,7 @@ def test_truncate_prompt_tokens_keeps_a_too_long_prompt_s_last_tokens(model):
     assert r.exit_code == 1 and "2 lines failed" in r.stderr
     cut, fit, short, same, whole, wide, echo = jsonl(r.stdout)
     assert cut["usage"]["prompt_tokens"] == 10 and cut["text"] == same["text"]  # it read the same 10 tokens
-    assert fit["usage"]["prompt_tokens"] == 511 and short["usage"]["prompt_tokens"] == 5
+    assert fit["usage"]["prompt_tokens"] == 510 and short["usage"]["prompt_tokens"] == 5
     assert whole["error"]["type"] == "prompt_too_long"
     assert wide["error"]["type"] == "invalid_request" and "truncate_prompt_tokens" in wide["error"]["message"]
     choice = echo["response"]["body"]["choices"][0]

@@ -108,7 +108,7 @@ class Admission:
                 raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("prompt is empty")
-        kept = self.truncated(token_ids, params.truncate_prompt_tokens)
+        kept = self.truncated(token_ids, params.truncate_prompt_tokens, params.max_tokens)
         if len(kept) < len(token_ids):  # the text no longer spells the tokens the model reads
             token_ids, text = kept, None
         if params.logit_bias:
@@ -154,13 +154,13 @@ class Admission:
         hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
         return Admitted(seqs, text, hold, grammar is not None)
 
-    def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room for one
-        generated token)."""
+    def truncated(self, token_ids: list[int], keep: int | None, max_tokens: int | None = None) -> list[int]:
+        """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room for
+        max_tokens, or for one generated token without it)."""
         if keep is None:
             return token_ids
         if keep == -1:
-            keep = self.max_model_len - 1
+            keep = max(1, self.max_model_len - max(1, max_tokens or 1))
         elif keep >= self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens={keep} must be below max_model_len={self.max_model_len} (-1 keeps "
                              "as many tokens as fit)")

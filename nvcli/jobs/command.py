@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 from nvcli import env
 from nvcli.config import ConfigError, EngineConfig
+from nvcli.engine.protocol import Engine
 from nvcli.jobs import jsonio
 from nvcli.jobs.format_pool import default_workers
 from nvcli.jobs.reader import iter_fd_lines
@@ -61,9 +62,8 @@ class GenerateArgs:
     debug: bool = False  # print the resolved settings; an engine failure shows its traceback
 
 
-def _device(engine: Any) -> str:
-    config = getattr(engine, "config", None)
-    return config.resolved_device() if config is not None else "cpu"
+def _device(engine: Engine) -> str:
+    return engine.config.resolved_device()
 
 
 # The model's generation_config.json may recommend these (vLLM's `--generation-config auto`).
@@ -233,14 +233,14 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-def make_engine(config: EngineConfig) -> Any:
+def make_engine(config: EngineConfig) -> Engine:
     """Build the engine (tests replace this with a fake)."""
     from nvcli.engine.llm_engine import LLMEngine
 
     return LLMEngine(config)
 
 
-def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
+def _load_engine(args: GenerateArgs) -> tuple[Engine, str]:
     model = args.engine.get("model")
     if not args.quiet:
         err(f"loading model {model or '(default)'} ...")
@@ -253,16 +253,16 @@ def _load_engine(args: GenerateArgs) -> tuple[Any, str]:
     return engine, model or _default_model_name(engine)
 
 
-def _default_model_name(engine: Any) -> str:
+def _default_model_name(engine: Engine) -> str:
     try:
         from nvcli.models.resolve import DEFAULT_MODEL_FILE
 
         return str(DEFAULT_MODEL_FILE).removesuffix(".gguf")
     except ImportError:
-        return Path(str(getattr(engine, "model_dir", "") or "model")).name
+        return Path(str(engine.model_dir or "model")).name
 
 
-def _sampling_defaults(engine: Any, args: GenerateArgs) -> dict[str, Any]:
+def _sampling_defaults(engine: Engine, args: GenerateArgs) -> dict[str, Any]:
     """Command-line flags, on top of the model's own recommendations (generation_config.json)."""
     sampling = dict(args.sampling)
     recommended = {k: v for k, v in _generation_config(engine).items() if k not in sampling}
@@ -278,9 +278,8 @@ def _sampling_defaults(engine: Any, args: GenerateArgs) -> dict[str, Any]:
     return sampling
 
 
-def _generation_config(engine: Any) -> dict[str, Any]:
-    candidates = [getattr(engine, "model_dir", None), getattr(getattr(engine, "config", None), "model", None),
-                  getattr(getattr(engine, "tokenizer", None), "name_or_path", None)]
+def _generation_config(engine: Engine) -> dict[str, Any]:
+    candidates = [engine.model_dir, engine.config.model, getattr(engine.tokenizer, "name_or_path", None)]
     for c in candidates:
         if not c:
             continue
@@ -296,7 +295,7 @@ def _generation_config(engine: Any) -> dict[str, Any]:
     return {}
 
 
-def _run(engine: Any, args: GenerateArgs, opts: JobOptions, src_path: Path | None, out_path: Path | None) -> int:
+def _run(engine: Engine, args: GenerateArgs, opts: JobOptions, src_path: Path | None, out_path: Path | None) -> int:
     from nvcli.dashboard import LiveDashboard, PlainProgress
 
     counter = None
