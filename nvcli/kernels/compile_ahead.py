@@ -192,7 +192,7 @@ KERNEL_MODULES = sorted(p.stem for p in KERNELS_DIR.glob("*.py") if p.stem not i
 
 
 def _warm_worker(target: tuple[str, int, int] | None, cache_dir: str) -> None:
-    """A worker's first compile pays one-time costs (1.3-1.5 s on the H100 host, RESULTS session 25): importing
+    """A worker's first compile pays one-time costs (1.3-1.5 s on the H100 host): importing
     our kernel modules and Triton's compiler, the backend's first pass pipeline, the driver's C helpers on a cold
     cache. Each worker pays them here, as it starts, which the engine arranges to be while it loads the tokenizer:
     a trivial kernel compiled for the parent's GPU, launcher included. A failure here only leaves them to the

@@ -221,10 +221,10 @@ def _decode_split_kernel(
 
     # RUN_ADDR: a tile is RUNS runs of SUB tokens that share a page. Offsets inside a run do not change from tile
     # to tile, so each tile computes RUNS page addresses instead of BLOCK_N row addresses and gathers RUNS block
-    # ids instead of BLOCK_N (fp8, in SASS: 504 instructions per warp and tile instead of 823; decode_ptx.py).
+    # ids instead of BLOCK_N (fp8, in SASS: 504 instructions per warp and tile instead of 823).
     # Either way the ids are fetched one iteration ahead, so the K/V addresses never wait on a load issued in the
     # same iteration. The first ones are issued before the rotary step, which needs none of them (no measurable
-    # effect on the H100, RESULTS session 10, and no cost).
+    # effect on the H100, benchmarks/RESULTS.md, and no cost).
     if RUN_ADDR:
         RUNS: tl.constexpr = BLOCK_N // SUB
         offs_r = tl.arange(0, RUNS)  # [RUNS]
@@ -279,7 +279,7 @@ def _decode_split_kernel(
     if V_T:
         if loop_end < end:  # this split holds the sequence's open page (token-major V rows, kv_layout.py): first,
             # where the loop's state is not live yet (after the loop, even with its loads issued before the loop, it
-            # took 166 registers, or spills at 128, and was 3% slower: RESULTS session 17)
+            # took 166 registers, or spills at 128, and was 3% slower)
             offs_p = tl.arange(0, PAGE)  # [PAGE]
             p_mask = loop_end + offs_p < end
             blk = tl.load(bt_row + loop_end // PAGE).to(tl.int64)
@@ -395,7 +395,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n
     Past a quarter of a wave of programs (17-65 sequences with 8 KV heads on 132 SMs) the splits stop within one
     wave (the largest power of two that fits): rounding up instead made a second, partial wave of half-length
     programs, e.g. 2 splits at 64 sequences, and measured slower on the H100 (fp8 end to end +2% over three rounds
-    in turn, RESULTS session 12; kernel 83 against 91 us at 64 x 1400, session 11). Smaller batches round up: at
+    in turn, benchmarks/RESULTS.md; kernel 83 against 91 us at 64 x 1400). Smaller batches round up: at
     16 sequences 8 splits beat 4."""
     programs = max(1, num_seqs * num_kv_heads)
     target = 4 * num_sms
@@ -444,7 +444,7 @@ def paged_decode_attention_triton(
     tokens that share a page instead of per token. Left None, both follow the launch's shapes (below).
     `order` ([num_seqs] int32, a permutation; used without splits): program row i takes sequence order[i], the
     output stays in sequence order. Longest first keeps a long sequence from starting in the kernel's last wave
-    (256 sequences of the workload: 1-4% faster, RESULTS session 10).
+    (256 sequences of the workload: 1-4% faster).
     """
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -467,9 +467,9 @@ def paged_decode_attention_triton(
         k_scale = v_scale = None
     k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
 
-    # Defaults from `benchmarks/profile_gpu.py --sections sweep` on an H100 (2026-11-22, session 3, at the
+    # Defaults from a sweep on an H100 (2026-11-22, at the
     # workload's shapes from 256 x 800 to 8 x 1600 tokens): 64-token tiles and 4 warps for bf16 and fp8 (the
-    # 128-token / 8-warp fp8 tiles of session 2 lost at every shape this time), 2 stages for bf16 and 3 for
+    # 128-token / 8-warp fp8 tiles lost at every shape), 2 stages for bf16 and 3 for
     # fp8, fp16 dots for an fp8 cache.
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
@@ -485,7 +485,7 @@ def paged_decode_attention_triton(
     # fp8 without splits (the workload's big batches, >= 4 programs per SM): addresses per run of a page's tokens
     # and V converted where it is loaded. The tile loop then issues 504 instead of 823 instructions per warp and
     # tile, and the kernel, bound by instruction issue before, runs 4-5% faster at 128-256 sequences
-    # (benchmarks/decode_variants.py, RESULTS session 7). With splits (<= 64 sequences) it lost (B=64: 125 vs 95 us),
+    # (benchmarks/RESULTS.md). With splits (<= 64 sequences) it lost (B=64: 125 vs 95 us),
     # and bf16, bound by bandwidth, lost 3-6% everywhere, so both keep the per-token loop.
     fp8_big_batch = fp8 and f16_dot and num_splits == 1
     if v_dequant_in_tile is None:
@@ -562,7 +562,7 @@ def paged_decode_attention_triton(
         PDL=pdl,
         # One merge width for every split count up to 32 (all a 4096-token table gets): otherwise each batch
         # size's split count compiles its own kernel variant at start-up, for a merge that runs once per
-        # (sequence, KV head). Compiled for sm_90a (decode_ptx.py-style) width 32 costs no registers in the
+        # (sequence, KV head). Compiled for sm_90a width 32 costs no registers in the
         # plain or the rotary+PDL variant (126-128 bf16, 128 fp8); width 64 would (146 / 168 with rotary).
         SPLITS_PAD=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)) if num_splits > 1 else 1,
         ROPE=rope is not None,

@@ -2,7 +2,7 @@
 
 cuBLAS and the skinny GEMM (skinny_gemm.py) pick their tiles, split-K and inner products by the number of rows, so
 a row's sums are taken in an order that moves with its step's batch size, and in bf16 that moves its logits
-(RESULTS, session 36: a seeded row's tokens differed beside 32 neighbours). Here one configuration serves every
+(benchmarks/RESULTS.md: a seeded row's tokens differed beside 32 neighbours). Here one configuration serves every
 M: fixed BLOCK_M x BLOCK_N tiles, the whole of K walked in BLOCK_K steps in the same order, fp32 accumulation, no
 split-K, M never specialized. A row's output is then the same function of that row and the weight whatever shares
 its tile (rows past M are masked loads, and a tensor-core MMA's per-element sum does not depend on the other rows).
@@ -38,7 +38,7 @@ VOCAB = Tiles(128, 128, num_warps=8)  # LM heads: the weight dwarfs the rows
 
 def tiles_for(n: int, k: int) -> Tiles:
     """The configuration for a weight of n rows and k columns (a function of the weight only). Picked on Qwen3-0.6B's
-    shapes replayed in CUDA graphs on an H100 (benchmarks/invariant_tiles_gpu.py, RESULTS sessions 44-45): at 128
+    shapes replayed in CUDA graphs on an H100 (benchmarks/invariant_tiles_gpu.py): at 128
     decode rows a layer's four GEMMs 43 -> 29 us against 64 x 128 tiles everywhere (cuBLAS 22), an 8,192-row prompt
     step 685 -> 796 us (cuBLAS 401); the LM head at 128 rows 234 -> 132 us. Decode rows win: a batch tool generates."""
     if n >= 32768:

@@ -12,14 +12,14 @@ as V transposed, `[head_dim, tokens]` (`is_dims_major`).
 Why: the decode kernel's PV product needs V with tokens along its reduction axis. From a token-major
 fp8 page Triton gets that through shared memory twice (copy in, convert, write back as fp16, read with
 `ldmatrix.trans`), and the fp8 kernel is bound by that shared-memory traffic (Nsight: L1/shared 78%,
-DRAM 74%). Dims-major V is read like K. Measured on an H100 (benchmarks/RESULTS.md, session 8): with
+DRAM 74%). Dims-major V is read like K. Measured on an H100: with
 32-token pages it is 3-8% faster than token-major V with 16-token pages at the workload's shapes,
 bitwise the same output; with 16- or 64-token pages it was slower, so other page sizes stay
 token-major.
 
 Open pages. A dims-major page is written whole, never one token at a time: a new token's V in a dims-major page is
 128 one-byte stores into 128 sectors per (token, head), which cost the fp8 decode kernel 7-10 us per layer at 256
-sequences (RESULTS session 11: 262k sector writes per call). So only *full* pages are dims-major. A sequence's last
+sequences (benchmarks/RESULTS.md: 262k sector writes per call). So only *full* pages are dims-major. A sequence's last
 page while it is partial (its open page, tokens [seq_len // block_size * block_size, seq_len)) keeps its V
 token-major inside the same bytes: each head's `head_dim * block_size` region holds `[block_size, head_dim]` rows
 instead of `[head_dim, block_size]` columns (`open_page_view`). Every store writes token-major (a token's V is one

@@ -207,7 +207,7 @@ def _seal_pages_kernel(v_cache_ptr, slot_ptr, num_slots, stride_vb, stride_vh, P
                        HEAD_DIM: tl.constexpr, SLOTS: tl.constexpr):
     # SLOTS slots of one KV head per program: a prompt step has ~16k slots and seals only one in PAGE of them, so a
     # program per (slot, head) would be mostly launches that exit; a program for every head of its slots sealed them
-    # one after another (8 x 2 us for a decode step's few seals: 18 us per layer, RESULTS session 40)
+    # one after another (8 x 2 us for a decode step's few seals: 18 us per layer)
     first = tl.program_id(0) * SLOTS
     h = tl.program_id(1)
     for i in range(first, tl.minimum(first + SLOTS, num_slots)):

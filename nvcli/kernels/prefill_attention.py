@@ -226,7 +226,7 @@ def _prefill_kernel(
     # (H100, float32). So under INVARIANT (--batch-invariant) every tile's scores go through the select: a row's
     # bits whatever its chunking. A dims-major V cache keeps the plain loads there (the masked form's open-page
     # merge took 342 against 158 us for 128 one-token rows); a token-major one runs every tile masked (plain loads
-    # measured 2-3% slower there; invariant_tiles_gpu.py, RESULTS session 45).
+    # measured 2-3% slower there; invariant_tiles_gpu.py).
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     if INVARIANT and not V_T:
         full_end = 0
@@ -322,7 +322,7 @@ def paged_prefill_attention_triton(
     group_pad = triton.next_power_of_2(group)
     if block_m is None:
         # invariant: its one tile height serves one-token rows too, where 64 rows against 128 took 146 against 199 us
-        # for 128 decode rows and 172 against 151 us for a 8k-token prompt step (invariant_tiles_gpu.py, session 44)
+        # for 128 decode rows and 172 against 151 us for a 8k-token prompt step (invariant_tiles_gpu.py)
         block_m = (INVARIANT_FP8_BLOCK_M if fp8 else 64) if invariant else 128 if head_dim <= 128 else 64
     if block_n is None:
         block_n = 64
@@ -330,7 +330,7 @@ def paged_prefill_attention_triton(
     assert not v_t or block_n % page == 0, "a dims-major V cache needs block_n to be a multiple of the page size"
     if num_warps is None:
         # fp8 at 128-row tiles: 4 warps, 254 against 286 us with 8 at a 16k-token prompt step on the H100; bf16
-        # keeps 8 (238 against 657 us) (decode_variants.py --prefill-sweep, RESULTS session 12)
+        # keeps 8 (238 against 657 us)
         num_warps = 8 if block_m >= 128 and not fp8 else 4
     if num_stages is None:
         num_stages = 3 if head_dim <= 128 else 2

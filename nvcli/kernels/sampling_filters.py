@@ -8,7 +8,7 @@ kept too (a sort breaks them arbitrarily; vLLM's top-k-only path keeps them as w
 
 Sorting [rows, vocab] float32 every step, as the filters were first written, took 5.5 ms at 256 rows of Qwen3's
 151,936-token vocabulary on an H100, against 45 us for the sampler itself, and Qwen3's generation_config.json asks for
-top_k 20 and top_p 0.95 on every request (benchmarks/RESULTS.md, session 34). `_filter_floor_kernel` instead searches
+top_k 20 and top_p 0.95 on every request. `_filter_floor_kernel` instead searches
 the logits' order keys (an int32 that orders as the float does: `_order_key`), one program per row. Each pass over
 the row tallies, for PROBES candidate keys at once, the tokens (top-k) or the tempered mass (top-p) at or above each
 candidate, and narrows the range to the gap between two neighbouring candidates (half of them spaced in key space, half in
@@ -123,9 +123,9 @@ def _compact(row_ptr, vocab, buf_ptr, key_lo, CAP: tl.constexpr, KEY16: tl.const
     so the tallies over the scratch sum in a fixed order. The first pass counts each lane's values and keeps its first
     three in registers, stored from there; a lane with more takes one more such pass per three values (up to 9 a lane),
     and beyond that one pass stores them as it reads them. No pass runs a reduction, and only that last one stores
-    inside its loop: session 35's single pass placed each load's values by a cumsum over the load, carrying the count
+    inside its loop: a single pass placed each load's values by a cumsum over the load, carrying the count
     from load to load, and took 107 of the kernel's 128 us at one row; a pass that stores as it reads is not pipelined
-    and costs about 2.5 of the others (benchmarks/RESULTS.md, session 36)."""
+    and costs about 2.5 of the others."""
     key_lo = key_lo.to(tl.int32)  # the search carries it as int64: int64 compares would double a pass's arithmetic
     per_lane, first, second, third = _lane_pass(row_ptr, vocab, key_lo, 0, KEY16, SCAN_N, STAGES)
     n = tl.sum(per_lane, axis=0)
@@ -178,7 +178,7 @@ def _compact_lanes_or_row(row_ptr, vocab, buf_ptr, key_lo, key_hi, key_2, key_3,
     `key_hi` to `key_4` [SCAN_N] are each lane's four largest keys, so where no lane's fourth reaches key_lo a lane
     has at most three such values, its largest three. Those are stored lane after lane, the largest first (a fixed
     order, as _compact's), with no pass over the row: the compaction's passes were over half the kernel at few rows
-    (benchmarks/RESULTS.md, session 37). Else _compact reads the row."""
+   . Else _compact reads the row."""
     key_lo = key_lo.to(tl.int32)
     if tl.max(key_4, axis=0) < key_lo:
         in_1 = key_hi >= key_lo

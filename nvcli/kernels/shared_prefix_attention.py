@@ -10,7 +10,7 @@ kernel pads), and the group's work is split between programs:
    (more shares where there are few groups, so the shared pages alone about fill the GPU twice over);
 2. SEQS programs each read one sequence's own pages, its rows alone unmasked (the others' scores -inf), in parallel
    as the engine kernel reads every sequence's pages (a program that walked the group's own pages one sequence after
-   another was 1.2-2.2x slower than the engine kernel at 64-128 rows over fp8 pages: RESULTS session 40).
+   another was 1.2-2.2x slower than the engine kernel at 64-128 rows over fp8 pages).
 Each writes its rows' normalized partial output and log-sum-exp; the group's last program to arrive (an acq_rel
 counter, kernels/arrival_counters.py) merges them. The shared length is a device scalar, so a CUDA graph replays
 with whatever prefix the step has.

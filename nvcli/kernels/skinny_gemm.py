@@ -30,7 +30,7 @@ weight streams from HBM while the previous kernel of the chain finishes. For up 
 decoder layer's GEMM goes further (`_one_pass_config`): each program takes whole weight rows, all of K in
 one step, and loads them into registers before the wait; once the previous kernel ends, only x's
 loads, the FMAs and the store are left. That took one request from 1.03 to 0.80 ms per token on
-the H100 (`benchmarks/decode_configs.py`).
+the H100 (benchmarks/RESULTS.md).
 
 Past MAX_M rows cuBLAS takes every GEMM: on the H100 tensor-core Triton tiles of 32-256 rows lost to it,
 alone (`benchmarks/skinny_gemm.py --mid`) and in the real decode chain under PDL with every tile shape tried
@@ -44,7 +44,7 @@ so one compile per (config, K) serves every batch size that maps to it.
 Entry points: `linear(x, weight, bias)` is F.linear that takes this kernel when
 `use_skinny(x, weight)` (CUDA, bf16/fp16, 1..MAX_M rows, K % 16 == 0, row-major weight).
 The configs `choose_config` gives decoder layers at 1-16 rows were picked end to end
-(`benchmarks/decode_configs.py` swaps configs into the real decode chain); the rest were written
+(configs swapped into the real decode chain); the rest were written
 from first principles, and `benchmarks/skinny_gemm.py --sweep` times alternatives in isolation.
 """
 
@@ -72,7 +72,7 @@ TILE_BYTES = 16384  # weight bytes per program per loop iteration
 # also the bound under which the tensor-core tiles take 64 x 256 weight tiles and the weight is prefetched into L2
 ONE_PASS_MAX_BYTES = 24 << 20
 # rows up to which the one-pass tiles replace the tensor-core ones: each further row costs its own cross-warp
-# reduction, and at 8 rows the tensor-core tiles win (decode_configs.py --batches)
+# reduction, and at 8 rows the tensor-core tiles win
 ONE_PASS_MAX_M = 4
 ONE_PASS_ELEMS = 16384  # longest K step (elements) of a one-pass tile: 64 fp32 per thread at 8 warps
 
@@ -377,7 +377,7 @@ def choose_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig:
     use_dot = m > FMA_MAX_M
     if use_dot and n * k * elt <= ONE_PASS_MAX_BYTES:
         # a decoder layer: whole 64-row MMAs over 256-wide K steps, and K split until the SMs have work
-        # (decode_configs.py --batches: 8 rows 1.56 -> 1.45, 16 rows 1.72 -> 1.61 ms per step)
+        # (8 rows 1.56 -> 1.45, 16 rows 1.72 -> 1.61 ms per step)
         block_n, min_n, num_warps = 64, 64, 4
         tile *= 2
     elif use_dot:
@@ -410,7 +410,7 @@ def _one_pass_config(m: int, n: int, k: int, elt: int, sms: int) -> SkinnyConfig
     masked step) and as few rows as still gives every SM a program. Under PDL the kernel loads that whole
     share before `griddepcontrol.wait`, so after the previous kernel ends only x's loads, the FMAs and the
     store remain; several rows are taken one at a time from the tile in registers (ROW_LOOP).
-    `benchmarks/decode_configs.py`, ms per step against the looped tiles: 1 row 1.03 -> 0.80, 2 rows
+    ms per step against the looped tiles: 1 row 1.03 -> 0.80, 2 rows
     1.24 -> 0.98, 3-4 rows 1.51 -> 1.31; at 8 rows each row's cross-warp reduction makes it slower than the
     tensor-core tiles (2.1 vs 1.6)."""
     block_k = max(16, triton.next_power_of_2(k))
@@ -533,7 +533,7 @@ def skinny_linear_triton(
     if pdl and weight.numel() * weight.element_size() <= ONE_PASS_MAX_BYTES:
         l2_lines = triton.next_power_of_2(_cdiv(min(k_split, k), line_elems))
     row_loop = not cfg.use_dot and block_m > 1 and split == 1 and k_iters == 1
-    # the tensor-core tiles of 3-16 rows load nothing before the wait: measured neutral there (decode_configs.py)
+    # the tensor-core tiles of 3-16 rows load nothing before the wait: measured neutral there
     prefetch = pdl and (even_k or split == 1) and not cfg.use_dot
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     norm = norm_weight is not None

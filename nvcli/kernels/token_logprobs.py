@@ -20,7 +20,7 @@ _SLICE = 8 * _BLOCK  # vocabulary columns per program: 10 slices per row for a 1
 # the row's k largest of those (the runs that hold its top k: a run whose largest is not among them has k larger
 # columns elsewhere), then its top k from those k runs' columns: sorting networks over _SORT run keys, then over one
 # run, each in a loop, per row. A network per 2,048 columns (width 8) had set the kernel's time: 2.1 ms per 880-row
-# chunk (RESULTS session 31).
+# chunk.
 _RUN = {0: 256, 1: 256, 8: 256, 32: 128}  # per width (used from 8 on)
 _SORT = 256
 
@@ -127,7 +127,7 @@ def _logprob_finish_kernel(
 ):
     """One program per row: merge the row's slices into its log-sum-exp, the target's logprob and rank, and its top k,
     all written to one row of `out` (one copy to the host for the whole step). In torch this was about 25 small ops
-    per step, each a launch the host pays for (RESULTS session 31: 2.1 ms against 0.8 ms per small step)."""
+    per step, each a launch the host pays for (benchmarks/RESULTS.md: 2.1 ms against 0.8 ms per small step)."""
     row = tl.program_id(0)
     offs = tl.arange(0, SLICES)
     mask = offs < slices
