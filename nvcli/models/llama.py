@@ -38,7 +38,7 @@ from nvcli.models.layers.norm import RMSNorm, row_rstd_vector, row_scale
 from nvcli.models.layers.rotary import RotaryEmbedding
 from nvcli.models.model_config import ModelConfig
 
-# Up to SMALL_M rows the skinny GEMM computes the norm in its prologue (kernels/skinny_gemm.py): no kernel to save.
+# Up to skinny_gemm.MAX_M rows the skinny GEMM computes the norm in its prologue (kernels/skinny_gemm.py): no kernel to save.
 DEFERRED_NORM_MIN_ROWS = 17
 
 

@@ -40,7 +40,7 @@ def test_tp2_matches_tp1(tiny_model_dir, arch: str, async_scheduling: bool) -> N
 
 
 def test_heads_not_divisible_is_rejected(tiny_model_dir) -> None:
-    with pytest.raises(ConfigError, match="tensor-parallel-size=3"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
         LLM(str(tiny_model_dir("qwen3")), tensor_parallel_size=3, **ENGINE)
 
 
