@@ -23,10 +23,16 @@ import sys
 WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether this machine has an NVIDIA driver (torch not loaded yet: the driver's files tell)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
+
+
 def prefer_passive_wait() -> bool:
-    """Idle OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE) unless the user chose a wait policy or torch has
-    loaded already (too late: the runtime has read it); whether it was set here."""
-    if "torch" in sys.modules or any(os.environ.get(name) for name in WAIT_POLICY_VARIABLES):
+    """Idle OpenMP threads sleep at once (OMP_WAIT_POLICY=PASSIVE) unless the user chose a wait policy, torch has
+    loaded already (too late: the runtime has read it) or the machine has a GPU (the engine then runs there; the
+    host's torch work was measured with the runtime's default policy); whether it was set here."""
+    if "torch" in sys.modules or any(os.environ.get(name) for name in WAIT_POLICY_VARIABLES) or has_nvidia_gpu():
         return False
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     return True

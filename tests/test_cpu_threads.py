@@ -65,3 +65,12 @@ def test_the_engine_runs_on_the_threads_asked_for(tiny_model_dir):
         assert torch.get_num_threads() == 1  # None keeps the count torch has
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_gpu_machine_keeps_the_runtimes_own_policy(monkeypatch):
+    """The GPU engine's host work was measured with OpenMP's default policy: PASSIVE is for CPU-only machines."""
+    monkeypatch.setattr(cpu_threads, "has_nvidia_gpu", lambda: True)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    for name in cpu_threads.WAIT_POLICY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_threads.prefer_passive_wait() is False and "OMP_WAIT_POLICY" not in os.environ
