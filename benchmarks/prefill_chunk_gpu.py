@@ -15,10 +15,7 @@ import triton
 
 from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
-try:  # the engine's mixed-graph token counts, wherever this tree's engine defines them
-    from nvcli.engine.cuda_graphs import mixed_graph_sizes
-except ImportError:
-    from nvcli.engine.model_runner import mixed_graph_sizes  # type: ignore[no-redef]
+from nvcli.engine.cuda_graphs import mixed_graph_sizes
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, DECODE_ROWS, CHUNK_SLOTS = 16, 8, 128, 16, 128, 8
 
