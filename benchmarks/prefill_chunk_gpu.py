@@ -13,9 +13,8 @@ import itertools
 import torch
 import triton
 
-from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
-
 from nvcli.engine.cuda_graphs import mixed_graph_sizes
+from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, DECODE_ROWS, CHUNK_SLOTS = 16, 8, 128, 16, 128, 8
 
