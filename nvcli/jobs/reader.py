@@ -5,7 +5,7 @@ parses them, renders chat templates, tokenizes all their prompts in one `engine.
 call, and calls `engine.add_request` (thread-safe) for each in input order; it never steps the
 engine. One tokenizer call per batch matters: the tokenizer then works on all cores outside the
 GIL, where a call per line held the GIL against the engine's own thread and fed a prompt-heavy
-job 21% slower than the GPU prefills (RESULTS session 18). Lines that cannot be served become
+job 21% slower than the GPU prefills. Lines that cannot be served become
 error lines right here. Before a line that will produce output it takes a slot from `slots`, so
 a file of a million lines or an endless pipe is never read far ahead of the engine.
 
