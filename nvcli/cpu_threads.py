@@ -12,6 +12,13 @@ imported: nv's command line and `from nvcli import LLM` call it first. A policy 
 GOMP_SPINCOUNT, KMP_BLOCKTIME) is left alone. The thread count is per calling thread in OpenMP;
 `set_cpu_threads` sets it for the thread that builds the engine, which is the one that steps it, and for threads that
 start torch work later (torch copies it to them).
+
+The thread count stays torch's (one per CPU) unless --cpu-threads sets it. Sleeping threads win their core back from
+a busy process as soon as they wake, so fewer threads only give speed away: on 2 CPUs beside `yes`, two sleeping
+threads decoded at 61 ms/token where one thread per core left free (the count following /proc/stat every second)
+took 132. Sleeping has a price on an idle machine, a wake-up per operator: 71-75 ms/token against 62-64 spinning.
+A short spin (GOMP_SPINCOUNT=10000) kept the idle speed but took 100-200 ms/token beside `yes`; set it, or
+OMP_WAIT_POLICY=ACTIVE, where no other process competes for the cores.
 """
 
 from __future__ import annotations
