@@ -54,12 +54,13 @@ def fit_cache(config: EngineConfig, num_blocks: int, explicit_len: bool) -> int:
     assert config.max_model_len is not None
     if capacity >= config.max_model_len:
         return config.max_model_len
+    room = "--cpu-kvcache-space" if config.resolved_device() == "cpu" else "--gpu-memory-utilization"
     if explicit_len:
         raise ConfigError(
             f"--max-model-len={config.max_model_len}: the KV cache holds only {capacity} tokens "
-            f"({num_blocks} blocks); lower it, or raise --gpu-memory-utilization / --num-kvcache-blocks"
+            f"({num_blocks} blocks); lower it, or raise {room} / --num-kvcache-blocks"
         )
-    log.warning("max_model_len capped to the KV cache's %d tokens", capacity)
+    log.warning("max_model_len capped to the KV cache's %d tokens (%s makes it larger)", capacity, room)
     return capacity
 
 
