@@ -120,10 +120,6 @@ class ModelRunner:
             marker.write(num_variants)
         log.info("rank %d start-up: %s", rank, ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items()))
 
-    @property
-    def logits_graph_max_rows(self) -> int:
-        return self.cuda_graphs.logits_max_rows if self.cuda_graphs is not None else 0
-
     # ------------------------------------------------------------------ forward
     def _feed_back(self, input_ids: torch.Tensor, step: StepInput) -> None:
         """Write the previous step's sampled tokens into this step's inputs, on the device."""

@@ -22,12 +22,3 @@ def test_a_dropped_llm_frees_its_engine_and_runner_without_the_garbage_collector
     finally:
         gc.enable()
 
-
-def test_a_max_model_len_past_the_cpu_cache_names_the_flag_that_makes_it_larger(tiny_model_dir) -> None:
-    """On a CPU the KV cache's size is --cpu-kvcache-space's (cpu_kvcache_space_gib from Python): the error says so."""
-    import pytest
-
-    from nvcli.config import ConfigError
-
-    with pytest.raises(ConfigError, match="cpu_kvcache_space|cpu-kvcache-space"):
-        LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=512, num_kvcache_blocks=4)

@@ -323,3 +323,12 @@ def test_shared_prefix_plan_declines(case: str) -> None:
     if case == "no shared page":
         tables[:, 0] = np.arange(rows)  # every row its own first page
     assert shared_prefix_plan(tables, lens, 16, 8) is None
+
+
+def test_a_max_model_len_past_the_cpu_cache_names_the_flag_that_makes_it_larger(tiny_model_dir) -> None:
+    """On a CPU the KV cache's size is --cpu-kvcache-space's (cpu_kvcache_space_gib from Python): the error says so."""
+    from nvcli import LLM
+    from nvcli.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cpu_kvcache_space|cpu-kvcache-space"):
+        LLM(str(tiny_model_dir("qwen3")), device="cpu", max_model_len=512, num_kvcache_blocks=4)
