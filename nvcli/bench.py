@@ -170,10 +170,11 @@ def run_bench(config, *, num_prompts: int, input_len: tuple[int, int], output_le
 
     from rich.console import Console
 
-    from nvcli.engine.llm_engine import LLMEngine
+    from nvcli.engine import build_engine
 
+    num_prompts *= config.data_parallel_size  # each replica gets the one-GPU workload's share
     t0 = time.perf_counter()
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     startup = time.perf_counter() - t0
     err = Console(stderr=True)
     if not quiet:

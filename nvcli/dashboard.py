@@ -7,6 +7,7 @@ render them on a recording console with made-up numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import deque
@@ -33,6 +34,7 @@ class Rates:
     gen_tps: float = 0.0  # generated tokens/s over the last few seconds
     lines_ps: float = 0.0  # output lines/s over the last half minute
     history: tuple[float, ...] = ()  # generated tokens/s, one value per second, oldest first
+    replica_gen_tps: tuple[float | None, ...] = ()  # data parallelism: each replica's (None: gone or not heard from)
 
 
 class RateTracker:
@@ -68,6 +70,19 @@ class RateTracker:
         new = self.samples[-1]
         dt = new[0] - old[0]
         return max(0.0, (new[i] - old[i]) / dt) if dt > 0 else 0.0
+
+
+def with_replica_rates(rates: Rates, trackers: list[RateTracker], p: JobProgress, t: float) -> Rates:
+    """`rates` with each data-parallel replica's generation rate, from its own counters (`trackers`, one per
+    replica, kept by the caller)."""
+    replicas = p.stats.replicas if p.stats is not None else None
+    if not replicas:
+        return rates
+    while len(trackers) < len(replicas):
+        trackers.append(RateTracker(history=0))
+    gen = tuple(None if s is None else tracker.add(t, s.prompt_tokens, s.generation_tokens, s.num_finished).gen_tps
+                for tracker, s in zip(trackers, replicas))
+    return dataclasses.replace(rates, replica_gen_tps=gen)
 
 
 def engine_tokens(p: JobProgress) -> tuple[int, int]:
@@ -113,7 +128,7 @@ def job_rates(p: JobProgress, rates: Rates) -> Rates:
     if p.elapsed_s <= 0:
         return rates
     return Rates(prompt_tps=prompt / p.elapsed_s, gen_tps=gen / p.elapsed_s, lines_ps=p.written / p.elapsed_s,
-                 history=rates.history)
+                 history=rates.history, replica_gen_tps=rates.replica_gen_tps)
 
 
 def eta_s(p: JobProgress, rates: Rates) -> float | None:
@@ -182,6 +197,9 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
             f"running {s.num_running:,}   waiting {s.num_waiting:,}   "
             f"preempted {s.num_preemptions:,}",
         )
+        for i, r in enumerate(s.replicas or ()):
+            grid.add_row(f"replica {i}", _replica_line(r, rates.replica_gen_tps[i] if i < len(rates.replica_gen_tps)
+                                                       else None))
         step_ms = s.last_step_time_s * 1000
         grid.add_row("step", f"{step_ms:.1f} ms   steps {s.num_steps:,}   elapsed {fmt_duration(p.elapsed_s)}")
     else:
@@ -189,6 +207,15 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
     title = f"nv generate · {p.model_name}" if p.model_name else "nv generate"
     subtitle = "draining: Ctrl-C again to abort" if p.draining else "Ctrl-C to stop"
     return Panel(grid, title=title, subtitle=subtitle, title_align="left", subtitle_align="right", width=width)
+
+
+def _replica_line(s: EngineStats | None, gen_tps: float | None) -> Text:
+    if s is None:
+        return Text("gone (its lines went to the other replicas)", style="red")
+    kv = f"KV {s.kv_blocks_used / s.kv_blocks_total:.0%}" if s.kv_blocks_total else "KV --"
+    rate = "--" if gen_tps is None else fmt_num(gen_tps)
+    return Text.assemble("gen ", (rate, "green"), f" tok/s   {kv}   running {s.num_running:,}   waiting "
+                         f"{s.num_waiting:,}   done {s.num_finished:,}")
 
 
 def plain_line(p: JobProgress, rates: Rates) -> str:
@@ -205,6 +232,10 @@ def plain_line(p: JobProgress, rates: Rates) -> str:
         if total:
             parts.append(f"KV {s.kv_blocks_used / total:.0%}")
         parts.append(f"running {s.num_running} waiting {s.num_waiting}")
+        if s.replicas:
+            parts.append("replicas " + " ".join(
+                "gone" if r is None else f"{rate or 0:.0f}tok/s,KV{r.kv_blocks_used / max(1, r.kv_blocks_total):.0%}"
+                for r, rate in zip(s.replicas, rates.replica_gen_tps or (None,) * len(s.replicas))))
     parts.append(f"elapsed {fmt_duration(p.elapsed_s)}")
     if p.total:
         parts.append(f"ETA {fmt_duration(eta_s(p, rates))}")
@@ -260,6 +291,7 @@ class LiveDashboard:
         self.console = console or Console(stderr=True)
         self.refresh_s = refresh_s
         self.tracker = RateTracker()
+        self.replica_trackers: list[RateTracker] = []
         self.live: Live | None = None
         self.last: tuple[JobProgress, Rates] | None = None  # the latest frame's inputs
 
@@ -272,7 +304,8 @@ class LiveDashboard:
 
     def update(self, p: JobProgress) -> None:
         prompt, gen = engine_tokens(p)
-        rates = self.tracker.add(time.monotonic(), prompt, gen, p.written)
+        now = time.monotonic()
+        rates = with_replica_rates(self.tracker.add(now, prompt, gen, p.written), self.replica_trackers, p, now)
         self.last = (p, rates)
         if self.live is not None:
             self.live.update(render_dashboard(p, rates, width=min(100, self.console.width)), refresh=True)
@@ -301,6 +334,7 @@ class PlainProgress:
         self.name = name  # what its lines start with
         self.interval_s = interval_s
         self.tracker = RateTracker()
+        self.replica_trackers: list[RateTracker] = []
         self._last: float | None = None
 
     def start(self, message: str = "starting") -> None:
@@ -311,7 +345,7 @@ class PlainProgress:
     def update(self, p: JobProgress) -> None:
         now = time.monotonic()
         prompt, gen = engine_tokens(p)
-        rates = self.tracker.add(now, prompt, gen, p.written)
+        rates = with_replica_rates(self.tracker.add(now, prompt, gen, p.written), self.replica_trackers, p, now)
         if self._last is None or now - self._last >= self.interval_s:
             self._last = now
             self._write(plain_line(p, rates))

@@ -13,7 +13,8 @@ from collections.abc import Sequence as SequenceABC
 from contextlib import contextmanager
 
 from nvcli.config import EngineConfig
-from nvcli.engine.llm_engine import EngineStats, LLMEngine
+from nvcli.engine import build_engine
+from nvcli.engine.protocol import EngineStats
 from nvcli.outputs import RequestOutput
 from nvcli.sampling_params import SamplingParams
 
@@ -40,17 +41,19 @@ class LLM:
         dtype: str = "auto",
         enforce_eager: bool = False,
         seed: int = 0,
+        data_parallel_size: int = 1,  # engine replicas, each on its own GPUs (engine/data_parallel.py)
         **kwargs,
     ) -> None:
         with python_names():
             self.config = EngineConfig(
-                model=model, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                model=model, tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 kvcache_block_size=kvcache_block_size, num_kvcache_blocks=num_kvcache_blocks,
                 gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
                 device=device, dtype=dtype, enforce_eager=enforce_eager, seed=seed, **kwargs,
             )
-            self.engine = LLMEngine(self.config)
+            self.engine = build_engine(self.config)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

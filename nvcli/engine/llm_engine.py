@@ -11,10 +11,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from nvcli.config import ConfigError, EngineConfig
+from nvcli.config import EngineConfig
 from nvcli.cpu_threads import set_cpu_threads
 from nvcli.engine.admission import Admission, fit_cache, resolve_config
 from nvcli.engine.block_manager import BlockManager
@@ -22,16 +21,14 @@ from nvcli.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nvcli.engine.protocol import EngineStats
 from nvcli.engine.scheduler import Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
-from nvcli.models.tokenizer import extend_vocabulary, vocabulary_texts
+from nvcli.engine.text import TextSide, eos_token_ids, reasoning_markers
 from nvcli.outputs import CompletionOutput, RequestOutput
-from nvcli.reasoning import THINK_END, THINK_START
 from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
 
     from nvcli.engine.sampling_stage import StepHandle
     from nvcli.engine.structured_output import GrammarCompiler
-    from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
 
@@ -49,7 +46,7 @@ class _Request:
     outputs: list[CompletionOutput | None]
 
 
-class LLMEngine:
+class LLMEngine(TextSide):
     def __init__(self, config: EngineConfig) -> None:
         from nvcli.engine.executor import make_executor
         from nvcli.engine.startup import start_compile_workers_if_cold
@@ -68,7 +65,7 @@ class LLMEngine:
         workers = start_compile_workers_if_cold(self.config, self.model_config)
         try:
             self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
-            self.reasoning_markers = _reasoning_markers(self.tokenizer, config.reasoning_parser)
+            self.reasoning_markers = reasoning_markers(self.tokenizer, config.reasoning_parser)
             self.executor = make_executor(self.config, self.model_config, self.model_dir, compile_workers=workers)
         except BaseException:
             if workers is not None:  # the runner shuts them down once it has compiled; this is for the failures
@@ -85,7 +82,7 @@ class LLMEngine:
             self.max_model_len,
             self.config.enable_chunked_prefill,
         )
-        self.eos_token_ids = _eos_ids(self.model_dir, self.model_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self.admission = Admission(self.config, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    self.eos_token_ids, self.reasoning_markers)
         self._inbox: deque[Sequence] = deque()
@@ -94,7 +91,6 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._num_held = 0  # completions waiting for their first sibling's prompt (counted as waiting)
         self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._token_texts: list[str] | None = None  # every token id's text alone, for logprobs (built at first need)
         self.num_steps = 0
         self.num_finished = 0
         self.prompt_tokens = 0
@@ -108,33 +104,6 @@ class LLMEngine:
         self.async_scheduling = bool(self.config.async_scheduling) and self.executor.supports_async
 
     # ------------------------------------------------------------------ requests
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt).input_ids
-
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """encode() of each text, in one tokenizer call: the tokenizer spreads a batch over the CPU's
-        cores outside the GIL, where one call per text holds it (prompt-heavy jobs, benchmarks/RESULTS.md)."""
-        return self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids if texts else []
-
-    def render_chat_text(self, messages: list[dict], chat_template_kwargs: dict | None = None,
-                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                         tools: list[dict] | None = None) -> str:
-        """The chat template applied to `messages` (and the `tools` offered, OpenAI function objects), with the
-        assistant's turn opened (or, with `continue_final_message`, the last message left open to be continued); not
-        tokenized. A `chat_template` in `chat_template_kwargs` replaces the tokenizer's."""
-        if getattr(self.tokenizer, "chat_template", None) is None and not (chat_template_kwargs or {}).get("chat_template"):
-            raise ValueError("this model's tokenizer has no chat template; send {'prompt': ...} instead of messages")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {})
-        )
-
-    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
-        text = self.render_chat_text(messages, chat_template_kwargs)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
     def add_request(
         self,
         prompt: str | list[int],
@@ -334,18 +303,6 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def token_texts(self) -> list[str]:
-        """Every token id's text alone (vLLM's decoded_token), by id, for every id the model reads or writes: the
-        logprobs' texts are read from it (outputs.FlatLogprobs.use_vocabulary), and a job's formatting processes get
-        it. The whole vocabulary is decoded once, in one call, the first time logprobs need texts: a scoring job, or
-        a random model's outputs, meet ids from all over it, and one decode call per new id held the engine thread
-        for milliseconds whenever several sequences finished at once. Ids past the tokenizer's (a model's padded
-        vocabulary) are decoded one by one then."""
-        if self._token_texts is None:
-            self._token_texts = extend_vocabulary(vocabulary_texts(self.tokenizer), self.tokenizer,
-                                                  self.model_config.vocab_size - 1)
-        return self._token_texts
-
     # ------------------------------------------------------------------ introspection
     def reset_prefix_cache(self) -> int:
         """Drop the cached prefixes of finished requests; returns how many blocks were forgotten.
@@ -376,34 +333,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def _reasoning_markers(tokenizer: Any, parser: str | None) -> tuple[int, int] | None:
-    """The token ids of `<think>` and `</think>` for --reasoning-parser; None without one."""
-    if parser is None:
-        return None
-    vocab = tokenizer.get_vocab()
-    missing = [m for m in (THINK_START, THINK_END) if m not in vocab]
-    if missing:
-        raise ConfigError(f"--reasoning-parser={parser}: the tokenizer has no {' or '.join(missing)} token, so this "
-                          "model does not reason in those markers (leave the flag out)")
-    return vocab[THINK_START], vocab[THINK_END]
-
-
-def _eos_ids(model_dir: Path, model_config: ModelConfig, tokenizer) -> set[int]:
-    import json
-
-    ids: set[int] = set()
-
-    def add(x: object) -> None:
-        if isinstance(x, int):
-            ids.add(x)
-        elif isinstance(x, (list, tuple)):
-            ids.update(i for i in x if isinstance(i, int))
-
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
-    add(model_config.eos_token_id)
-    add(tokenizer.eos_token_id)
-    return ids

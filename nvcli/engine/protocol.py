@@ -35,6 +35,8 @@ class EngineStats:
     execute_s: float = 0.0
     postprocess_s: float = 0.0
     num_decode_steps: int = 0
+    # Data parallelism: each replica's own (None: a replica gone or not heard from yet); the fields above are sums
+    replicas: list[EngineStats | None] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
