@@ -288,8 +288,11 @@ def _check_divisible(model_config: ModelConfig, world: int) -> None:
 
     heads = model_config.num_attention_heads
     kv_heads = model_config.num_key_value_heads
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", model_config.intermediate_size)):
+    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+             ("intermediate_size", model_config.intermediate_size)]
+    if model_config.num_experts:  # each expert's intermediate dimension is split across the ranks (layers/moe.py)
+        sizes.append(("moe_intermediate_size", model_config.moe_intermediate_size))
+    for name, value in sizes:
         if value % world:
             raise ConfigError(
                 f"--tensor-parallel-size={world}: the model's {name}={value} is not divisible by it; "

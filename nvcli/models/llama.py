@@ -108,10 +108,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the layer's feed-forward block (default: the dense DecoderMLP; models/qwen3_moe.py passes experts)."""
         super().__init__()
         self.self_attn = DecoderAttention(config, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else DecoderMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -193,11 +194,16 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, qkv_bias, qk_norm, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # set by fold_norm_weights: the norms' weights are in the projections and every layer can run deferred
         self.can_defer_norm = False
         self.batch_invariant = False  # --batch-invariant: set by LlamaForCausalLM.set_batch_invariant
+
+    def make_layer(self, config: ModelConfig, qkv_bias: bool, qk_norm: bool, index: int) -> nn.Module:
+        """Decoder layer `index` (a subclass may build another kind per layer)."""
+        return DecoderLayer(config, qkv_bias, qk_norm)
 
     def fold_norm_weights(self) -> None:
         for layer in self.layers:
@@ -259,6 +265,7 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
+    decoder_class: type[DecoderModel] = DecoderModel
     # checkpoint name fragment -> (our parameter fragment, shard id of a fused layer)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -271,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.qkv_bias or config.attention_bias, self.qk_norm)
+        self.model = self.decoder_class(config, self.qkv_bias or config.attention_bias, self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = config.tie_word_embeddings
         if self.tie_word_embeddings:

@@ -7,8 +7,9 @@ parameter's weight_loader, which takes this rank's shard. Only safetensors are r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,15 +40,22 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
+    # a model's own names first (models/qwen3_moe.py: one expert's tensor -> (stacked parameter, its shard))
+    own_target: Callable[[str], tuple[str, Any] | None] = getattr(model, "checkpoint_target", lambda name: None)
     loaded: set[str] = set()
+    shards: dict[str, set[Any]] = {}  # parameters with `num_shards` (stacked experts): the shards loaded so far
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
         target, shard = name, None
-        for ckpt_part, (our_part, shard_id) in packed.items():
-            if f".{ckpt_part}." in name:
-                target, shard = name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
-                break
+        mapped = own_target(name)
+        if mapped is not None:
+            target, shard = mapped
+        else:
+            for ckpt_part, (our_part, shard_id) in packed.items():
+                if f".{ckpt_part}." in name:
+                    target, shard = name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
+                    break
         param = params.get(target)
         if param is None:
             if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
@@ -60,6 +68,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             loader(param, tensor)
         else:
             loader(param, tensor, shard)
+        if hasattr(param, "num_shards") and shard is not None:
+            shards.setdefault(target, set()).add(shard)
+            if len(shards[target]) < param.num_shards:
+                continue
         loaded.add(target)
     missing = [
         n for n in params

@@ -42,7 +42,8 @@ class FamilyDefaults:
     hidden_act: str = "silu"
 
 
-# LlamaConfig, Qwen2Config and Qwen3Config of transformers 5 (configuration_{llama,qwen2,qwen3}.py)
+# LlamaConfig, Qwen2Config, Qwen3Config and Qwen3MoeConfig of transformers 5 (configuration_{llama,qwen2,qwen3,
+# qwen3_moe}.py)
 FAMILIES: dict[str, FamilyDefaults] = {
     "llama": FamilyDefaults(vocab_size=32000, intermediate_size=11008, max_position_embeddings=2048,
                             num_key_value_heads=None, head_dim=None, bos_token_id=1, eos_token_id=2),
@@ -50,6 +51,15 @@ FAMILIES: dict[str, FamilyDefaults] = {
                             num_key_value_heads=32, head_dim=None, bos_token_id=None, eos_token_id=None),
     "qwen3": FamilyDefaults(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
                             num_key_value_heads=32, head_dim=128, bos_token_id=None, eos_token_id=None),
+    "qwen3_moe": FamilyDefaults(vocab_size=151936, intermediate_size=6144, max_position_embeddings=32768,
+                                num_key_value_heads=4, head_dim=None, bos_token_id=None, eos_token_id=None,
+                                hidden_size=2048, num_hidden_layers=24),
+}
+# Qwen3MoeConfig's defaults for its mixture-of-experts keys (`num_experts` is also spelled `num_local_experts`: the
+# attribute transformers 5 maps it to, and the key its save_pretrained writes)
+MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=()),
 }
 
 TokenIds = Union[int, tuple[int, ...], None]
@@ -85,9 +95,19 @@ class ModelConfig:
     # The attention window of the layers that slide (Qwen2/Qwen3 `use_sliding_window`); None: every layer sees the
     # whole context. The engine attends to the whole context, which is the same thing only up to this many tokens.
     sliding_window: Optional[int] = None
+    # Mixture of experts (Qwen3-MoE); num_experts 0: every layer's MLP is dense. A layer i is sparse unless
+    # mlp_only_layers names it or (i + 1) is not a multiple of decoder_sparse_step (`is_moe_layer`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         optional = ("sliding_window",) if self.sliding_window is not None else ()
+        if self.num_experts:
+            optional += ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
         for name in _POSITIVE_INTS + optional:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -99,10 +119,18 @@ class ModelConfig:
             )
         if self.hidden_act != "silu":
             raise ModelConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelConfigError(f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) is more than "
+                                   f"num_experts ({self.num_experts})")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ModelConfigError(f"config.json: rope type {rope_type!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` (from 0) runs a sparse mixture-of-experts block instead of a dense MLP."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     # ------------------------------------------------------------------ readers
     @classmethod
@@ -143,7 +171,8 @@ class ModelConfig:
             bos_token_id=_token_ids(d.get("bos_token_id", fam.bos_token_id)),
             eos_token_id=_token_ids(d.get("eos_token_id", fam.eos_token_id)),
             sliding_window=_qwen_sliding_window(d, get("num_hidden_layers", fam.num_hidden_layers))
-            if model_type in ("qwen2", "qwen3") else None,
+            if model_type in ("qwen2", "qwen3") else _qwen_moe_sliding_window(d) if model_type == "qwen3_moe" else None,
+            **_moe(d, MOE_DEFAULTS.get(model_type)),
         )
 
     @classmethod
@@ -175,6 +204,7 @@ class ModelConfig:
             # Llama's modeling ignores a window its config may carry
             sliding_window=None if config.model_type == "llama"
             else _sliding_window(getattr(config, "sliding_window", None), getattr(config, "layer_types", None)),
+            **_moe_from_hf(config),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,6 +259,36 @@ def _qwen_sliding_window(d: Mapping[str, Any], num_layers: int) -> Optional[int]
         first = 28 if first is None else first
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     return _sliding_window(window, layer_types)
+
+
+def _qwen_moe_sliding_window(d: Mapping[str, Any]) -> Optional[int]:
+    """Qwen3MoeConfig: a window only with `use_sliding_window`, for every layer (the file's `layer_types`, if any)."""
+    window = (d["sliding_window"] if "sliding_window" in d else 4096) if d.get("use_sliding_window") else None
+    return _sliding_window(window, d.get("layer_types"))
+
+
+def _moe(d: Mapping[str, Any], defaults: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a family that has them (`defaults`), else none (a dense model)."""
+    if defaults is None:
+        return {}
+    out = {key: d.get(key) if d.get(key) is not None else default for key, default in defaults.items()}
+    if d.get("num_experts") is None and d.get("num_local_experts") is not None:
+        out["num_experts"] = d["num_local_experts"]
+    out["norm_topk_prob"] = bool(out["norm_topk_prob"])
+    out["mlp_only_layers"] = tuple(int(i) for i in out["mlp_only_layers"])
+    return out
+
+
+def _moe_from_hf(config: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields of a transformers config with experts (`num_experts` or `num_local_experts`)."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts:
+        return {}
+    return dict(num_experts=experts, num_experts_per_tok=config.num_experts_per_tok,
+                moe_intermediate_size=getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+                norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+                decoder_sparse_step=getattr(config, "decoder_sparse_step", None) or 1,
+                mlp_only_layers=tuple(int(i) for i in getattr(config, "mlp_only_layers", None) or ()))
 
 
 def _sliding_window(window: Optional[int], layer_types: Optional[Any]) -> Optional[int]:

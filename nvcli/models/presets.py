@@ -16,6 +16,11 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=8, intermediate_size=3072, tie_word_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=12288, tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 48 layers, each a mixture of 128 experts of which 8 run per token
+    "qwen3-30b-a3b": dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
     "llama-3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
                        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        intermediate_size=14336, rope_theta=500_000.0, rms_norm_eps=1e-5,

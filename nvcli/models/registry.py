@@ -8,9 +8,11 @@ from nvcli.models.llama import LlamaForCausalLM
 from nvcli.models.model_config import ModelConfig
 from nvcli.models.qwen2 import Qwen2ForCausalLM
 from nvcli.models.qwen3 import Qwen3ForCausalLM
+from nvcli.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
 }

@@ -17,6 +17,7 @@ from typing import Any
 # (config.json model_type, tokenizer_config.json tokenizer_class) -> the class AutoTokenizer resolves it to
 DIRECT_CLASSES: dict[tuple[str, str], str] = {
     ("qwen3", "Qwen2Tokenizer"): "Qwen2Tokenizer",
+    ("qwen3_moe", "Qwen2Tokenizer"): "Qwen2Tokenizer",
     ("qwen2", "Qwen2Tokenizer"): "Qwen2Tokenizer",
     ("llama", "TokenizersBackend"): "TokenizersBackend",  # what nv writes for a converted GGUF (models/gguf.py)
     ("llama", "PreTrainedTokenizerFast"): "TokenizersBackend",  # Llama 3's checkpoints

@@ -40,6 +40,11 @@ def tiny_config(arch: str, vocab_size: int = QWEN_VOCAB, **overrides: object) ->
     if arch == "qwen3":
         base.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32,
                     rope_theta=1_000_000.0, tie_word_embeddings=True, attention_bias=False)
+    elif arch == "qwen3_moe":  # 4 experts, top-2; layer 1 keeps a dense MLP (mlp_only_layers) to cover both kinds
+        base.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=32,
+                    rope_theta=1_000_000.0, tie_word_embeddings=False, attention_bias=False, num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+                    norm_topk_prob=True)
     elif arch == "qwen2":
         base.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1_000_000.0,
                     tie_word_embeddings=False)

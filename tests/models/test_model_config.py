@@ -60,7 +60,8 @@ def _cases() -> list[tuple[str, dict]]:
         for key in OPTIONAL_KEYS:
             cases.append((f"{arch} without {key}", {k: v for k, v in full.items() if k != key}))
         for key in ("head_dim", "num_key_value_heads"):
-            if (arch, key) != ("qwen3", "head_dim"):  # Qwen3Config refuses a null head_dim
+            # Qwen3Config refuses a null head_dim, Qwen3MoeConfig a null num_key_value_heads
+            if (arch, key) not in (("qwen3", "head_dim"), ("qwen3_moe", "num_key_value_heads")):
                 cases.append((f"{arch} {key} null", {**full, key: None}))
         for name, rope in ROPES.items():
             base = {k: v for k, v in full.items() if k not in ("rope_theta", "rope_scaling")}
