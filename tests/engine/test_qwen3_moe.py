@@ -39,6 +39,15 @@ def test_the_tiny_model_has_both_kinds_of_layer(tiny_model_dir) -> None:
     assert not model.model.can_defer_norm
 
 
+def test_batch_invariant_matches_hf(tiny_model_dir) -> None:
+    """--batch-invariant on the CPU runs every row alone (DecoderModel._forward_invariant): the MoE layer's forward,
+    one token at a time, still gives HF's tokens."""
+    model_dir = tiny_model_dir("qwen3_moe")
+    outs = LLM(str(model_dir), batch_invariant=True, **ENGINE).generate(PROMPTS[:2], SHORT)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt)[:12]
+
+
 def test_tp2_matches_hf(tiny_model_dir) -> None:
     """Each expert's intermediate dimension split over 2 gloo ranks, the router replicated."""
     model_dir = tiny_model_dir("qwen3_moe")
