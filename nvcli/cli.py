@@ -42,6 +42,11 @@ _DEBUG_HELP = (
     "Print every engine setting (resolved against the model) and nv's environment settings once the model is "
     "loaded; a job that stops on an engine error shows the traceback (as NV_DEBUG=1)."
 )
+_NUM_SHARDS_HELP = (
+    "Split INPUT into K static shards, one job each (a Slurm array): this job serves only the lines whose 0-based "
+    "line number n in the file (blank lines counted) has n mod K = --shard-index. `nv merge OUT SHARD...` joins "
+    "the shards' outputs in input order."
+)
 SAMPLING = "Sampling defaults (each input line may override them)"
 JOB = "Job"
 
@@ -131,6 +136,8 @@ def generate(
     unordered: Annotated[bool, typer.Option("--unordered", help="Write lines as they finish instead of in input order.", rich_help_panel=JOB)] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already answered in OUTPUT (repairing a torn last line) and append the rest.", rich_help_panel=JOB)] = False,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="With --resume: serve the lines that got error lines again (their error lines are taken out of OUTPUT; the new answers are appended).", rich_help_panel=JOB)] = False,
+    num_shards: Annotated[Optional[int], typer.Option("--num-shards", metavar="K", help=_NUM_SHARDS_HELP, rich_help_panel=JOB)] = None,
+    shard_index: Annotated[Optional[int], typer.Option("--shard-index", metavar="I", help="With --num-shards: this job's shard, 0 to K - 1 (e.g. $SLURM_ARRAY_TASK_ID).", rich_help_panel=JOB)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No dashboard, progress or summary on stderr.", rich_help_panel=JOB)] = False,
     max_in_flight: Annotated[Optional[int], typer.Option(min=1, help="Lines read ahead of the output: in the engine plus waiting to be written in order (default: 4 x max-num-seqs).", rich_help_panel=JOB)] = None,
     format_workers: Annotated[Optional[int], typer.Option(min=0, help="Processes that format output lines with logprobs (scoring, echo): they would hold up the engine's thread (default on a GPU: a quarter of the CPU cores, up to 4; 0: the main thread formats every line).", rich_help_panel=JOB)] = None,
@@ -192,6 +199,8 @@ def generate(
         unordered=unordered,
         resume=resume,
         retry_errors=retry_errors,
+        num_shards=num_shards,
+        shard_index=shard_index,
         quiet=quiet,
         max_in_flight=max_in_flight,
         format_workers=format_workers,
@@ -270,3 +279,19 @@ def bench(
     except (ConfigError, ValueError) as e:
         err(f"nv bench: error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+@app.command()
+def merge(
+    output: Annotated[str, typer.Argument(metavar="OUT", help="The merged JSONL file (- for stdout).", show_default=False)],
+    shards: Annotated[list[str], typer.Argument(metavar="SHARD", help="The shards' output files in shard-index order: 0, 1, ..., K - 1.", show_default=False)],
+    input: Annotated[Optional[str], typer.Option("--input", "-i", metavar="INPUT", help="The input the shards ran on: lines are placed by their ids, and the lines missing from the shards are named with the shard to --resume. Without it lines are placed by the line numbers they record (a line with a string id needs --input) and missing lines go unnoticed.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary on stderr.")] = False,
+) -> None:
+    """Join the outputs of `nv generate --num-shards K --shard-index I` into one file in input order.
+
+    Nothing is written unless the shards make a whole output: every line answered exactly once, by the shard that owns it. Exit code: 0 merged, 1 lines missing or duplicated, 2 usage error.
+    """
+    from nvcli.jobs.merge import merge_command
+
+    raise typer.Exit(merge_command(output, shards, input, quiet))

@@ -34,6 +34,7 @@ from nvcli.jobs.runner import (
     LineCounter,
     run_job,
 )
+from nvcli.jobs.shards import Shard, ShardError
 from nvcli.jobs.tool_calls import PARSER_CHOICES
 from nvcli.jobs.writer import OutputWriteError
 from nvcli.sampling_params import SamplingParams, StructuredOutputsParams
@@ -54,6 +55,8 @@ class GenerateArgs:
     unordered: bool = False
     resume: bool = False
     retry_errors: bool = False  # with resume: error lines are served again
+    num_shards: int | None = None  # --num-shards K with --shard-index I: serve the lines p with p % K == I (shards.py)
+    shard_index: int | None = None
     quiet: bool = False
     max_in_flight: int | None = None
     format_workers: int | None = None  # None: format_pool.default_workers()
@@ -99,6 +102,10 @@ def _generate(args: GenerateArgs) -> int:
         raise UsageError("--resume needs an output file (-o OUTPUT): it reads that file to skip answered lines")
     if args.retry_errors and not args.resume:
         raise UsageError("--retry-errors goes with --resume: it serves again the lines whose answers in OUTPUT are errors")
+    try:
+        shard = Shard.from_flags(args.num_shards, args.shard_index)
+    except ShardError as e:
+        raise UsageError(str(e)) from None
     if out_path is not None:
         if out_path.is_dir():
             raise UsageError(f"output {str(out_path)!r} is a directory")
@@ -165,6 +172,7 @@ def _generate(args: GenerateArgs) -> int:
             model_name=model_name,
             done=done,
             format_workers=default_workers(_device(engine)) if args.format_workers is None else args.format_workers,
+            shard=shard,
         )
         return _run(engine, args, opts, src_path, out_path)
     finally:
@@ -300,7 +308,7 @@ def _run(engine: Engine, args: GenerateArgs, opts: JobOptions, src_path: Path | 
 
     counter = None
     if src_path is not None and stat.S_ISREG(src_path.stat().st_mode):
-        counter = LineCounter(src_path)
+        counter = LineCounter(src_path, opts.shard)
         counter.start()
     reporter: LiveDashboard | PlainProgress | None = None
     if not args.quiet:

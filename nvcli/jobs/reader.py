@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from nvcli.engine.protocol import Engine
@@ -43,6 +43,7 @@ from nvcli.jobs.requests import (
     line_key,
     parse_line,
 )
+from nvcli.jobs.shards import Shard
 
 # Lines tokenized in one call at most. A batch is what has arrived, never a wait for more: a pipe
 # that delivers one line at a time is served one line at a time.
@@ -51,8 +52,9 @@ BATCH_LINES = 64
 
 @dataclass
 class ReaderCounts:
-    lines: int = 0  # physical lines read, blank ones included
+    lines: int = 0  # physical lines read, blank ones included (other shards' lines too)
     blank: int = 0
+    other_shards: int = 0  # lines passed over as other shards' (--shard-index; shards.py), up to the last line read
     skipped: int = 0  # answered in the output already (--resume)
     skipped_errors: int = 0  # ... of which error lines
     outputs: int = 0  # lines that will get an output line in this run
@@ -87,6 +89,13 @@ class SeenIds:
             return at  # an earlier line without an id took this number
         return self._others.setdefault(key, line_no)
 
+    def owner(self, rid: str | int, key: str) -> int | None:
+        """The position of the line that took this id (key: its id_key), or None (nv merge looks lines up here)."""
+        at = rid - 1 if type(rid) is int else -1
+        if 0 <= at and at >> 3 < len(self._own) and self._own[at >> 3] >> (at & 7) & 1:
+            return at
+        return self._others.get(key)
+
 
 class InputReader(threading.Thread):
     def __init__(
@@ -98,6 +107,7 @@ class InputReader(threading.Thread):
         slots: threading.Semaphore,
         pending: dict[str, Request],
         done: dict[str, bool] | None = None,
+        shard: Shard | None = None,
     ) -> None:
         super().__init__(name="nv-reader", daemon=True)
         self.stream = stream
@@ -107,6 +117,7 @@ class InputReader(threading.Thread):
         self.slots = slots
         self.pending = pending
         self.done = done or {}
+        self.shard = shard  # None: every line; else only the lines this shard owns are served
         self.counts = ReaderCounts()
         self.seen = SeenIds()
         self.submit_lock = threading.Lock()
@@ -130,7 +141,8 @@ class InputReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            for batch in batched_lines(self.stream, BATCH_LINES):
+            keep = self.shard.owns if self.shard is not None else None
+            for batch in batched_lines(self.stream, BATCH_LINES, keep):
                 if not self._handle_batch(batch):
                     break
             else:
@@ -144,6 +156,7 @@ class InputReader(threading.Thread):
         """Parse the lines, tokenize their prompts in one call, then submit them in order."""
         items: list[Request | LineError] = []
         for line_no, raw in batch:
+            self.counts.other_shards += line_no - self.counts.lines  # the lines `keep` passed over since the last
             self.counts.lines = line_no + 1
             if self._stopped:
                 return False
@@ -328,17 +341,20 @@ def iter_fd_lines(fd: int, chunk_size: int = 1 << 16) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
-def batched_lines(stream: Iterable[bytes], max_lines: int) -> Iterator[list[tuple[int, bytes]]]:
+def batched_lines(stream: Iterable[bytes], max_lines: int,
+                  keep: Callable[[int], bool] | None = None) -> Iterator[list[tuple[int, bytes]]]:
     """(line number, line) lists of up to max_lines: the first line waits for input, the rest are
     the lines that have already arrived. A daemon thread reads `stream` at most 2 * max_lines
-    ahead; an error reading it is raised here, after the lines before it."""
+    ahead; an error reading it is raised here, after the lines before it. With `keep`, only the lines whose
+    0-based physical line number it keeps (a shard's, shards.py) are handed on; the numbers stay the file's."""
     lines: queue.Queue = queue.Queue(maxsize=2 * max_lines)
     end = object()
 
     def feed() -> None:
         try:
             for item in enumerate(stream):
-                lines.put(item)
+                if keep is None or keep(item[0]):  # dropped here, on the feeder thread: not queued for nothing
+                    lines.put(item)
         except BaseException as e:  # noqa: BLE001 - re-raised on the reader thread
             lines.put(e)
         lines.put(end)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nvcli.jobs import jsonio
 from nvcli.jobs.requests import DUPLICATE_ID, id_key, line_key
@@ -84,21 +85,35 @@ def _drop_error_lines(path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def output_key(obj: Any) -> tuple[str, bool]:
+    """(key, is an error line) of a parsed output line: the key of the input line it answers (see the module's
+    docstring). Raises KeyError, TypeError or ValueError where `obj` is not an nv output line."""
+    rid = obj["id"]
+    error = is_error_line(obj)
+    if rid is None or (error and _error_field(obj, "type", "code") == DUPLICATE_ID):
+        line = error_line_number(obj)
+        if line is None:
+            raise TypeError
+        return line_key(line - 1), True
+    if not (isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool))):
+        raise TypeError
+    return id_key(rid), error
+
+
+def error_line_number(obj: dict) -> int | None:
+    """The 1-based input line number an error line names ("line"); None for a line that is no error line or names
+    none."""
+    if not is_error_line(obj):
+        return None
+    line = _error_field(obj, "line", "line")
+    return line if isinstance(line, int) and not isinstance(line, bool) and line >= 1 else None
+
+
 def _answered(raw: bytes, n: int, path: Path) -> tuple[str, bool]:
     """(key, is an error line) of output line n."""
     try:
-        obj = jsonio.loads(raw)
-        rid = obj["id"]
-        error = is_error_line(obj)
-        if rid is None or (error and _error_field(obj, "type", "code") == DUPLICATE_ID):
-            line = _error_field(obj, "line", "line")
-            if not error or not (isinstance(line, int) and not isinstance(line, bool) and line >= 1):
-                raise TypeError
-            return line_key(line - 1), True
-        if not (isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool))):
-            raise TypeError
-        return id_key(rid), error
-    except (jsonio.JSONDecodeError, ValueError, KeyError, TypeError):
+        return output_key(jsonio.loads(raw))
+    except (jsonio.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError):
         raise ResumeError(
             f"--resume: line {n} of {str(path)!r} is not an nv output line (JSON with an \"id\"); "
             "fix or remove it, or write to a new file"

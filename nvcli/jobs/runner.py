@@ -30,6 +30,7 @@ from nvcli.jobs.format_pool import FormatPool, has_logprobs
 from nvcli.jobs.formatting import FormatContext, error_line, result_line
 from nvcli.jobs.reader import InputReader, ReaderCounts
 from nvcli.jobs.requests import ENGINE_ERROR, Defaults, LineError, Request
+from nvcli.jobs.shards import Shard
 from nvcli.jobs.writer import LineWriter, OutputClosed, OutputWriteError
 
 EXIT_OK = 0
@@ -52,6 +53,8 @@ class JobOptions:
     format_workers: int = 0
     # where the reader's warnings (an unknown field, said once) go without a reporter (--quiet)
     warn: Callable[[str], None] | None = None
+    # --num-shards / --shard-index: serve only this shard's lines (shards.py); None: every line
+    shard: Shard | None = None
 
 
 @dataclass
@@ -65,7 +68,7 @@ class JobProgress:
     read: int  # input lines read so far
     in_flight: int  # requests in the engine
     buffered: int  # finished lines waiting for earlier ones (ordered output)
-    total: int | None  # non-blank input lines, when known (files); None for pipes
+    total: int | None  # non-blank input lines (of this shard), when known (files); None for pipes
     prompt_tokens: int
     completion_tokens: int
     stats: EngineStats | None = None
@@ -123,19 +126,21 @@ class JobResult:
 
 
 class LineCounter(threading.Thread):
-    """Count the non-blank lines of an input file in the background (for the ETA)."""
+    """Count the non-blank lines of an input file (those a shard owns, with `shard`) in the background (for the
+    ETA)."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, shard: Shard | None = None) -> None:
         super().__init__(name="nv-line-counter", daemon=True)
         self.path = Path(path)
+        self.shard = shard
         self.total: int | None = None
 
     def run(self) -> None:
         n = 0
         try:
             with open(self.path, "rb") as f:
-                for raw in f:
-                    if raw.strip():
+                for line_no, raw in enumerate(f):
+                    if raw.strip() and (self.shard is None or self.shard.owns(line_no)):
                         n += 1
         except OSError:
             return
@@ -152,7 +157,8 @@ class _Job:
         self.events: queue.Queue = queue.Queue()
         self.slots = threading.Semaphore(max(1, opts.max_in_flight))
         self.pending: dict[str, Request] = {}
-        self.reader = InputReader(src, engine, opts.defaults, self.events, self.slots, self.pending, opts.done)
+        self.reader = InputReader(src, engine, opts.defaults, self.events, self.slots, self.pending, opts.done,
+                                  opts.shard)
         self.writer = LineWriter(dst, ordered=opts.ordered, slots=self.slots)
         self.ctx = FormatContext(model_name=opts.model_name, tokenizer=engine.tokenizer,
                                  # the engine's own setting: its constraint gate and this split read one value
@@ -372,7 +378,7 @@ class _Job:
             written=self.writer.written,
             failed=sum(self.writer.errors.values()),
             skipped=c.skipped,
-            read=c.lines - c.blank,
+            read=c.lines - c.blank - c.other_shards,
             in_flight=len(self.pending),
             buffered=self.writer.buffered + len(self.formatting),
             total=self.counter.total if self.counter is not None else None,
