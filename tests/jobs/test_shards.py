@@ -246,3 +246,13 @@ def test_shard_files_out_of_order_or_foreign_are_refused(tmp_path, engines):
 def test_read_line_id_agrees_with_parse_line(raw):
     for line_no in (0, 4):
         assert read_line_id(raw, line_no) == parse_line(raw, line_no, Defaults()).id
+
+
+def test_many_missing_lines_are_counted_after_the_first_few(tmp_path, engines):
+    src = write_input(tmp_path, [{"prompt": f"p{i}"} for i in range(20)])
+    files = run_shards(src, tmp_path, 2)
+    files[1].write_text("")  # shard 1 was never served
+    r = nv("merge", tmp_path / "m.jsonl", *files, "--input", src)
+    assert r.exit_code == 1 and "10 of 20 input lines have no output line" in r.stderr
+    assert "lacks 10: id 2, id 4, id 6, id 8, id 10 and 5 more\n" in r.stderr
+    assert "shard 0" not in r.stderr and "--shard-index 1 --resume" in r.stderr
