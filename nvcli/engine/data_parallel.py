@@ -75,7 +75,7 @@ class DataParallelEngine(TextSide):
         resolve_config(config, self.model_config)  # its errors now, before any replica starts
         replica_config = dataclasses.replace(config, data_parallel_size=1, data_parallel_backend="mp",
                                              ray_address=None)
-        if config.resolved_device() == "cpu" and config.cpu_threads is None:
+        if config.data_parallel_backend == "mp" and config.resolved_device() == "cpu" and config.cpu_threads is None:
             replica_config.cpu_threads = max(1, len(os.sched_getaffinity(0)) // n)  # the cores, shared out
         self._events: queue.Queue[tuple[int, tuple]] = queue.Queue()
         self.replicas: list[ReplicaHandle] = []

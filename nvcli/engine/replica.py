@@ -39,6 +39,7 @@ class ReplicaInfo:
     max_model_len: int
     num_kvcache_blocks: int
     pid: int
+    node: str = ""  # the Ray node it runs on (--dp-backend ray)
 
 
 def serve(engine: Any, inbox: Callable[[float | None], list[tuple]], send: Callable[[tuple], None]) -> None:

@@ -65,16 +65,35 @@ def strip(lines: list[dict]) -> list[tuple]:
     return [(x["id"], x["text"], x["finish_reason"], x["usage"]["completion_tokens"]) for x in lines]
 
 
-def test_two_replicas_give_one_engine_s_lines_in_its_order(model, reference):
+@pytest.fixture(scope="module")
+def two_replicas(model):
     engine = DataParallelEngine(settings(model, data_parallel_size=2))
-    try:
-        got = run(engine, job_lines(24))
-        per_replica = [s.num_finished for s in engine.stats().replicas]
-    finally:
-        engine.shutdown()
+    yield engine
+    engine.shutdown()
+
+
+def test_two_replicas_give_one_engine_s_lines_in_its_order(two_replicas, reference):
+    got = run(two_replicas, job_lines(24))
+    per_replica = [s.num_finished for s in two_replicas.stats().replicas]
     assert strip(got) == strip(reference)
     assert all(n > 0 for n in per_replica), per_replica  # both served lines: no static split, no idle replica
     assert sum(per_replica) == 24
+
+
+def test_queued_requests_abort_without_reaching_a_replica(two_replicas):
+    from nvcli.sampling_params import SamplingParams
+
+    engine = two_replicas
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    ids = [engine.add_request([1, 2, 3, i + 4], sp) for i in range(3 * engine.router.window)]
+    assert engine.stats().num_waiting >= engine.router.window  # past both windows: held in the front end
+    engine.abort(ids[-1])
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert sorted(outs) == sorted(ids)
+    assert outs[ids[-1]].outputs[0].finish_reason == "abort"
+    assert all(outs[i].outputs[0].finish_reason == "length" for i in ids[:-1])
 
 
 def test_a_replica_killed_mid_job_loses_and_duplicates_no_line(model, reference):
@@ -113,24 +132,6 @@ def test_more_gpus_than_visible_names_the_flag(model, monkeypatch):
     with pytest.raises(ConfigError, match=r"--data-parallel-size=2 x --tensor-parallel-size=2 needs 4 GPUs; 2 are "
                                           r"visible \(lower --dp\)"):
         DataParallelEngine(settings(model, data_parallel_size=2, tensor_parallel_size=2, device="cuda"))
-
-
-def test_queued_requests_abort_without_reaching_a_replica(model):
-    from nvcli.sampling_params import SamplingParams
-
-    engine = DataParallelEngine(settings(model, data_parallel_size=2, max_num_seqs=1))  # window: 2 per replica
-    try:
-        sp = SamplingParams(temperature=0.0, max_tokens=4)
-        ids = [engine.add_request([1, 2, 3, i + 4], sp) for i in range(8)]
-        engine.abort(ids[-1])  # still queued in the front end
-        outs = {}
-        while engine.has_unfinished():
-            outs.update({o.request_id: o for o in engine.step()})
-    finally:
-        engine.shutdown()
-    assert sorted(outs) == sorted(ids)
-    assert outs[ids[-1]].outputs[0].finish_reason == "abort"
-    assert all(outs[i].outputs[0].finish_reason == "length" for i in ids[:-1])
 
 
 class _FailingEngine:
