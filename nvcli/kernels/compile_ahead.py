@@ -371,6 +371,9 @@ class StartupMarker:
     def write(self, num_variants: int) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(f"{num_variants} Triton variants compiled ahead\n")
+            # data-parallel replicas start at once and share the cache: each writes its own file, then renames
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(f"{num_variants} Triton variants compiled ahead\n")
+            os.replace(tmp, self.path)
         except OSError:  # a read-only cache: the next start-up compiles ahead again, nothing worse
             pass
