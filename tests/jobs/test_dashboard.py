@@ -135,3 +135,30 @@ def test_an_interrupt_after_every_line_was_read_offers_no_resume():
     aborted = JobResult(written=2, counts=ReaderCounts(lines=3, outputs=3, exhausted=True), interrupted=True,
                         aborted=True)
     assert "aborted" in capture(render_summary(aborted))
+
+
+def test_each_data_parallel_replica_shows_its_rate_kv_and_queue(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("nvcli.dashboard.time.monotonic", lambda: clock[0])
+
+    def stats(gen0: int, gen1: int) -> object:
+        r0 = engine_stats(kv_blocks_total=1000, kv_blocks_used=500, num_running=64, num_waiting=8,
+                          num_finished=10, generation_tokens=gen0)
+        r1 = engine_stats(kv_blocks_total=1000, kv_blocks_used=250, num_running=32, num_waiting=0,
+                          num_finished=7, generation_tokens=gen1)
+        total = engine_stats(kv_blocks_total=2000, kv_blocks_used=750, generation_tokens=gen0 + gen1)
+        total.replicas = [r0, r1, None]  # the third replica is gone
+        return total
+
+    console = Console(record=True, force_terminal=True, width=100, file=io.StringIO())
+    live = LiveDashboard(console)
+    live.start()
+    live.update(progress(stats=stats(0, 0)))
+    clock[0] = 102.0
+    live.update(progress(stats=stats(4000, 1000)))  # 2,000 and 500 tok/s over the 2 s
+    text = capture(render_dashboard(*live.last))
+    assert "replica 0" in text and "gen 2,000 tok/s" in text and "KV 50%" in text and "waiting 8" in text
+    assert "replica 1" in text and "gen 500 tok/s" in text and "KV 25%" in text
+    assert "replica 2" in text and "gone" in text
+    line = plain_line(*live.last)
+    assert "replicas 2000tok/s,KV50% 500tok/s,KV25% gone" in line
