@@ -230,7 +230,7 @@ if __name__ == "__main__":
 
 @app.command()
 def bench(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id (default: SmolLM2-135M-Instruct), or with --load-format dummy a built-in shape: qwen3-0.6b (the default with dummy), qwen3-8b, llama-3-8b.", rich_help_panel=ENGINE)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id (default: SmolLM2-135M-Instruct), or with --load-format dummy a built-in shape: qwen3-0.6b (the default with dummy), qwen3-8b, qwen3-32b, qwen3-30b-a3b, llama-3-8b, llama-3-70b.", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights of the real shape).", rich_help_panel=ENGINE)] = _D["load_format"],
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs.", rich_help_panel=ENGINE)] = 1,
     data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", "-dp", help=_DP_HELP + " The workload grows N times.", rich_help_panel=ENGINE)] = 1,

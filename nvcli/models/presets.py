@@ -21,11 +21,19 @@ PRESETS: dict[str, dict] = {
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                           decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+    "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, intermediate_size=25600, tie_word_embeddings=False),
     "llama-3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
                        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        intermediate_size=14336, rope_theta=500_000.0, rms_norm_eps=1e-5,
                        max_position_embeddings=8192, hidden_act="silu", tie_word_embeddings=False,
                        bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16"),
+    # Llama 3 / 3.1 70B: 140 GB of bf16 weights, --tp 4 or more
+    "llama-3-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        intermediate_size=28672, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                        max_position_embeddings=8192, hidden_act="silu", tie_word_embeddings=False,
+                        bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16"),
 }
 
 

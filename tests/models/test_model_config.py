@@ -194,3 +194,15 @@ def test_a_sliding_window_model_runs_only_within_its_window(tmp_path: Path) -> N
     from tests.engine.test_engine_vs_hf import hf_greedy
 
     assert out[0].outputs[0].token_ids == hf_greedy(model_dir, prompt, 28)
+
+
+@pytest.mark.parametrize("name,billions", [("llama-3-70b", 70.55), ("qwen3-32b", 32.76), ("qwen3-8b", 8.19)])
+def test_dense_presets_have_their_published_parameter_counts(name: str, billions: float) -> None:
+    c = ModelConfig.from_dict(dict(PRESETS[name]))
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    if c.model_type == "qwen3":
+        layer += 2 * c.head_dim  # q and k norms
+    total = c.num_hidden_layers * layer + c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    assert total / 1e9 == pytest.approx(billions, rel=0.01)
+    assert c.num_key_value_heads % 4 == 0  # --tp 4 keeps whole KV heads per rank
