@@ -142,3 +142,18 @@ def test_a_step_with_prompt_chunks_reaches_the_workers_whole() -> None:
     assert (got.decode_only, got.pending, got.num_decode_rows) == (False, step.pending, 3)
     assert list(got.logit_rows) == [3, 4, 5]  # prompt_logprobs rows: every rank runs their LM head
     assert [row[: len(b)] for row, b in zip(got.block_tables, step.block_tables)] == step.block_tables
+
+
+def test_tp4_matches_tp1(tmp_path: Path) -> None:
+    """Four ranks, each with two of 8 query heads and one of 4 KV heads (as a 70B at --tp 8 keeps one)."""
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "tp4", "qwen3", num_attention_heads=8, num_key_value_heads=4,
+                                intermediate_size=128, head_dim=16))
+    ref = LLM(model, **ENGINE).generate(PROMPTS, GREEDY)
+    llm = LLM(model, tensor_parallel_size=4, **ENGINE)
+    try:
+        out = llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
