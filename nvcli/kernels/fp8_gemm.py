@@ -1,0 +1,185 @@
+"""Block-scaled FP8 GEMM in Triton: y = x @ dequant(weight).T (+ bias) with x quantized to FP8 on the fly.
+
+The weights are float8_e4m3fn with one float32 scale per 128 x 128 block (or per row and 128 columns:
+`scale_rows`; kernels/block_fp8.py describes the format). Two kernels per projection:
+
+* `_quant_act_kernel`: one program per row and 128 columns: scale = max(amax, 1e-10) / 448, fp8 = clamp(x / scale)
+  (an IEEE-rounded division, as torch divides: the result matches `block_fp8.quantize_activations_ref` bit for bit).
+* `_fp8_gemm_kernel`: each program owns a BLOCK_M x BLOCK_N tile of y and walks K in steps of 128 (BLOCK_K is the
+  scale block, so every step needs one activation scale per row and one weight scale per column): the fp8 x fp8 dot on
+  the tensor cores into a float32 partial, times a_scale[m, kb] * b_scale[n, kb], summed in a float32 accumulator;
+  bias and the cast to x's dtype at the end.
+
+The tile shape is a pure function of (M, N, SM count) (`choose_config`), cached on the host: no autotuning and no
+host sync, so CUDA graphs capture the pair; the only allocations are the fp8 activations, their scales and the output,
+all from the caching allocator. Few rows (decode) take BLOCK_M = 16 and the widest BLOCK_N that still gives every SM
+a program, since there the time is the weight's stream from memory; many rows take 64-128 x 128 tiles in
+GROUP_M-swizzled order so neighbouring programs share weight tiles in L2. FP8 tensor cores need compute capability
+8.9 (Ada) or newer: `block_fp8.fp8_gemm_supported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, eps,
+                      FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x)), eps) / FP8_MAX
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+    SCALE_ROWS: tl.constexpr,  # weight rows per scale row: 128 (block scales) or 1 (per-row scales)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row tiles walk the columns together: their programs read the same weight tiles from L2
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K-major
+    as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
+    """The tile of an [m, K] x [n, K]^T product on `sms` SMs: a pure function of the shape (graph-safe)."""
+    if m <= 64:
+        # decode: the weight streams once; the widest column tile that still gives every SM a program
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = 128
+        while block_n > 32 and triton.cdiv(n, block_n) < sms:
+            block_n //= 2
+        return Fp8GemmConfig(block_m, block_n, num_warps=4, num_stages=4)
+    if m <= 256:
+        return Fp8GemmConfig(64, 128, num_warps=4, num_stages=4)
+    return Fp8GemmConfig(128, 128, num_warps=8, num_stages=3)
+
+
+def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K / 128)]), per row and 128 columns."""
+    m, k = x.shape
+    assert x.stride(-1) == 1
+    groups = triton.cdiv(k, BLOCK)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quant_act_kernel[(m, groups)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), ACT_EPS,
+                                       FP8_MAX=FP8_MAX, GROUP=BLOCK, num_warps=1 if BLOCK <= 256 else 4)
+    return q, scale
+
+
+def fp8_linear_triton(
+    x: torch.Tensor,  # [..., K], bf16 / fp16 / fp32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
+    scale: torch.Tensor,  # [ceil(N / scale_rows), ceil(K / 128)] float32
+    bias: Optional[torch.Tensor] = None,  # [N]
+    scale_rows: int = BLOCK,
+    config: Optional[Fp8GemmConfig] = None,  # overrides choose_config (tests, benchmarks)
+) -> torch.Tensor:
+    """x @ dequant(weight).T (+ bias) -> [..., N] in x's dtype, x quantized per token per 128 columns."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    assert weight.dtype == FP8_DTYPE and weight.shape[1] == k and weight.stride(1) == 1, (weight.dtype, weight.shape)
+    assert scale.dtype == torch.float32 and scale.shape == (triton.cdiv(n, scale_rows), triton.cdiv(k, BLOCK))
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    a, a_scale = quantize_activations_triton(x2)
+    fp8_matmul_triton(a, a_scale, weight, scale, out, bias, scale_rows, config)
+    return out.view(*x.shape[:-1], n)
+
+
+def fp8_matmul_triton(
+    a: torch.Tensor,  # [M, K] float8_e4m3fn
+    a_scale: torch.Tensor,  # [M, ceil(K / 128)] float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [ceil(N / scale_rows), ceil(K / 128)] float32
+    out: torch.Tensor,  # [M, N]: receives the product (+ bias) in its dtype
+    bias: Optional[torch.Tensor] = None,
+    scale_rows: int = BLOCK,
+    config: Optional[Fp8GemmConfig] = None,
+) -> torch.Tensor:
+    """The block-scaled product of quantized activations and weights into `out` (returned)."""
+    m, k = a.shape
+    n = weight.shape[0]
+    assert a.stride(-1) == 1 and a_scale.shape == (m, triton.cdiv(k, BLOCK)) and out.shape == (m, n)
+    cfg = config or choose_config(m, n, _num_sms(a.device.index or 0) if a.is_cuda else 132)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _fp8_gemm_kernel[grid](
+        a, a_scale, weight, scale, bias if bias is not None else scale, out,
+        m, n, k,
+        a.stride(0), a_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
