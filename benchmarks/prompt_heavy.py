@@ -80,7 +80,7 @@ class _CountingEngine:
         self.prompt_tokens = 0
 
     def add_request(self, prompt: Any, sampling_params: Any, request_id: str | None = None,
-                    prompt_text: str | None = None) -> str:
+                    prompt_text: str | None = None, priority: int = 0) -> str:
         self.prompt_tokens += len(self.encode(prompt) if isinstance(prompt, str) else list(prompt))
         return request_id or ""
 

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
+from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
 
 app = typer.Typer(
     name="nv",
@@ -44,6 +44,11 @@ _DP_HELP = (
     "the same one; a replica that dies has its lines served by the others."
 )
 _DP_BACKEND_HELP = "mp: replicas are processes of this host | ray: Ray actors on the hosts of a Ray cluster (pip install 'nvcli[ray]')."
+_SCHEDULING_POLICY_HELP = (
+    f"{' | '.join(SCHEDULING_POLICIES)} (vLLM's). fcfs serves requests in arrival order; priority serves each line's "
+    "\"priority\" (an integer, lower first, ties by arrival) among the lines read ahead, and a full KV cache preempts "
+    "the least urgent running line."
+)
 _RAY_ADDRESS_HELP = "With --dp-backend ray: the cluster to join (default: RAY_ADDRESS, else a local cluster)."
 _DEBUG_HELP = (
     "Print every engine setting (resolved against the model) and nv's environment settings once the model is "
@@ -108,6 +113,7 @@ def generate(
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory nv may use (weights + KV cache + activations).", rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = _D["max_num_seqs"],
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.", rich_help_panel=ENGINE)] = _D["max_num_batched_tokens"],
+    scheduling_policy: Annotated[str, typer.Option("--scheduling-policy", help=_SCHEDULING_POLICY_HELP, rich_help_panel=ENGINE)] = _D["scheduling_policy"],
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
     batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help=_BATCH_INVARIANT_HELP, rich_help_panel=ENGINE)] = False,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=ENGINE)] = _D["enable_prefix_caching"],
@@ -176,6 +182,7 @@ def generate(
         gpu_memory_utilization=gpu_memory_utilization,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        scheduling_policy=scheduling_policy,
         enforce_eager=enforce_eager,
         batch_invariant=batch_invariant,
         enable_prefix_caching=enable_prefix_caching,
@@ -239,6 +246,7 @@ def bench(
     max_model_len: Annotated[int, typer.Option(help="Longest prompt + completion.", rich_help_panel=ENGINE)] = 4096,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences in one batch.", rich_help_panel=ENGINE)] = 512,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one step.", rich_help_panel=ENGINE)] = 16384,
+    scheduling_policy: Annotated[str, typer.Option("--scheduling-policy", help=f"{' | '.join(SCHEDULING_POLICIES)} (vLLM's; the workload's requests all have priority 0).", rich_help_panel=ENGINE)] = _D["scheduling_policy"],
     gpu_memory_utilization: Annotated[float, typer.Option(rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
     batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help=_BATCH_INVARIANT_HELP, rich_help_panel=ENGINE)] = False,
@@ -280,6 +288,7 @@ def bench(
             model=model, load_format=load_format, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend, ray_address=ray_address,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            scheduling_policy=scheduling_policy,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,

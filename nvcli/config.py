@@ -19,6 +19,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cuda", "cpu")
 # mp: replicas as processes of this host; ray: Ray actors, across the hosts of a Ray cluster (nvcli[ray])
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
+# vLLM's --scheduling-policy. fcfs: requests are admitted in arrival order, and a full KV cache preempts the newest
+# running one. priority: by each request's priority (lower first), ties by arrival; a full KV cache preempts the
+# least urgent running one (engine/scheduler.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 DEFAULT_CPU_KVCACHE_SPACE_GIB = 1.0
@@ -40,6 +44,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped by the KV cache)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    scheduling_policy: str = "fcfs"  # SCHEDULING_POLICIES
     # None: 32 tokens for an fp8 cache (its V pages are then stored dims-major, see kernels/kv_layout.py), else 16
     kvcache_block_size: int | None = None
     num_kvcache_blocks: int | None = None  # None: sized from free memory
@@ -105,6 +110,8 @@ class EngineConfig:
              "--structured-outputs-in-reasoning", "needs --reasoning-parser (without one a constraint already holds "
              "from the first token)")
         need(_pos_int(self.max_num_batched_tokens), "--max-num-batched-tokens", "must be a positive integer")
+        need(self.scheduling_policy in SCHEDULING_POLICIES, "--scheduling-policy",
+             f"must be one of {', '.join(SCHEDULING_POLICIES)} (got {self.scheduling_policy!r})")
         if self.kvcache_block_size is None:
             self.kvcache_block_size = 32 if str(self.kv_cache_dtype).startswith("fp8") else 16
         need(

@@ -64,11 +64,16 @@ class LLM:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority` (vLLM's): one integer per prompt, lower served first (ties by arrival), with
+        scheduling_policy="priority"."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         params = _per_prompt(sampling_params, len(prompts), "prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         resolved = [_prompt(p) for p in prompts]
         texts: list[str | None] = [None] * len(resolved)
         # every text prompt in one tokenizer call (all cores, outside the GIL); empty ones stay text so
@@ -76,15 +81,16 @@ class LLM:
         at = [i for i, p in enumerate(resolved) if isinstance(p, str) and p]
         for i, token_ids in zip(at, self.engine.encode_batch([resolved[i] for i in at])):
             texts[i], resolved[i] = resolved[i], token_ids
-        return self._generate(resolved, params, texts)
+        return self._generate(resolved, params, texts, priority)
 
-    def _generate(self, resolved: list[str | list[int]], params: list[SamplingParams], texts: list[str | None]
-                  ) -> list[RequestOutput]:
+    def _generate(self, resolved: list[str | list[int]], params: list[SamplingParams], texts: list[str | None],
+                  priority: list[int] | None = None) -> list[RequestOutput]:
         ids: list[str] = []
+        priorities = priority if priority is not None else [0] * len(resolved)
         try:
             with python_names():
-                for p, sp, t in zip(resolved, params, texts):
-                    ids.append(self.engine.add_request(p, sp, prompt_text=t))
+                for p, sp, t, rank in zip(resolved, params, texts, priorities):
+                    ids.append(self.engine.add_request(p, sp, prompt_text=t, priority=rank))
         except BaseException:  # a bad prompt: the ones queued before it must not run in the next call
             self._abort(ids)
             raise
@@ -189,11 +195,11 @@ _FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)(?:=([^\s,;()]+)|( ([^\s,;
 
 def _value(text: str) -> bool:
     """Whether the word after a flag is its value (a path, an id, a number, a choice), not the sentence going on."""
-    from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS
+    from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES
 
     return any(c.isalnum() for c in text) and (
         any(c in text for c in "/.~_") or text[0].isdigit() or text in (*DEVICES, *DTYPES, *KV_CACHE_DTYPES,
-                                                                       *LOAD_FORMATS))
+                                                                       *LOAD_FORMATS, *SCHEDULING_POLICIES))
 
 
 def flags_to_arguments(message: str) -> str:

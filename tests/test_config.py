@@ -26,6 +26,7 @@ from nvcli.sampling_params import SamplingParams
         (dict(structured_outputs_in_reasoning=True), "--structured-outputs-in-reasoning"),
         (dict(cpu_kvcache_space_gib=0), "--cpu-kvcache-space"),
         (dict(cpu_kvcache_space_gib=float("inf")), "--cpu-kvcache-space"),
+        (dict(scheduling_policy="lifo"), "--scheduling-policy: must be one of fcfs, priority"),
     ],
 )
 def test_bad_engine_config_names_the_flag(kwargs: dict, flag: str) -> None:

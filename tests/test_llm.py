@@ -84,3 +84,40 @@ def test_errors_name_python_arguments_not_flags(tmp_path, monkeypatch, tiny_mode
 def test_a_prompt_error_names_the_argument(llm):
     with pytest.raises(ValueError, match=r"leaves no room to generate \(shorten the prompt or raise max_model_len\)"):
         llm.generate([[1] * 600], SamplingParams(max_tokens=1))
+
+
+def test_generate_serves_prompts_by_priority_with_one_slot(tiny_model_dir):
+    """vLLM's LLM.generate(priority=[...]) under scheduling_policy="priority": with one sequence at a time the prompts
+    finish lowest priority first, ties in prompt order; the outputs still come back in prompt order."""
+    llm = LLM(str(tiny_model_dir("qwen3")), device="cpu", num_kvcache_blocks=64, max_model_len=512, max_num_seqs=1,
+              scheduling_policy="priority")
+    try:
+        finished: list[str] = []
+        step = llm.engine.step
+
+        def recording_step():
+            outs = step()
+            finished.extend(o.request_id for o in outs)
+            return outs
+
+        llm.engine.step = recording_step  # type: ignore[method-assign]
+        prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 14, 15]]
+        outs = llm.generate(prompts, GREEDY, priority=[2, 0, 1, 0, -1])
+        assert [o.prompt_token_ids for o in outs] == prompts
+        ids = [o.request_id for o in outs]
+        assert [ids.index(rid) for rid in finished] == [4, 1, 3, 2, 0]
+        with pytest.raises(ValueError, match=r"^got 2 priorities for 3 prompts$"):
+            llm.generate(prompts[:3], GREEDY, priority=[0, 1])
+        with pytest.raises(ValueError, match=r"^priority must be an integer"):
+            llm.generate(prompts[:1], GREEDY, priority=[0.5])
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.shutdown()
+
+
+def test_a_priority_without_the_priority_policy_is_refused_as_vllm_does(llm):
+    with pytest.raises(ValueError, match=r"^priority=1: priority scheduling is not enabled \(pass "
+                                         r"scheduling_policy='priority'\)$"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY, priority=[0, 1])
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate([[1, 2, 3]], GREEDY, priority=[0])[0].outputs[0].token_ids) == 2

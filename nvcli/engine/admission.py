@@ -96,9 +96,11 @@ class Admission:
                 self.compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self.compiler
 
-    def admit(self, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None) -> Admitted:
+    def admit(self, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None,
+              priority: int = 0) -> Admitted:
         """Check a request and make its sequences. `prompt` is text (tokenized here) or token ids; with token ids,
-        `prompt_text` is the text they came from."""
+        `prompt_text` is the text they came from. `priority`: see check_priority."""
+        check_priority(priority, self.config.scheduling_policy)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -141,7 +143,8 @@ class Admission:
         if params.min_tokens:  # the same for every completion
             ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             banned = tuple(sorted(ends))
-        seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size) for sp in completion_params(params)]
+        seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size, priority=priority)
+                for sp in completion_params(params)]
         for index, seq in enumerate(seqs):
             seq.completion_index = index
             seq.min_tokens_banned = banned
@@ -166,6 +169,15 @@ class Admission:
             raise ValueError(f"truncate_prompt_tokens={keep} must be below max_model_len={self.max_model_len} (-1 keeps "
                              "as many tokens as fit)")
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A request's priority (vLLM's): an integer, lower served first. Anything but 0 needs `--scheduling-policy
+    priority`; vLLM's engine refuses it otherwise, rather than silently serving the request in arrival order."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}")
+    if priority and policy != "priority":
+        raise ValueError(f"priority={priority}: priority scheduling is not enabled (pass --scheduling-policy priority)")
 
 
 def completion_params(sp: SamplingParams) -> list[SamplingParams]:

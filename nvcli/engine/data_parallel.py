@@ -2,9 +2,10 @@
 the offline API and the dashboard drive N replicas as they drive one engine.
 
 The front end owns what must stay single: admission (a bad request gets its error at once, as from one engine), the
-tokenizer and token texts, and the order of requests. A request goes to a replica when one has room (router.py:
-the fewest outstanding tokens, prefix affinity), never by a static split, so a fast replica takes more. Replicas run
-their own loops; the front end's `step` waits for what any of them finished.
+tokenizer and token texts, and the order of requests (arrival, or with `--scheduling-policy priority` each request's
+priority, then arrival; each replica's scheduler orders what it holds the same way). A request goes to a replica when
+one has room (router.py: the fewest outstanding tokens, prefix affinity), never by a static split, so a fast replica
+takes more. Replicas run their own loops; the front end's `step` waits for what any of them finished.
 
 Faults. A replica that dies (killed, CUDA error, out of memory) has its outstanding requests given back to the front of
 the queue and served by the others: every request still gets exactly one output, and none fails because a replica
@@ -21,6 +22,7 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 from nvcli.config import ConfigError, EngineConfig
@@ -29,6 +31,7 @@ from nvcli.engine.protocol import EngineStats
 from nvcli.engine.replica import ProcessReplica, ReplicaInfo
 from nvcli.engine.router import DEFAULT_OUTPUT_GUESS, Router, prefix_keys
 from nvcli.engine.text import TextSide, eos_token_ids, reasoning_markers
+from nvcli.engine.waiting_queue import PriorityQueue, waiting_queue
 from nvcli.outputs import CompletionOutput, RequestOutput
 from nvcli.sampling_params import SamplingParams
 
@@ -61,6 +64,7 @@ class _Pending:
     cost: int
     keys: list[int]
     replica: int | None = None
+    priority: int = 0  # --scheduling-policy priority: lower leaves the queue first
 
 
 class DataParallelEngine(TextSide):
@@ -100,7 +104,9 @@ class DataParallelEngine(TextSide):
                                    eos_token_ids(self.model_dir, self.model_config, self.tokenizer), markers)
         block_size = self.config.kvcache_block_size or 16
         self.router = Router(n, window=max(2, self.config.max_num_seqs * 3 // 2), block_size=block_size)
-        self._queue: deque[_Pending] = deque()
+        # fcfs: a deque in arrival order; priority: a heap by (priority, arrival) (waiting_queue.py)
+        self._queue: deque[_Pending] | PriorityQueue[_Pending] = waiting_queue(
+            self.config.scheduling_policy, attrgetter("priority", "order"))
         self._outstanding: dict[str, _Pending] = {}
         self._ready: list[RequestOutput] = []  # outputs made here (aborts of queued requests)
         self._aborted: set[str] = set()
@@ -127,8 +133,8 @@ class DataParallelEngine(TextSide):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                    prompt_text: str | None = None) -> str:
-        admitted = self.admission.admit(prompt, sampling_params, prompt_text)
+                    prompt_text: str | None = None, priority: int = 0) -> str:
+        admitted = self.admission.admit(prompt, sampling_params, prompt_text, priority)  # the priority checked here
         first = admitted.seqs[0]
         token_ids = first.token_ids[: first.num_prompt_tokens]
         guess = sampling_params.max_tokens or min(DEFAULT_OUTPUT_GUESS, self.max_model_len - len(token_ids))
@@ -138,7 +144,8 @@ class DataParallelEngine(TextSide):
             if request_id in self._outstanding:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             p = _Pending(self._arrivals, request_id, token_ids, sampling_params, admitted.prompt,
-                         len(token_ids) + guess * sampling_params.n, prefix_keys(token_ids, self.router.block_size))
+                         len(token_ids) + guess * sampling_params.n, prefix_keys(token_ids, self.router.block_size),
+                         priority=priority)
             self._arrivals += 1
             self._outstanding[request_id] = p
             self._queue.append(p)
@@ -164,7 +171,7 @@ class DataParallelEngine(TextSide):
             return bool(self._outstanding or self._ready)
 
     def _dispatch(self) -> None:
-        """Hand queued requests to replicas with room, in arrival order."""
+        """Hand queued requests to replicas with room, in the queue's order (arrival, or priority then arrival)."""
         batches: dict[int, list[tuple]] = {}
         with self._lock:
             while self._queue:
@@ -175,7 +182,7 @@ class DataParallelEngine(TextSide):
                 self._queue.popleft()
                 self.router.assign(r, p.cost, p.keys)
                 p.replica = r
-                batches.setdefault(r, []).append(("add", p.request_id, p.token_ids, p.params, p.prompt))
+                batches.setdefault(r, []).append(("add", p.request_id, p.token_ids, p.params, p.prompt, p.priority))
         for r, msgs in batches.items():
             self.replicas[r].send(msgs)  # a replica gone meanwhile: its "lost" event re-queues these
 
@@ -239,7 +246,7 @@ class DataParallelEngine(TextSide):
                     del self._outstanding[p.request_id]
                     self._ready.append(_aborted_output(p))
                 else:
-                    self._queue.appendleft(p)
+                    self._queue.appendleft(p)  # fcfs: at the front; priority: at its (priority, arrival) place
             self._stats[i] = None
         self.num_requeued += len(back)
         first = why.splitlines()[0] if why else "it ended"

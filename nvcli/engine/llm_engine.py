@@ -81,6 +81,7 @@ class LLMEngine(TextSide):
             self.config.max_num_batched_tokens,
             self.max_model_len,
             self.config.enable_chunked_prefill,
+            self.config.scheduling_policy,
         )
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self.admission = Admission(self.config, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
@@ -110,10 +111,12 @@ class LLMEngine(TextSide):
         sampling_params: SamplingParams,
         request_id: str | None = None,
         prompt_text: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request. `prompt` is text (tokenized here) or token ids; with token ids,
-        `prompt_text` is the text they came from (returned as RequestOutput.prompt)."""
-        admitted = self.admission.admit(prompt, sampling_params, prompt_text)
+        `prompt_text` is the text they came from (returned as RequestOutput.prompt). `priority` (vLLM's, with
+        --scheduling-policy priority): lower is served first, ties by arrival."""
+        admitted = self.admission.admit(prompt, sampling_params, prompt_text, priority)
         seqs = admitted.seqs
         request = _Request(seqs, admitted.prompt, seqs[1:] if admitted.hold else [], [None] * len(seqs))
         with self._lock:

@@ -60,8 +60,10 @@ class Engine(Protocol):
         ...
 
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                    prompt_text: str | None = None) -> str:
-        """Queue a request (safe from another thread than the one stepping); ValueError says why it cannot be."""
+                    prompt_text: str | None = None, priority: int = 0) -> str:
+        """Queue a request (safe from another thread than the one stepping); ValueError says why it cannot be.
+        `priority` (vLLM's): lower is served first under --scheduling-policy priority; other than 0 it is an error
+        under fcfs."""
         ...
 
     def abort(self, request_id: str) -> None: ...

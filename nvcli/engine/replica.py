@@ -1,7 +1,7 @@
 """A data-parallel replica: one whole engine (with its own tensor-parallel ranks) in a process of its own, fed and
 drained by the front end (engine/data_parallel.py) through messages.
 
-    front end ── [("add", id, token_ids, params, text) | ("abort", id) | ("reset",) | ("stop",)] ──▶ replica
+    front end ── [("add", id, token_ids, params, text, priority) | ("abort", id) | ("reset",) | ("stop",)] ──▶ replica
     front end ◀── ("ready", ReplicaInfo) | ("failed", error, traceback) | ("outputs", [RequestOutput], stats)
                   | ("rejected", id, why) | ("dead", why) ──────────────────────────────────────── replica
 
@@ -52,9 +52,9 @@ def serve(engine: Any, inbox: Callable[[float | None], list[tuple]], send: Calla
         for msg in inbox(0 if engine.has_unfinished() else None):
             kind = msg[0]
             if kind == "add":
-                _, rid, token_ids, params, text = msg
+                _, rid, token_ids, params, text, priority = msg
                 try:
-                    engine.add_request(token_ids, params, request_id=rid, prompt_text=text)
+                    engine.add_request(token_ids, params, request_id=rid, prompt_text=text, priority=priority)
                 except ValueError as e:  # the front end admitted it already: only a replica's own limit says no
                     send(("rejected", rid, str(e)))
             elif kind == "abort":

@@ -5,6 +5,10 @@ first (a decode costs one token, an unfinished prompt gets the next chunk), then
 while the token budget, the sequence limit and the KV blocks allow. When a running sequence needs a
 block and none is free, the newest running sequence is preempted: its blocks are freed and it
 goes back to the front of the queue to be recomputed later (its generated tokens are kept).
+
+`--scheduling-policy priority` (vLLM's) changes two choices, nothing else: waiting sequences are admitted lowest
+(priority, arrival) first (waiting_queue.PriorityQueue), and the running sequence preempted is the one of the
+highest (priority, arrival), wherever it is in the step; a preempted sequence waits at its priority's place.
 Pure Python, no torch.
 """
 
@@ -12,11 +16,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.engine.waiting_queue import PriorityQueue, waiting_queue
 
 PENDING = -1  # placeholder for a token the device has sampled but the host has not read yet
+# --scheduling-policy priority: a sequence's urgency, lowest first (seq_id grows with arrival, so it breaks ties)
+urgency = attrgetter("priority", "seq_id")
 
 
 @dataclass
@@ -57,13 +65,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Sequence] = deque()
+        # fcfs: a deque, front first; priority: a heap, most urgent first (the same members; see waiting_queue.py)
+        self.waiting: deque[Sequence] | PriorityQueue[Sequence] = waiting_queue(policy, urgency)
+        self.by_priority = policy == "priority"
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prompt chunks that did not finish their prompt
@@ -107,12 +118,17 @@ class Scheduler:
             # most steps of a decode stay inside its last block: nothing to allocate (can_allocate is then true)
             if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
                 while not bm.can_allocate(seq, n):
-                    victim = self.running[-1]
-                    self._preempt(victim)
+                    if self.by_priority:
+                        victim, i, budget = self._preempt_least_urgent(i, seqs, counts, budget)
+                    else:
+                        victim = self.running[-1]
+                        self._preempt(victim)
                     preempted = True
                     if victim is seq:
                         break
                 if seq.status != SequenceStatus.RUNNING:
+                    if self.by_priority:
+                        continue  # seq was the least urgent; the more urgent ones after it (now from i) still run
                     break  # seq preempted itself; everything after it is gone too
                 bm.allocate(seq, n)
             seqs.append(seq)
@@ -206,13 +222,32 @@ class Scheduler:
             seq.num_tokens >= self.max_model_len
         )
 
+    def _preempt_least_urgent(self, i: int, seqs: list[Sequence], counts: list[int], budget: int
+                              ) -> tuple[Sequence, int, int]:
+        """Preempt the running sequence of the highest (priority, arrival), for the one at `i` that needs a block.
+        It may be one this step has scheduled already (before `i`): it leaves the step, and its tokens go back to
+        the budget (nothing of it has advanced yet: `_advance` runs once the step is complete). Returns the victim
+        and `i` and `budget` as they now are. O(running) per preemption, as vLLM's; only a full cache gets here."""
+        running = self.running
+        j = max(range(len(running)), key=lambda k: urgency(running[k]))
+        victim = running[j]
+        if j < i:
+            i -= 1
+            for k, s in enumerate(seqs):
+                if s is victim:  # not there if it was skipped (its last token in flight)
+                    del seqs[k]
+                    budget += counts.pop(k)
+                    break
+        self._preempt(victim)
+        return victim, i, budget
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)  # fcfs: at the front; priority: at its (priority, arrival) place
 
     # ------------------------------------------------------------------ after the step
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Sequence, int]]:

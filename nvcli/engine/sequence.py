@@ -83,10 +83,12 @@ class Sequence:
         sampling_params: SamplingParams,
         block_size: int,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> None:
         if not token_ids:
             raise ValueError("a sequence needs at least one prompt token")
-        self.seq_id = next(Sequence._ids)
+        self.seq_id = next(Sequence._ids)  # also its arrival: ids only grow, so ties of priority go by arrival
+        self.priority = priority  # --scheduling-policy priority: lower is served first (vLLM's)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.completion_index = 0  # which of its request's n completions this is
         self.token_ids: list[int] = list(token_ids)

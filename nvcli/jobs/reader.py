@@ -280,7 +280,7 @@ class InputReader(threading.Thread):
             self.pending[rid] = req
             try:
                 self.engine.add_request(req.prompt_token_ids, req.sampling_params, request_id=rid,
-                                        prompt_text=req.prompt)
+                                        prompt_text=req.prompt, priority=req.priority)
             except ValueError as e:
                 del self.pending[rid]
                 return _reject(req, _classify(str(e), req, self.engine), str(e))

@@ -76,7 +76,7 @@ SAMPLING_FIELDS = (
 _TOKEN_ID = re.compile(r"[0-9]{1,32}")
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _NATIVE_OWN = ("id", "custom_id", "prompt", "messages", "prompt_token_ids", "chat_template_kwargs", "return_token_ids",
-               "tools", "tool_choice", "parallel_tool_calls")
+               "tools", "tool_choice", "parallel_tool_calls", "priority")
 # Body fields of OpenAI requests that we accept and ignore (no effect on generation).
 _OPENAI_IGNORED = ("model", "user", "metadata", "store", "stream", "stream_options", "service_tier")
 # OpenAI sampling knobs we do not implement: accepted only at their neutral values (None, the first, is "left out";
@@ -120,6 +120,7 @@ class Request:
     echo: bool = False  # /v1/completions: the prompt leads the text (and, with logprobs, the logprobs)
     echo_prompt_only: bool = False  # echo with max_tokens 0: one token is generated and not returned (vLLM's)
     tools: ToolSpec | None = None  # the functions a chat line offers, and its tool_choice
+    priority: int = 0  # vLLM's, with --scheduling-policy priority: lower is served first (the engine checks the policy)
 
 
 @dataclass
@@ -245,6 +246,7 @@ def _parse_native(obj: dict, line_no: int, rid: str | int, defaults: Defaults, w
     req = Request(line_no, rid, id_key(rid), NATIVE, _sampling(defaults, overrides))
     req.tools = tools
     req.return_token_ids = _bool(obj, "return_token_ids", defaults.return_token_ids)
+    req.priority = _priority(obj, "")
     _fill_prompt(req, obj, given[0], defaults)
     return req
 
@@ -271,7 +273,7 @@ def _parse_openai_body(
 ) -> Request:
     common = tuple(f for f in SAMPLING_FIELDS if f != "logprobs")  # OpenAI's logprobs differ by endpoint (below)
     known = set(common) | set(_OPENAI_IGNORED) | set(_OPENAI_NEUTRAL) | set(STRUCTURED_FIELDS)
-    known |= {"return_token_ids", "logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls"}
+    known |= {"return_token_ids", "logprobs", "echo", "tools", "tool_choice", "parallel_tool_calls", "priority"}
     if shape == CHAT:
         known |= {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
     else:
@@ -329,6 +331,7 @@ def _parse_openai_body(
         key = "prompt_token_ids" if isinstance(prompt, list) else "prompt"
         _fill_prompt(req, {key: prompt}, key, defaults, prefix="body.")
     req.return_token_ids = _bool(body, "return_token_ids", defaults.return_token_ids, prefix="body.")
+    req.priority = _priority(body, "body.")  # vLLM's OpenAI server takes it in the request body
     return req
 
 
@@ -444,6 +447,18 @@ def _bool(obj: dict, key: str, default: bool, prefix: str = "") -> bool:
         return default
     if not isinstance(v, bool):
         raise _Invalid(f"{prefix}{key} must be true or false, got {_json_type(v)}")
+    return v
+
+
+def _priority(obj: dict, prefix: str) -> int:
+    """The line's `priority`: an integer (2.0 reads as 2, as the sampling integers do); null or left out is 0."""
+    v = obj.get("priority")
+    if v is None:
+        return 0
+    if isinstance(v, float) and math.isfinite(v) and v == int(v):
+        return int(v)
+    if not _is_int(v):
+        raise _Invalid(f"{prefix}priority must be an integer (lower is served first), got {_json_type(v)}")
     return v
 
 

@@ -119,6 +119,30 @@ def test_a_replica_killed_mid_job_loses_and_duplicates_no_line(model, reference)
     assert strip(got) == strip(reference)  # greedy: the re-served lines are the same lines
 
 
+def test_the_front_end_queue_and_the_replica_serve_by_priority(model):
+    """--scheduling-policy priority across the front end: the requests past the replica's window wait in the front
+    end's queue and leave it by (priority, arrival); the replica gets each one's priority. With one sequence at a time
+    the queued ones finish in that order."""
+    from nvcli.sampling_params import SamplingParams
+
+    engine = DataParallelEngine(settings(model, data_parallel_size=1, max_num_seqs=1, scheduling_policy="priority"))
+    try:
+        assert engine.router.window == 2
+        sp = SamplingParams(temperature=0.0, max_tokens=3)
+        priorities = [5, 5, 3, 0, 1, 0]
+        ids = [engine.add_request([1, 2, 3, i + 4], sp, priority=p) for i, p in enumerate(priorities)]
+        assert [p.request_id for p in engine._queue] == [ids[i] for i in (3, 5, 4, 2)]  # the first two went out
+        finished: list[str] = []
+        while engine.has_unfinished():
+            finished.extend(o.request_id for o in engine.step())
+        assert sorted(finished) == sorted(ids) and finished[0] == ids[0]
+        assert [rid for rid in finished if rid in ids[2:]] == [ids[i] for i in (3, 5, 4, 2)]
+        with pytest.raises(ValueError, match="must be an integer"):
+            engine.add_request([1, 2, 3], sp, priority="high")  # type: ignore[arg-type]
+    finally:
+        engine.shutdown()
+
+
 def test_a_replica_that_cannot_start_fails_the_engine_at_once(model):
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=r"data-parallel replica \d of 2: --max-model-len=512: the KV cache holds"):
@@ -141,7 +165,7 @@ class _FailingEngine:
     def has_unfinished(self) -> bool:
         return bool(self.added)
 
-    def add_request(self, token_ids, params, request_id, prompt_text):
+    def add_request(self, token_ids, params, request_id, prompt_text, priority):
         self.added.append(request_id)
 
     def step(self):
@@ -153,7 +177,7 @@ class _FailingEngine:
 
 def test_a_step_that_raises_tells_the_front_end_before_the_replica_ends():
     sent: list[tuple] = []
-    msgs = [[("add", "r1", [1, 2], None, None)]]
+    msgs = [[("add", "r1", [1, 2], None, None, 0)]]
     with pytest.raises(RuntimeError, match="illegal memory access"):
         serve(_FailingEngine(), lambda timeout: msgs.pop(0) if msgs else [], sent.append)
     assert sent[-1][0] == "dead" and "CUDA error" in sent[-1][1]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nvcli.engine.block_manager import BlockManager
-from nvcli.engine.scheduler import Scheduler
+from nvcli.engine.scheduler import ScheduledBatch, Scheduler
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.sampling_params import SamplingParams
 
@@ -225,3 +225,120 @@ def test_the_prefix_wait_forgets_registered_prompts() -> None:
         sched.add(seq(9, max_tokens=1, first=1000 + 100 * i))
     run_to_end(sched)
     assert len(sched._computing) <= 2 * sched.max_num_seqs + 4
+
+
+# -- --scheduling-policy priority ------------------------------------------------------------------
+def urgent(n: int, priority: int, first: int = 0, max_tokens: int = 4) -> Sequence:
+    s = seq(n, max_tokens=max_tokens, first=first)
+    s.priority = priority
+    return s
+
+
+def finish_order(sched: Scheduler) -> list[Sequence]:
+    done: list[Sequence] = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert batch.seqs, "no progress: scheduler deadlocked"
+        for s, index in sched.postprocess(batch, [7] * len(batch.seqs)):
+            sched.check_stop(s, eos_token_ids=set(), index=index)
+            if s.is_finished:
+                done.append(s)
+    return done
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_one_slot_serves_lines_by_priority_then_arrival(policy: str) -> None:
+    """vLLM's priority: lower first, ties by arrival. fcfs ignores it (the engine refuses a priority under fcfs)."""
+    sched = Scheduler(BlockManager(64, BS), 1, 64, 64, True, policy)
+    seqs = [urgent(5, p, first=10 * i) for i, p in enumerate([3, 1, 2, 1, 0])]
+    for s in seqs:
+        sched.add(s)
+    got = [seqs.index(s) for s in finish_order(sched)]
+    assert got == ([4, 1, 3, 2, 0] if policy == "priority" else [0, 1, 2, 3, 4])
+
+
+def _until_preemption(policy: str, num_blocks: int, waves: list[list[tuple[int, int]]]
+                      ) -> tuple[Scheduler, list[Sequence], ScheduledBatch]:
+    """Sequences of (prompt length, priority) arriving in waves, a step after each wave, then steps until one
+    preempts: the scheduler, the sequences in arrival order and that step's batch."""
+    sched = Scheduler(BlockManager(num_blocks, BS), 8, 64, 64, True, policy)
+    seqs: list[Sequence] = []
+    for k, wave in enumerate(waves):
+        for n, priority in wave:
+            seqs.append(urgent(n, priority, first=100 * len(seqs), max_tokens=8))
+            sched.add(seqs[-1])
+        if k < len(waves) - 1:
+            sched.postprocess(batch := sched.schedule(), [7] * len(batch.seqs))
+    assert not sched.num_preemptions
+    for _ in range(64):
+        batch = sched.schedule()
+        if sched.num_preemptions:
+            return sched, seqs, batch
+        sched.postprocess(batch, [7] * len(batch.seqs))
+    raise AssertionError("no preemption")
+
+
+def test_a_full_cache_preempts_the_least_urgent_running_sequence_not_the_newest() -> None:
+    """a (priority 5) came a step before b (priority 0); b's decode needs a block and none is free. fcfs preempts the
+    newest, b; priority preempts a, although the step had scheduled a's decode already: a leaves the step, and one
+    of its blocks goes to b."""
+    waves = [[(4, 5)], [(3, 0)]]
+    sched, (a, b), batch = _until_preemption("fcfs", 3, waves)
+    assert batch.seqs == [a] and b.status == SequenceStatus.WAITING and b.num_preemptions == 1
+
+    sched, (a, b), batch = _until_preemption("priority", 3, waves)
+    assert batch.seqs == [b] and batch.num_new_tokens == [1]
+    assert a.status == SequenceStatus.WAITING and a.num_preemptions == 1 and not a.block_table
+    assert list(sched.waiting) == [a] and sched.running == [b]
+    assert sched.block_manager.num_free_blocks == 1  # a's two blocks came back, b took one
+    sched.postprocess(batch, [7])
+    done = finish_order(sched)
+    assert done == [b, a] and all(s.num_completion_tokens == 8 for s in (a, b))
+
+
+def test_a_least_urgent_sequence_preempts_itself_and_the_more_urgent_after_it_still_run() -> None:
+    """Running [x (0), v (5), y (0)]: v needs a block, none is free, and v is the least urgent: v goes, and y, which
+    decodes inside its block, still runs this step. fcfs preempts the newest, y, and v runs."""
+    waves = [[(1, 0), (3, 5)], [(1, 0)]]
+    sched, (x, v, y), batch = _until_preemption("priority", 3, waves)
+    assert batch.seqs == [x, y] and v.status == SequenceStatus.WAITING and sched.running == [x, y]
+
+    sched, (x, v, y), batch = _until_preemption("fcfs", 3, waves)
+    assert batch.seqs == [x, v] and y.status == SequenceStatus.WAITING
+
+
+def test_a_preempted_sequence_waits_at_its_priority_place() -> None:
+    """Preempted, a sequence goes back behind more urgent waiting ones and ahead of less urgent ones (fcfs puts it at
+    the front), and an abort takes a waiting sequence out of the middle of the queue."""
+    sched, (a, b), batch = _until_preemption("priority", 3, [[(4, 5)], [(3, 0)]])
+    sched.postprocess(batch, [7])
+    early, late, gone = urgent(4, 1, first=500), urgent(4, 9, first=600), urgent(4, 7, first=700)
+    for s in (late, early, gone):
+        sched.add(s)
+    assert list(sched.waiting) == [early, a, gone, late] and sched.waiting[0] is early
+    sched.finish(gone, "abort")
+    assert list(sched.waiting) == [early, a, late]
+    assert [s for s in finish_order(sched) if s is not b] == [early, a, late]
+
+
+def test_the_priority_queue_is_a_deque_to_its_callers() -> None:
+    """fcfs keeps its deque (nothing new on its per-step path); priority's heap answers the deque members used."""
+    from collections import deque
+
+    from nvcli.engine.waiting_queue import PriorityQueue, waiting_queue
+
+    assert type(make()[0].waiting) is deque
+    q = PriorityQueue(lambda x: (x[0], x[1]))
+    items = [[2, 0], [1, 1], [2, 2], [0, 3], [1, 4]]  # lists: the heap must never compare two items
+    for item in items[:4]:
+        q.append(item)
+    q.appendleft(items[4])  # given back: at its key's place, not at the front
+    assert len(q) == 5 and q[0] is items[3]
+    q.remove(items[0])
+    with pytest.raises(ValueError):
+        q.remove([1, 1])  # an equal list, not the one queued
+    assert [q.popleft() for _ in range(len(q))] == [[0, 3], [1, 1], [1, 4], [2, 2]]
+    with pytest.raises(IndexError):
+        q[0]
+    with pytest.raises(ValueError, match="scheduling policy"):
+        waiting_queue("lifo", lambda s: (0, 0))

@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 
 from nvcli.config import EngineConfig
+from nvcli.engine.admission import check_priority
 from nvcli.engine.protocol import EngineStats
 from nvcli.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -70,6 +71,7 @@ class FakeEngine:
         self.st = engine_stats()
         self.added: list[str] = []
         self.sampling_seen: list = []
+        self.priorities_seen: list[int] = []
         self.max_unfinished_seen = 0
         self.aborted: list[str] = []
         self.shut = False
@@ -92,7 +94,8 @@ class FakeEngine:
         self.encode_batches.append(len(texts))
         return [self.tokenizer.encode(t) for t in texts]
 
-    def add_request(self, prompt, sampling_params, request_id=None, prompt_text=None):
+    def add_request(self, prompt, sampling_params, request_id=None, prompt_text=None, priority=0):
+        check_priority(priority, self.config.scheduling_policy)  # the engine's own check (admission.py)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         prompt_text = prompt if isinstance(prompt, str) else prompt_text
         if not ids:
@@ -105,6 +108,7 @@ class FakeEngine:
             self.waiting.append(_Req(request_id, prompt_text, ids, sampling_params, script))
             self.added.append(request_id)
             self.sampling_seen.append(sampling_params)
+            self.priorities_seen.append(priority)
             self.max_unfinished_seen = max(self.max_unfinished_seen, len(self.waiting) + len(self.running))
         return request_id
 

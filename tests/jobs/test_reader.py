@@ -101,12 +101,12 @@ def test_a_prompt_the_tokenizer_rejects_fails_alone():
 class _ContextEngine(FakeEngine):
     """The engine's check of prompt + max_tokens against the context (LLMEngine.add_request's message)."""
 
-    def add_request(self, prompt, sampling_params, request_id=None, prompt_text=None):
+    def add_request(self, prompt, sampling_params, request_id=None, prompt_text=None, priority=0):
         n = len(prompt)
         if sampling_params.max_tokens is not None and n + sampling_params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens={sampling_params.max_tokens} is too large: the prompt has {n} tokens and "
                              f"max_model_len={self.max_model_len} leaves room for {self.max_model_len - n} more")
-        return super().add_request(prompt, sampling_params, request_id, prompt_text)
+        return super().add_request(prompt, sampling_params, request_id, prompt_text, priority)
 
 
 def test_max_tokens_beyond_the_context_gets_an_invalid_request_line():
@@ -182,3 +182,25 @@ def test_a_million_lines_without_ids_keep_little_memory():
 def test_the_reader_says_whether_it_read_the_whole_input():
     result, _ = _run(FakeEngine(), io.BytesIO(_line({"prompt": "a"}) + _line({"prompt": "b"})))
     assert result.counts.exhausted
+
+
+def test_a_lines_priority_reaches_the_engine_and_needs_the_priority_policy():
+    """Under --scheduling-policy priority each line's priority goes to add_request; under fcfs (the default) a line
+    with a priority other than 0 is refused as vLLM's engine refuses it, an invalid_request line naming the flag, and
+    the job goes on."""
+    from nvcli.config import EngineConfig
+
+    lines = (_line({"id": "a", "prompt": "hi", "priority": 2}) + _line({"id": "b", "prompt": "hi"})
+             + _line({"id": "c", "prompt": "hi", "priority": 0}))
+    engine = FakeEngine()
+    result, out = _run(engine, io.BytesIO(lines))
+    assert out[0]["error"]["type"] == "invalid_request"
+    assert out[0]["error"]["message"] == ("priority=2: priority scheduling is not enabled (pass --scheduling-policy "
+                                          "priority)")
+    assert [x["id"] for x in out[1:]] == ["b", "c"] and all("error" not in x for x in out[1:])
+    assert result.exit_code == EXIT_LINE_ERRORS
+
+    engine = FakeEngine()
+    engine.config = EngineConfig(model="fake", device="cpu", scheduling_policy="priority")
+    result, out = _run(engine, io.BytesIO(lines + _line({"id": "d", "prompt": "hi", "priority": -1})))
+    assert result.exit_code == EXIT_OK and engine.priorities_seen == [2, 0, 0, -1]

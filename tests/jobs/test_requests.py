@@ -541,3 +541,25 @@ def test_unknown_fields_are_named_whole_the_envelope_s_too():
             "body": {"prompt": "x", "max_token": 3}}
     assert isinstance(parse_line(json.dumps(line), 0, Defaults(), warned.append), Request)
     assert warned == ["ignoring unknown field 'extra'", "ignoring unknown field 'body.max_token'"]
+
+
+def test_a_lines_priority_is_read_native_at_the_top_and_openai_in_the_body():
+    """vLLM's priority (an integer, lower first): a native line's own field, an OpenAI batch line's body field (vLLM's
+    server takes it there). Left out or null it is 0; 2.0 reads as 2, as the sampling integers do."""
+    assert parse({"prompt": "x", "priority": -3}).priority == -3
+    assert parse({"prompt": "x", "priority": 2.0}).priority == 2
+    assert parse({"prompt": "x"}).priority == parse({"prompt": "x", "priority": None}).priority == 0
+    warned: list[str] = []
+    chat = parse({"custom_id": "c", "url": "/v1/chat/completions",
+                  "body": {"messages": [{"role": "user", "content": "hi"}], "priority": 7}}, warn=warned.append)
+    done = parse({"custom_id": "d", "url": "/v1/completions", "body": {"prompt": "hi", "priority": 1}})
+    assert (chat.priority, done.priority, warned) == (7, 1, [])
+
+
+@pytest.mark.parametrize("value", ["1", True, 1.5, [1], {"p": 1}])
+def test_a_priority_that_is_not_an_integer_is_the_lines_error(value):
+    r = parse({"id": "a", "prompt": "x", "priority": value})
+    assert isinstance(r, LineError) and r.kind == INVALID_REQUEST and r.id == "a"
+    assert r.message.startswith("priority must be an integer (lower is served first), got ")
+    r = parse({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "hi", "priority": value}})
+    assert isinstance(r, LineError) and r.message.startswith("body.priority must be an integer")
