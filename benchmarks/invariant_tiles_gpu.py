@@ -18,7 +18,7 @@ from triton.testing import do_bench_cudagraph
 
 from nvcli.kernels.decode_attention import paged_decode_attention_triton
 from nvcli.kernels.invariant_matmul import Tiles, invariant_linear_triton
-from nvcli.kernels.kv_layout import allocate_kv_cache
+from nvcli.kernels.kv_layout import PagedKV, allocate_kv_cache
 from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
 SHAPES = [("qkv", 4096, 1024), ("o_proj", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072),
@@ -65,13 +65,11 @@ def attention(kv: str, configs: list[dict]) -> None:
     lens = [rnd.randint(100, 1100) for _ in range(128)]
     blocks = sum(-(-n // page) for n in lens) + 8 * (1024 // page) + 8
     if kv == "fp8":
-        storage, ((k_cache, v_cache),) = allocate_kv_cache(1, blocks, page, kv_heads, dim, torch.float8_e4m3fn, dev)
+        storage, (cache,) = allocate_kv_cache(1, blocks, page, kv_heads, dim, torch.float8_e4m3fn, dev, scale=0.05)
         storage.copy_((torch.randn(storage.shape, device=dev) * 0.5).to(torch.float8_e4m3fn))
-        scales = dict(k_scale=torch.full((1,), 0.05, device=dev), v_scale=torch.full((1,), 0.05, device=dev))
     else:
         k_cache = torch.randn(blocks, page, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-        v_cache = torch.randn_like(k_cache)
-        scales = {}
+        cache = PagedKV(k_cache, torch.randn_like(k_cache))
     perm = torch.randperm(blocks, device=dev).to(torch.int32)
     tables = torch.zeros(128, 2048 // page, dtype=torch.int32, device=dev)
     at = 0
@@ -89,17 +87,16 @@ def attention(kv: str, configs: list[dict]) -> None:
     p_lens = torch.full((8,), 1024, dtype=torch.int32, device=dev)
     p_qsl = torch.arange(0, 8 * 1024 + 1, 1024, dtype=torch.int32, device=dev)
     pq = torch.randn(8 * 1024, heads, dim, device=dev, dtype=torch.bfloat16)
-    dec = us(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, scale, **scales))
-    pre = us(lambda: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 1024, scale,
-                                                    **scales))
+    dec = us(lambda: paged_decode_attention_triton(q, cache, tables, seq_lens, scale))
+    pre = us(lambda: paged_prefill_attention_triton(pq, cache, p_qsl, p_lens, p_tables, 1024, 1024, scale))
     print(f"\n| attention, {kv} cache | default kernel | "
           + " | ".join("invariant, " + " ".join(f"{k}={v}" for k, v in c.items()) for c in configs) + " |")
     print("| --- " * (2 + len(configs)) + "|")
     row_d, row_p = [f"{dec:.1f}"], [f"{pre:.1f}"]
     for c in configs:
-        kw = dict(c, invariant=True, **scales)
-        row_d.append(f"{us(lambda kw=kw: paged_prefill_attention_triton(q, k_cache, v_cache, one_each, seq_lens, tables, 1, 0, scale, **kw)):.1f}")
-        row_p.append(f"{us(lambda kw=kw: paged_prefill_attention_triton(pq, k_cache, v_cache, p_qsl, p_lens, p_tables, 1024, 0, scale, **kw)):.1f}")
+        kw = dict(c, invariant=True)
+        row_d.append(f"{us(lambda kw=kw: paged_prefill_attention_triton(q, cache, one_each, seq_lens, tables, 1, 0, scale, **kw)):.1f}")
+        row_p.append(f"{us(lambda kw=kw: paged_prefill_attention_triton(pq, cache, p_qsl, p_lens, p_tables, 1024, 0, scale, **kw)):.1f}")
     print("| 128 one-token rows, 100-1,100 tokens of KV | " + " | ".join(row_d) + " |")
     print("| 8 prompt chunks of 1,024 tokens | " + " | ".join(row_p) + " |")
 

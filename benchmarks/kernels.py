@@ -107,6 +107,7 @@ def packed_q(
 def run_checks(rep: Report, device: str, smoke: bool) -> None:
     from nvcli.kernels import reference as ref
     from nvcli.kernels.decode_attention import paged_decode_attention_triton
+    from nvcli.kernels.kv_layout import PagedKV
     from nvcli.kernels.kv_store import store_kvcache_triton
     from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
@@ -130,16 +131,16 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
     kc = torch.zeros(nb, block_size, kvh, head_dim, device=device, dtype=dtype)
     vc = torch.zeros_like(kc)
     kr, vr = kc.clone(), vc.clone()
-    store_kvcache_triton(k, v, kc, vc, slots)
-    ref.store_kvcache_ref(k, v, kr, vr, slots)
+    store_kvcache_triton(k, v, PagedKV(kc, vc), slots)
+    ref.store_kvcache_ref(k, v, PagedKV(kr, vr), slots)
     rep.check_equal(f"store {dtype} kv_heads={kvh}", torch.cat([kc, vc]), torch.cat([kr, vr]))
     if on_gpu:  # the interpreter's fp32->fp8 cast mis-rounds; the GPU uses cvt.rn.satfinite
         k8 = torch.zeros(nb, block_size, kvh, head_dim, device=device, dtype=torch.float8_e4m3fn)
         v8 = torch.zeros_like(k8)
         ks, vs = torch.tensor([0.013], device=device), 0.021
-        store_kvcache_triton(k * 10, v, k8, v8, slots, k_scale=ks, v_scale=vs)
+        store_kvcache_triton(k * 10, v, PagedKV(k8, v8, k_scale=ks, v_scale=vs), slots)
         kr8, vr8 = torch.zeros_like(k8), torch.zeros_like(v8)
-        ref.store_kvcache_ref(quantize(k * 10, 0.013)[0], quantize(v, vs)[0], kr8, vr8, slots)
+        ref.store_kvcache_ref(quantize(k * 10, 0.013)[0], quantize(v, vs)[0], PagedKV(kr8, vr8), slots)
         rep.check_equal(
             "store fp8 (tensor k_scale, float v_scale)", torch.cat([k8, v8]), torch.cat([kr8, vr8])
         )
@@ -152,8 +153,8 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
             kc, vc, bt = paged_kv(lens, nkv, head_dim, block_size, dtype, device, table_width=width)
             q = torch.randn(len(lens), nh, head_dim, device=device).to(dtype)
             sl = i32(lens, device)
-            out = paged_decode_attention_triton(q, kc, vc, bt, sl, scale)
-            r = ref.paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+            out = paged_decode_attention_triton(q, PagedKV(kc, vc), bt, sl, scale)
+            r = ref.paged_decode_attention_ref(q, PagedKV(kc, vc), bt, sl, scale)
             r[sl == 0] = 0
             rep.check(f"decode heads {nh}/{nkv} table_width={bt.shape[1]}", out, r, *tol)
     # block sizes other than 16
@@ -162,8 +163,8 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
         nh = 16 if not smoke else 4
         q = torch.randn(len(lens), nh, head_dim, device=device).to(dtype)
         sl = i32(lens, device)
-        out = paged_decode_attention_triton(q, kc, vc, bt, sl, scale)
-        r = ref.paged_decode_attention_ref(q, kc, vc, bt, sl, scale)
+        out = paged_decode_attention_triton(q, PagedKV(kc, vc), bt, sl, scale)
+        r = ref.paged_decode_attention_ref(q, PagedKV(kc, vc), bt, sl, scale)
         r[sl == 0] = 0
         rep.check(f"decode block_size={bs}", out, r, *tol)
 
@@ -176,8 +177,8 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
     sl = i32(lens, device)
     for name, ks, vs in (("float", 0.02, 0.03), ("tensor", torch.tensor([0.02], device=device), None)):
         vs = vs if vs is not None else torch.tensor(0.03, device=device)
-        out = paged_decode_attention_triton(q, k8, v8, bt, sl, scale, k_scale=ks, v_scale=vs)
-        r = ref.paged_decode_attention_ref(q, kd, vd, bt, sl, scale)
+        out = paged_decode_attention_triton(q, PagedKV(k8, v8, k_scale=ks, v_scale=vs), bt, sl, scale)
+        r = ref.paged_decode_attention_ref(q, PagedKV(kd, vd), bt, sl, scale)
         r[sl == 0] = 0
         rep.check(f"decode fp8 cache ({name} scales)", out, r, *tol)
 
@@ -185,20 +186,21 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
     if on_gpu:
         nb_graph = 64
         kc, vc, _ = paged_kv([nb_graph * block_size], 8, head_dim, block_size, dtype, device)
+        g_kv = PagedKV(kc, vc)
         g_q = torch.randn(4, 16, head_dim, device=device).to(dtype)
         g_bt = torch.zeros(4, nb_graph, dtype=torch.int32, device=device)
         g_sl = torch.zeros(4, dtype=torch.int32, device=device)
-        paged_decode_attention_triton(g_q, kc, vc, g_bt, g_sl, scale)  # compile outside capture
+        paged_decode_attention_triton(g_q, g_kv, g_bt, g_sl, scale)  # compile outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            g_out = paged_decode_attention_triton(g_q, kc, vc, g_bt, g_sl, scale)
+            g_out = paged_decode_attention_triton(g_q, g_kv, g_bt, g_sl, scale)
         for trial_lens in ([5, 300, 0, 17], [1000, 1, 64, 33]):
             g_bt.copy_(torch.stack([torch.randperm(nb_graph, device=device) for _ in range(4)]).int())
             g_sl.copy_(i32(trial_lens, device))
             g_q.copy_(torch.randn_like(g_q))
             graph.replay()
-            r = ref.paged_decode_attention_ref(g_q, kc, vc, g_bt, g_sl, scale)
+            r = ref.paged_decode_attention_ref(g_q, g_kv, g_bt, g_sl, scale)
             r[g_sl == 0] = 0
             rep.check(f"decode CUDA-graph replay lens={trial_lens}", g_out, r, *tol)
 
@@ -211,36 +213,25 @@ def run_checks(rep: Report, device: str, smoke: bool) -> None:
         kc, vc, bt = paged_kv(seq_l, nkv, head_dim, block_size, dtype, device)
         q, qsl = packed_q(q_l, nh, head_dim, dtype, device)
         sl = i32(seq_l, device)
-        out = paged_prefill_attention_triton(q, kc, vc, qsl, sl, bt, max(q_l), max(seq_l), scale)
-        r = ref.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale)
+        out = paged_prefill_attention_triton(q, PagedKV(kc, vc), qsl, sl, bt, max(q_l), max(seq_l), scale)
+        r = ref.paged_attention_ref(q, PagedKV(kc, vc), qsl, sl, bt, scale)
         rep.check(f"prefill mixed batch heads {nh}/{nkv}", out, r, *tol)
     nh, nkv = (16, 8) if not smoke else (4, 2)
     for bs in (32, 256) if not smoke else (64,):
         kc, vc, bt = paged_kv(seq_l, nkv, head_dim, bs, dtype, device)
         q, qsl = packed_q(q_l, nh, head_dim, dtype, device)
         sl = i32(seq_l, device)
-        out = paged_prefill_attention_triton(q, kc, vc, qsl, sl, bt, max(q_l), max(seq_l), scale)
-        r = ref.paged_attention_ref(q, kc, vc, qsl, sl, bt, scale)
+        out = paged_prefill_attention_triton(q, PagedKV(kc, vc), qsl, sl, bt, max(q_l), max(seq_l), scale)
+        r = ref.paged_attention_ref(q, PagedKV(kc, vc), qsl, sl, bt, scale)
         rep.check(f"prefill block_size={bs}", out, r, *tol)
     kc, vc, bt = paged_kv(seq_l, nkv, head_dim, block_size, dtype, device)
     k8, kd = quantize(kc, 0.02)
     v8, vd = quantize(vc, 0.03)
     q, qsl = packed_q(q_l, nh, head_dim, dtype, device)
     sl = i32(seq_l, device)
-    out = paged_prefill_attention_triton(
-        q,
-        k8,
-        v8,
-        qsl,
-        sl,
-        bt,
-        max(q_l),
-        max(seq_l),
-        scale,
-        k_scale=torch.tensor(0.02, device=device),
-        v_scale=0.03,
-    )
-    r = ref.paged_attention_ref(q, kd, vd, qsl, sl, bt, scale)
+    kv8 = PagedKV(k8, v8, k_scale=torch.tensor(0.02, device=device), v_scale=0.03)
+    out = paged_prefill_attention_triton(q, kv8, qsl, sl, bt, max(q_l), max(seq_l), scale)
+    r = ref.paged_attention_ref(q, PagedKV(kd, vd), qsl, sl, bt, scale)
     rep.check("prefill fp8 cache", out, r, *tol)
 
     # --- fused residual add + RMSNorm
@@ -309,6 +300,7 @@ def copy_bandwidth(device: str, on_gpu: bool, smoke: bool) -> float:
 
 def run_timings(rep: Report, device: str, smoke: bool, sweep: bool) -> None:
     from nvcli.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
+    from nvcli.kernels.kv_layout import PagedKV
     from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
     on_gpu = device == "cuda"
@@ -341,7 +333,8 @@ def run_timings(rep: Report, device: str, smoke: bool, sweep: bool) -> None:
             cache_elt = 1
         q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
         sl = i32(lens, device)
-        t = bench(lambda: paged_decode_attention_triton(q, kc, vc, bt, sl, scale, ks, vs, **kw), on_gpu)
+        kv = PagedKV(kc, vc, ks, vs)
+        t = bench(lambda: paged_decode_attention_triton(q, kv, bt, sl, scale, **kw), on_gpu)
         nbytes = 2 * batch * ctx * num_kv_heads * head_dim * cache_elt + 2 * q.numel() * elt + bt.numel() * 4
         splits = kw.get("num_splits") or choose_num_splits(
             batch, num_kv_heads, bt.shape[1] * block_size, kw.get("block_n") or 64, num_sms
@@ -382,13 +375,14 @@ def run_timings(rep: Report, device: str, smoke: bool, sweep: bool) -> None:
     n_prompts, plen = (8, 1024) if not smoke else (2, 40)
     lens = [plen] * n_prompts
     kc, vc, bt = paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, device)
+    kv = PagedKV(kc, vc)
     q, qsl = packed_q(lens, num_heads, head_dim, dtype, device)
     sl = i32(lens, device)
     flops = 2 * 2 * num_heads * head_dim * sum(n * (n + 1) / 2 for n in lens)  # QK^T and PV, causal half
 
     def prefill_case(label: str, **kw) -> None:
         t = bench(
-            lambda: paged_prefill_attention_triton(q, kc, vc, qsl, sl, bt, plen, plen, scale, **kw), on_gpu
+            lambda: paged_prefill_attention_triton(q, kv, qsl, sl, bt, plen, plen, scale, **kw), on_gpu
         )
         shape = f"{n_prompts}x{plen} tokens"
         rep.timings.append((f"prefill{label}", shape, t * 1e6, f"{flops / t / 1e12:.0f} TFLOP/s"))

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from nvcli.engine.cuda_graphs import mixed_graph_sizes
+from nvcli.kernels.kv_layout import PagedKV
 from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, DECODE_ROWS, CHUNK_SLOTS = 16, 8, 128, 16, 128, 8
@@ -33,7 +34,7 @@ def case(length: int) -> tuple[dict, int]:
     tables = torch.zeros(CHUNK_SLOTS, 256, dtype=torch.int32, device="cuda")
     tables[0, :pages] = torch.randperm(num_blocks, device="cuda")[:pages].to(torch.int32)
     out = torch.zeros_like(q)
-    args = dict(q=q, k_cache=k, v_cache=v, query_start_loc=qsl, seq_lens=lens, block_tables=tables,
+    args = dict(q=q, kv=PagedKV(k, v), query_start_loc=qsl, seq_lens=lens, block_tables=tables,
                 max_query_len=tokens, max_seq_len=0, scale=HEAD_DIM**-0.5, out=out)
     return args, tokens
 

@@ -40,6 +40,7 @@ import torch
 import triton.testing
 
 from nvcli.kernels.decode_attention import paged_decode_attention_triton
+from nvcli.kernels.kv_layout import PagedKV, page_view
 from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
 if TYPE_CHECKING:
@@ -51,20 +52,16 @@ KV_DTYPE = "auto"
 INSTRUCTIONS = 1  # stream / job: lines cycle through this many different instructions
 
 
-def kv_cache(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Random K and V caches of 8 KV heads of 128 dims, as the engine lays them out, and the attention kernels'
-    scale arguments: bf16, or fp8 with V dims-major (open pages then read token-major: the values differ, the
-    bytes read do not)."""
+def kv_cache(num_blocks: int) -> PagedKV:
+    """A random KV cache of 8 KV heads of 128 dims, as the engine lays it out: bf16, or fp8 with V dims-major (open
+    pages then read token-major: the values differ, the bytes read do not) and [1] device scales."""
     shape = (num_blocks, PAGE, 8, 128)
     if KV_DTYPE != "fp8":
         k = torch.randn(shape, device="cuda").to(torch.bfloat16)
-        return k, torch.randn_like(k), {}
-    from nvcli.kernels.kv_layout import page_view
-
+        return PagedKV(k, torch.randn_like(k))
     k = torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
     v = page_view(torch.randn(num_blocks, PAGE * 8 * 128, device="cuda").to(torch.float8_e4m3fn), PAGE, 8, 128, True)
-    one = torch.ones(1, device="cuda")
-    return k, v, {"k_scale": one, "v_scale": one}
+    return PagedKV(k, v, torch.ones(1, device="cuda"), torch.ones(1, device="cuda"))
 
 
 def tables(batch: int, shared: int, own: int, share: bool, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -98,30 +95,30 @@ def kernel_section() -> list[str]:
         for share in (False, True):
             t, num_blocks = tables(batch, shared, own, share, gen)
             lens = torch.tensor([shared + rng.randint(1, own) for _ in range(batch)], dtype=torch.int32)
-            k, v, scales = kv_cache(num_blocks)
+            kv = kv_cache(num_blocks)
             q = torch.randn(batch, 16, 128, device="cuda").to(torch.bfloat16)
             order = torch.argsort(lens, descending=True).to(torch.int32).cuda()
             tt, ll = t.cuda(), lens.cuda()
             ms = triton.testing.do_bench(
-                lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order, scales=scales: paged_decode_attention_triton(
-                    q, k, v, tt, ll, 128 ** -0.5, order=order, **scales), warmup=50, rep=300)
-            gb = float(lens.sum()) * 8 * 128 * 2 * k.element_size() / 1e9
+                lambda q=q, kv=kv, tt=tt, ll=ll, order=order: paged_decode_attention_triton(
+                    q, kv, tt, ll, 128 ** -0.5, order=order), warmup=50, rep=300)
+            gb = float(lens.sum()) * 8 * 128 * 2 * kv.k.element_size() / 1e9
             res[share] = ms
             out.append(f"| kernel | {batch} x ({shared} {'shared' if share else 'own'} + 1-{own} own) | "
                        f"{ms * 1e3:.1f} us | {gb / ms:.2f} TB/s of logical KV |")
             if share:
-                ref = paged_decode_attention_triton(q, k, v, tt, ll, 128 ** -0.5, order=order, **scales)
+                ref = paged_decode_attention_triton(q, kv, tt, ll, 128 ** -0.5, order=order)
                 n_shared = torch.tensor([shared], dtype=torch.int32, device="cuda")
-                got = shared_prefix_decode_attention_triton(q, k, v, tt, ll, n_shared, 128 ** -0.5, order, **scales)
+                got = shared_prefix_decode_attention_triton(q, kv, tt, ll, n_shared, 128 ** -0.5, order)
                 err = (got.float() - ref.float()).abs().max().item()
                 ms_sp = triton.testing.do_bench(
-                    lambda q=q, k=k, v=v, tt=tt, ll=ll, order=order, n=n_shared, scales=scales: (
-                        shared_prefix_decode_attention_triton(q, k, v, tt, ll, n, 128 ** -0.5, order, **scales)),
+                    lambda q=q, kv=kv, tt=tt, ll=ll, order=order, n=n_shared: (
+                        shared_prefix_decode_attention_triton(q, kv, tt, ll, n, 128 ** -0.5, order)),
                     warmup=50, rep=300)
                 res["kernel"] = ms_sp
                 out.append(f"| kernel | same, shared-prefix kernel (max diff {err:.1e}) | {ms_sp * 1e3:.1f} us | "
                            f"{gb / ms_sp:.2f} TB/s of logical KV |")
-            del k, v
+            del kv
         out.append(f"| kernel | shared / own: engine kernel {res[True] / res[False]:.2f}, shared-prefix kernel "
                    f"{res['kernel'] / res[False]:.2f} | | |")
         print("\n".join(out[-4:]), flush=True)

@@ -18,16 +18,13 @@ import torch
 
 from nvcli.attention.metadata import AttentionMetadata, DecodeSplit
 from nvcli.kernels import ops
-from nvcli.kernels.reference import Scale
+from nvcli.kernels.kv_layout import PagedKV
 
 
 class PagedLayer(Protocol):
-    """What attention reads of a layer: its cache pages (kv_layout.py) and the fp8 scales, in place."""
+    """What attention reads of a layer: its cache (kv_layout.py; its fp8 scales are read in place) and softmax scale."""
 
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    k_scale: torch.Tensor  # [1] float32 (fp8 caches; ignored by others)
-    v_scale: torch.Tensor
+    kv: PagedKV | None  # None until the model runner binds the cache
     scale: float  # softmax scale
 
 
@@ -58,21 +55,20 @@ def paged_attention(
     scale_rows: torch.Tensor | None = None,  # deferred norm on the GPU (models/llama.py): q, k, v scaled by 1 / RMS
     scale_eps: float = 1e-6,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    kv = layer.kv
+    assert kv is not None, "the model runner binds each layer's KV cache before its first forward"
     if not ops.use_triton(q):
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         q, k = rotary(positions, q, k)
-        ops.store_kvcache(k, v, layer.k_cache, layer.v_cache, meta.slot_mapping, layer.k_scale, layer.v_scale)
-        ops.seal_pages(layer.v_cache, meta.slot_mapping)
+        ops.store_kvcache(k, v, kv, meta.slot_mapping)
+        ops.seal_pages(kv, meta.slot_mapping)
         if meta.split is not None:  # planned for the GPU; on CPU tensors the kernels run in Triton's interpreter
-            return split_attention(q, layer.k_cache, layer.v_cache, meta.split, layer.scale, layer.k_scale,
-                                   layer.v_scale, meta.invariant)
+            return split_attention(q, kv, meta.split, layer.scale, meta.invariant)
         if meta.decode_only:
-            return ops.paged_decode_attention(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.seq_lens,
-                                              layer.scale, layer.k_scale, layer.v_scale)
-        return ops.paged_prefill_attention(q, layer.k_cache, layer.v_cache, meta.query_start_loc, meta.seq_lens,
-                                           meta.block_tables, meta.max_query_len, meta.max_seq_len, layer.scale,
-                                           layer.k_scale, layer.v_scale)
+            return ops.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, layer.scale)
+        return ops.paged_prefill_attention(q, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                           meta.max_query_len, meta.max_seq_len, layer.scale)
     q_w = q_norm.weight if q_norm is not None else None
     k_w = k_norm.weight if k_norm is not None else None
     eps = q_norm.eps if q_norm is not None else 0.0
@@ -81,40 +77,32 @@ def paged_attention(
 
         rope = DecodeRope(k, v, positions, rotary.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps, scale_rows,
                           scale_eps)
-        return paged_decode_attention_triton(q, layer.k_cache, layer.v_cache, meta.block_tables, meta.seq_lens,
-                                             layer.scale, layer.k_scale, layer.v_scale, rope=rope,
+        return paged_decode_attention_triton(q, kv, meta.block_tables, meta.seq_lens, layer.scale, rope=rope,
                                              order=meta.decode_order)
     from nvcli.kernels.rotary import rope_qk_norm_triton
 
-    q, k = rope_qk_norm_triton(q, k, positions, rotary.cos_sin_cache, q_w, k_w, eps, v=v, k_cache=layer.k_cache,
-                               v_cache=layer.v_cache, slot_mapping=meta.slot_mapping, k_scale=layer.k_scale,
-                               v_scale=layer.v_scale, scale_rows=scale_rows, scale_eps=scale_eps)
+    q, k = rope_qk_norm_triton(q, k, positions, rotary.cos_sin_cache, q_w, k_w, eps, v=v, kv=kv,
+                               slot_mapping=meta.slot_mapping, scale_rows=scale_rows, scale_eps=scale_eps)
     # A page is full once its last slot is written, so this step's slots name the pages it filled (kv_layout.py)
-    ops.seal_pages(layer.v_cache, meta.slot_mapping)
+    ops.seal_pages(kv, meta.slot_mapping)
     if meta.split is not None:
-        return split_attention(q, layer.k_cache, layer.v_cache, meta.split, layer.scale, layer.k_scale,
-                               layer.v_scale, meta.invariant)
+        return split_attention(q, kv, meta.split, layer.scale, meta.invariant)
     if meta.decode_only and not meta.invariant:  # rows that read a shared prefix (the decode graphs' plan)
         from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
-        return shared_prefix_decode_attention_triton(q, layer.k_cache, layer.v_cache, meta.block_tables,
-                                                     meta.seq_lens, meta.shared_prefix_len, layer.scale,
-                                                     meta.decode_order, k_scale=layer.k_scale, v_scale=layer.v_scale)
+        return shared_prefix_decode_attention_triton(q, kv, meta.block_tables, meta.seq_lens, meta.shared_prefix_len,
+                                                     layer.scale, meta.decode_order)
     from nvcli.kernels.prefill_attention import paged_prefill_attention_triton
 
-    return paged_prefill_attention_triton(q, layer.k_cache, layer.v_cache, meta.query_start_loc, meta.seq_lens,
-                                          meta.block_tables, meta.max_query_len, meta.max_seq_len, layer.scale,
-                                          layer.k_scale, layer.v_scale, invariant=meta.invariant)
+    return paged_prefill_attention_triton(q, kv, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                          meta.max_query_len, meta.max_seq_len, layer.scale, invariant=meta.invariant)
 
 
 def split_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: PagedKV,
     split: DecodeSplit,
     scale: float,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of a step whose first `split.num_rows` rows are one-token queries (decode kernel) and whose other
@@ -130,19 +118,18 @@ def split_attention(
     d = split.num_rows
     if d and invariant:
         one_each = torch.arange(d + 1, dtype=torch.int32, device=q.device)  # [d + 1] query starts
-        paged_prefill_attention_triton(q[:d], k_cache, v_cache, one_each, split.seq_lens, split.block_tables, 1, 0,
-                                       scale, k_scale, v_scale, out=out[:d], invariant=True)
+        paged_prefill_attention_triton(q[:d], kv, one_each, split.seq_lens, split.block_tables, 1, 0, scale,
+                                       out=out[:d], invariant=True)
     elif d and split.shared_prefix_len is not None:
         from nvcli.kernels.shared_prefix_attention import shared_prefix_decode_attention_triton
 
-        shared_prefix_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens,
-                                              split.shared_prefix_len, scale, split.order, out=out[:d],
-                                              k_scale=k_scale, v_scale=v_scale)
+        shared_prefix_decode_attention_triton(q[:d], kv, split.block_tables, split.seq_lens, split.shared_prefix_len,
+                                              scale, split.order, out=out[:d])
     elif d:
-        paged_decode_attention_triton(q[:d], k_cache, v_cache, split.block_tables, split.seq_lens, scale, k_scale,
-                                      v_scale, order=split.order, out=out[:d])
+        paged_decode_attention_triton(q[:d], kv, split.block_tables, split.seq_lens, scale, order=split.order,
+                                      out=out[:d])
     if split.prefill_seq_lens.shape[0]:
-        paged_prefill_attention_triton(q, k_cache, v_cache, split.prefill_query_start_loc, split.prefill_seq_lens,
-                                       split.prefill_block_tables, split.prefill_max_query_len, 0, scale, k_scale,
-                                       v_scale, out=out, invariant=invariant)
+        paged_prefill_attention_triton(q, kv, split.prefill_query_start_loc, split.prefill_seq_lens,
+                                       split.prefill_block_tables, split.prefill_max_query_len, 0, scale, out=out,
+                                       invariant=invariant)
     return out

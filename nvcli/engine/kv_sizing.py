@@ -68,7 +68,7 @@ def kv_dtype(runner: Runner) -> torch.dtype:
 
 def allocate(runner: Runner) -> int:
     """Size the KV cache (a fixed count, the CPU's budget, or what free GPU memory leaves after a worst-case step),
-    allocate it and bind each attention layer's pages and fp8 scales; the number of blocks."""
+    allocate it and bind each attention layer's PagedKV (pages and fp8 scales); the number of blocks."""
     per_block = kv_bytes_per_block(runner)
     if runner.config.num_kvcache_blocks is not None:
         num_blocks = runner.config.num_kvcache_blocks
@@ -86,16 +86,15 @@ def allocate(runner: Runner) -> int:
     try:
         # [2, num_layers, num_blocks, page elements]; each layer's K and V are page views of it (kv_layout.py)
         runner.kv_cache, caches = allocate_kv_cache(len(runner.attn_layers), num_blocks, runner.block_size,
-                                                  layer.num_kv_heads, layer.head_dim, kv_dtype(runner), runner.device)
+                                                  layer.num_kv_heads, layer.head_dim, kv_dtype(runner), runner.device,
+                                                  runner.config.kv_cache_scale)
     except torch.OutOfMemoryError as e:
         raise ConfigError(
             f"--num-kvcache-blocks / --gpu-memory-utilization: {num_blocks} KV blocks "
             f"({num_blocks * per_block / 2**30:.1f} GiB) do not fit in device memory"
         ) from e
-    for attn, (k_cache, v_cache) in zip(runner.attn_layers, caches):
-        attn.k_cache, attn.v_cache = k_cache, v_cache
-        attn.k_scale.fill_(runner.config.kv_cache_scale)  # in place: graphs captured later read these
-        attn.v_scale.fill_(runner.config.kv_cache_scale)
+    for attn, kv in zip(runner.attn_layers, caches):
+        attn.kv = kv  # the job's binding: the CUDA graphs, captured after this, read its scales in place
     return num_blocks
 
 
@@ -215,10 +214,10 @@ def profile_run(runner: Runner, worst_case: bool = False) -> None:
     layer = runner.attn_layers[0]
     # Attention must read real blocks; every sequence and layer shares one scratch cache (in the real
     # cache's page layouts, so the kernel variants are the job's).
-    _, ((dummy_k, dummy_v),) = allocate_kv_cache(1, blocks, runner.block_size, layer.num_kv_heads, layer.head_dim,
-                                                  kv_dtype(runner), runner.device)
+    _, (dummy,) = allocate_kv_cache(1, blocks, runner.block_size, layer.num_kv_heads, layer.head_dim, kv_dtype(runner),
+                                    runner.device, runner.config.kv_cache_scale)
     for attn in runner.attn_layers:
-        attn.k_cache, attn.v_cache = dummy_k, dummy_v
+        attn.kv = dummy
     run_largest_prefill(runner, step, worst_case)
 
 

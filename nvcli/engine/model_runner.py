@@ -106,7 +106,7 @@ class ModelRunner:
             )
 
             self.attention.shared_prefix = (bool(self.cuda_graphs.shared_keys())
-                                            and supports_shared_prefix(layer.k_cache, layer.v_cache))
+                                            and supports_shared_prefix(layer.kv))  # bound by allocate above
             rows = self.cuda_graphs.logits_max_rows if rank == 0 else 0
             self.cuda_graphs.capture_all(sampler_graphs.SamplerGraphs(rows, model_config.vocab_size, self.device)
                                          if rows else None)

@@ -163,7 +163,7 @@ def compile_ahead(runner: kv_sizing.Runner, workers: CompileWorkers | None) -> t
     with first_decoder_layers(runner.model, DRY_PASS_LAYERS):
         result = compile_variants(forwards, runner.device, workers=workers)
     for attn in runner.attn_layers:
-        attn.k_cache = attn.v_cache = None
+        attn.kv = None  # the scratch cache goes; kv_sizing.allocate binds the job's
     torch.cuda.empty_cache()
     return result
 
@@ -179,7 +179,9 @@ def warm_up_kernels(runner: kv_sizing.Runner, dry_run: bool = False) -> None:
     `dry_run` (the compile-ahead pass, whose kernels leave outputs unwritten): no sampling, and no
     eager decode steps where decode graphs are to be captured (the real pass replays those).
     """
-    cache_tokens = runner.attn_layers[0].k_cache.shape[0] * runner.block_size
+    kv = runner.attn_layers[0].kv
+    assert kv is not None, "warm-up reads the bound KV cache"
+    cache_tokens = kv.num_blocks * runner.block_size
     if cache_tokens < 32 or (runner.config.max_model_len or 32) < 32:
         return  # the shapes below need 32 tokens of cache to read from
     blocks = [list(range(-(-32 // runner.block_size)))]

@@ -44,8 +44,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from nvcli.kernels.arrival_counters import arrival_counters
-from nvcli.kernels.kv_layout import is_dims_major
-from nvcli.kernels.kv_store import FP8_E4M3_MAX, Scale, is_fp8, load_scales, scale_args
+from nvcli.kernels.kv_layout import PagedKV
+from nvcli.kernels.kv_store import FP8_E4M3_MAX, load_scales, scale_args
 from nvcli.kernels.pdl import L2_PREFETCH_MAX_SEQS, launch_kwargs, prefetch_l2, use_pdl
 from nvcli.kernels.rms_norm import row_scale_args
 from nvcli.kernels.rotary import rope_qk_norm_store
@@ -412,13 +412,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n
 
 def paged_decode_attention_triton(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] view, token- or dims-major
+    kv: PagedKV,  # V token- or dims-major
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
     *,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -434,7 +431,7 @@ def paged_decode_attention_triton(
     """Attention of one query per sequence over its paged KV cache -> [num_seqs, num_heads, head_dim] (`out`, a
     contiguous [num_seqs, num_heads, head_dim] tensor, when given).
 
-    k_scale / v_scale (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
+    kv's scales (None, float or 1-element tensor) dequantise an fp8 cache (the new token's
     store quantizes with them when `rope` is given) and are ignored otherwise. With `rope` the kernel
     first norms and rotates q in place and the new key, and stores the new key and value in the cache.
     The other keyword-only knobs override the tuned defaults (tests, benchmarks). `v_dequant_in_tile` (fp8,
@@ -447,12 +444,12 @@ def paged_decode_attention_triton(
     (256 sequences of the workload: 1-4% faster).
     """
     num_seqs, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
+    page, num_kv_heads = kv.block_size, kv.num_kv_heads
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
-    v_t = is_dims_major(v_cache)
+    assert kv.head_dim == head_dim
+    assert q.stride(-1) == 1
+    v_t = kv.v_dims_major
     assert block_tables.shape[0] == num_seqs and seq_lens.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
     group = num_heads // num_kv_heads
@@ -462,10 +459,10 @@ def paged_decode_attention_triton(
     if num_seqs == 0:
         return out
 
-    fp8 = is_fp8(k_cache.dtype)
-    if not fp8:
-        k_scale = v_scale = None
-    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
+    fp8 = kv.fp8
+    # scales only apply to an fp8 cache
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(kv.k_scale if fp8 else None, kv.v_scale if fp8 else None,
+                                                          seq_lens)
 
     # Defaults from a sweep on an H100 (2026-11-22, at the
     # workload's shapes from 256 x 800 to 8 x 1600 tokens): 64-token tiles and 4 warps for bf16 and fp8 (the
@@ -522,8 +519,8 @@ def paged_decode_attention_triton(
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,
-        k_cache,
-        v_cache,
+        kv.k,
+        kv.v,
         block_tables,
         seq_lens,
         out,
@@ -540,13 +537,7 @@ def paged_decode_attention_triton(
         *rope_args[8:],
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        v_cache.stride(3),
+        *kv.strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -571,14 +562,14 @@ def paged_decode_attention_triton(
         ROPE_ROW_SCALE=row_scale,
         RS_BLOCK=rs_block,
         ROPE_QUANT=fp8,
-        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
-        L2_PREFETCH=pdl and num_seqs <= L2_PREFETCH_MAX_SEQS and head_dim * k_cache.element_size() % 128 == 0,
-        KV_LINES=max(1, head_dim * k_cache.element_size() // 128),
+        FP8_MAX=FP8_E4M3_MAX if kv.dtype == torch.float8_e4m3fn else 57344.0,
+        L2_PREFETCH=pdl and num_seqs <= L2_PREFETCH_MAX_SEQS and head_dim * kv.k.element_size() % 128 == 0,
+        KV_LINES=max(1, head_dim * kv.k.element_size() // 128),
         V_CONVERT_AT_LOAD=v_convert_at_load,
         SUB=min(page, block_n),
         RUN_ADDR=run_addressing,
         V_T=v_t,
-        V_LINES=max(1, head_dim * page * v_cache.element_size() // 128),
+        V_LINES=max(1, head_dim * page * kv.v.element_size() // 128),
         # with splits the programs fit in about one wave (choose_num_splits): nothing starts last, batch order
         ORDERED=order is not None and num_splits == 1,
         num_warps=num_warps,

@@ -1,8 +1,8 @@
 """Triton kernels writing a step's keys/values into the paged KV cache, and sealing the pages a step filled.
 
-Layouts (see `reference.py`): key/value `[num_tokens, num_kv_heads, head_dim]`, caches
-`[num_blocks, block_size, num_kv_heads, head_dim]` views (V may be dims-major, see `kv_layout.py`: stores
-write V token-major through `open_page_view`, and `seal_pages_triton` turns the filled pages dims-major),
+Layouts (see `reference.py`): key/value `[num_tokens, num_kv_heads, head_dim]`, a layer's cache one `PagedKV`
+of `[num_blocks, block_size, num_kv_heads, head_dim]` views (V may be dims-major, see `kv_layout.py`: stores
+write V token-major through its open-page view, and `seal_pages_triton` turns the filled pages dims-major),
 slot = block_id * block_size + offset, slot -1 = padding (skipped). An fp8
 (`torch.float8_e4m3fn`) cache stores `clamp(x / scale, -448, 448)` cast to fp8 with a per-tensor
 scale (python float or a 1-element tensor, default 1.0), and NaN as 0.
@@ -10,15 +10,11 @@ scale (python float or a 1-element tensor, default 1.0), and NaN as 0.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_layout import is_dims_major, open_page_view
-
-Scale = Union[float, torch.Tensor, None]
+from nvcli.kernels.kv_layout import PagedKV, Scale
 
 FP8_E4M3_MAX = 448.0
 
@@ -133,35 +129,29 @@ def _store_kvcache_kernel(
 def store_kvcache_triton(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] view, token- or dims-major
+    kv: PagedKV,
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
-    *,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
 ) -> None:
-    """Scatter key/value rows into the paged caches; fp8 caches store x / scale (saturated)."""
+    """Scatter key/value rows into the paged caches (V through its open-page view); fp8 caches store x / scale
+    (saturated)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     assert value.shape == key.shape
-    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert (kv.num_kv_heads, kv.head_dim) == (num_kv_heads, head_dim)
     assert slot_mapping.shape[0] == num_tokens
     assert key.stride(-1) == 1 and value.stride(-1) == 1
-    assert k_cache.stride(-1) == 1
-    v_cache = open_page_view(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
-    block_size = k_cache.shape[1]
-    quant = is_fp8(k_cache.dtype)
-    if not quant:
-        k_scale = v_scale = None  # scales only apply to an fp8 cache
-    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, slot_mapping)
+    quant = kv.fp8
+    # scales only apply to an fp8 cache
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(kv.k_scale if quant else None,
+                                                          kv.v_scale if quant else None, slot_mapping)
     elements = num_kv_heads * head_dim
     num_warps = 1 if elements <= 256 else (2 if elements <= 1024 else 4)
     _store_kvcache_kernel[(num_tokens,)](
         key,
         value,
-        k_cache,
-        v_cache,
+        kv.k,
+        kv.v_open,
         slot_mapping,
         k_ptr,
         v_ptr,
@@ -171,21 +161,15 @@ def store_kvcache_triton(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        v_cache.stride(3),
+        *kv.store_strides,
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=kv.block_size,
         QUANT=quant,
         SCALE_IS_PTR=scale_is_ptr,
-        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
+        FP8_MAX=FP8_E4M3_MAX if kv.dtype == torch.float8_e4m3fn else 57344.0,
         num_warps=num_warps,
     )
 
@@ -216,14 +200,14 @@ def _seal_pages_kernel(v_cache_ptr, slot_ptr, num_slots, stride_vb, stride_vh, P
             seal_page(v_cache_ptr + (slot // PAGE) * stride_vb + h * stride_vh, PAGE, HEAD_DIM)
 
 
-def seal_pages_triton(v_cache: torch.Tensor, seal_slots: torch.Tensor) -> None:
+def seal_pages_triton(kv: PagedKV, seal_slots: torch.Tensor) -> None:
     """Turn dims-major the pages whose last slot is in `seal_slots` ([n] int; other slots and -1 are skipped, so
     a decode step passes its slot mapping: CUDA-graph safe). No-op unless V is dims-major (kv_layout.py)."""
-    if not is_dims_major(v_cache) or seal_slots.numel() == 0:
+    if not kv.v_dims_major or seal_slots.numel() == 0:
         return
-    _, page, num_kv_heads, head_dim = v_cache.shape
+    page, head_dim = kv.block_size, kv.head_dim
     slots_per_program = 32
-    _seal_pages_kernel[(triton.cdiv(seal_slots.shape[0], slots_per_program), num_kv_heads)](
-        v_cache, seal_slots, seal_slots.shape[0], v_cache.stride(0), v_cache.stride(2), PAGE=page,
+    _seal_pages_kernel[(triton.cdiv(seal_slots.shape[0], slots_per_program), kv.num_kv_heads)](
+        kv.v, seal_slots, seal_slots.shape[0], kv.strides[3], kv.strides[5], PAGE=page,  # V's block and head strides
         HEAD_DIM=head_dim, SLOTS=slots_per_program, num_warps=4 if page * head_dim >= 4096 else 2,
     )

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_layout import is_dims_major
-from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
+from nvcli.kernels.kv_layout import PagedKV
+from nvcli.kernels.kv_store import load_scales, scale_args
 
 LOG2E = 1.4426950408889634
 # --batch-invariant over an fp8 cache: the query-tile height, a setting of the cache's dtype (never of the rows). On
@@ -263,16 +263,13 @@ def _prefill_kernel(
 
 def paged_prefill_attention_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] view, token- or dims-major
+    kv: PagedKV,  # V token- or dims-major
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     max_query_len: int,
     max_seq_len: int,
     scale: float,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
     *,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -293,18 +290,18 @@ def paged_prefill_attention_triton(
     (written in place when given, else a new tensor).
 
     max_query_len (>= every q_len) picks the query tile height. max_seq_len is accepted for
-    API symmetry (the kernel reads each sequence's length on the device). k_scale / v_scale
+    API symmetry (the kernel reads each sequence's length on the device). kv's scales
     (None, float or 1-element tensor) dequantise an fp8 cache and are ignored otherwise.
     """
     del max_seq_len
     num_tokens, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
+    page, num_kv_heads = kv.block_size, kv.num_kv_heads
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of two >= 16"
-    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1
-    v_t = is_dims_major(v_cache)
+    assert kv.head_dim == head_dim
+    assert q.stride(-1) == 1
+    v_t = kv.v_dims_major
     assert query_start_loc.shape[0] == num_seqs + 1 and block_tables.shape[0] == num_seqs
     assert block_tables.stride(-1) == 1
     if out is None:
@@ -313,10 +310,10 @@ def paged_prefill_attention_triton(
     if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
 
-    fp8 = is_fp8(k_cache.dtype)
-    if not fp8:
-        k_scale = v_scale = None
-    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
+    fp8 = kv.fp8
+    # scales only apply to an fp8 cache
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(kv.k_scale if fp8 else None, kv.v_scale if fp8 else None,
+                                                          seq_lens)
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -344,8 +341,8 @@ def paged_prefill_attention_triton(
     grid = (num_kv_heads, num_tokens // block_q + num_seqs)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        kv.k,
+        kv.v,
         out,
         query_start_loc,
         seq_lens,
@@ -359,12 +356,7 @@ def paged_prefill_attention_triton(
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *kv.strides[:6],  # not V's dim stride: V_T tells the kernel
         block_tables.stride(0),
         num_seqs,
         GROUP=group,

@@ -1,8 +1,8 @@
 """Pure-torch references for the paged KV cache and attention kernels.
 
 Layouts shared by every implementation:
-- KV cache, one pair per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, addressed through
-  its strides (a V cache may be a dims-major view, see `kv_layout.py`).
+- KV cache, one `PagedKV` per layer: K and V `[num_blocks, block_size, num_kv_heads, head_dim]`, addressed
+  through their strides (V may be a dims-major view, see `kv_layout.py`), and the fp8 scales.
 - slot of a token = block_id * block_size + offset inside the block; slot -1 is skipped
   (padding in CUDA-graph batches).
 - block_tables: `[num_seqs, max_blocks_per_seq]` int32, rows padded with any valid id.
@@ -10,7 +10,7 @@ Layouts shared by every implementation:
   and its KV length after this step is seq_lens[s], so query row j of s sits at position
   seq_lens[s] - q_len + j and attends causally to KV positions [0, that position].
 - A dims-major V cache keeps each sequence's open (last, partial) page token-major: stores write through
-  `open_page_view`, `seal_pages_ref` turns the pages a step filled dims-major, and readers take the open page
+  the open-page view (`PagedKV.v_open`), `seal_pages_ref` turns the pages a step filled dims-major, and readers take the open page
   from the token-major view (`kv_layout.py`, open pages).
 - fp8 caches (`torch.float8_e4m3fn` / `float8_e5m2`) hold `clamp(x / scale, -max, max)` cast with
   round-to-nearest (NaN stored as 0, so no slot ever holds a NaN), one scale per tensor (k_scale, v_scale: None = 1.0, a float or a 1-element
@@ -20,13 +20,9 @@ Layouts shared by every implementation:
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
-from nvcli.kernels.kv_layout import is_dims_major, open_page_view
-
-Scale = Union[float, torch.Tensor, None]
+from nvcli.kernels.kv_layout import PagedKV, Scale
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -62,57 +58,55 @@ def dequantize_kv(x: torch.Tensor, scale: Scale = None) -> torch.Tensor:
 def store_kvcache_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    kv: PagedKV,
     slot_mapping: torch.Tensor,  # [num_tokens] int
-    k_scale: Scale = None,
-    v_scale: Scale = None,
 ) -> None:
-    bs = k_cache.shape[1]
+    bs = kv.block_size
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // bs, slots % bs  # indexing, not a flat view: the caches may be strided views
-    k_cache[blocks, offsets] = quantize_kv(key[valid], k_cache.dtype, k_scale)
-    open_page_view(v_cache)[blocks, offsets] = quantize_kv(value[valid], v_cache.dtype, v_scale)
+    kv.k[blocks, offsets] = quantize_kv(key[valid], kv.dtype, kv.k_scale)
+    kv.v_open[blocks, offsets] = quantize_kv(value[valid], kv.dtype, kv.v_scale)
 
 
-def seal_pages_ref(v_cache: torch.Tensor, seal_slots: torch.Tensor) -> None:
+def seal_pages_ref(kv: PagedKV, seal_slots: torch.Tensor) -> None:
     """Turn the pages that this step filled dims-major: the page of every slot that is its page's last
     (slot % block_size == block_size - 1; others and -1 are ignored). No-op unless V is dims-major."""
-    if not is_dims_major(v_cache):
+    if not kv.v_dims_major:
         return
-    bs = v_cache.shape[1]
+    bs = kv.block_size
     slots = seal_slots.long()
     blocks = (slots[(slots >= 0) & (slots % bs == bs - 1)] // bs).unique()
-    v_cache[blocks] = open_page_view(v_cache)[blocks].clone()
+    kv.v[blocks] = kv.v_open[blocks].clone()
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, open_view: torch.Tensor | None, block_table: torch.Tensor,
+               seq_len: int) -> torch.Tensor:
+    """A sequence's `[seq_len, num_kv_heads, head_dim]` rows of `cache` (a copy); `open_view`: the token-major view
+    of a dims-major cache, where its open page is read."""
     bs = cache.shape[1]
     nblocks = -(-seq_len // bs)
     blocks = cache[block_table[:nblocks].long()]  # [nblocks, block_size, num_kv_heads, head_dim] (a copy)
     out = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
     open_start = seq_len // bs * bs
-    if open_start < seq_len and is_dims_major(cache):  # the open page is token-major
-        out[open_start:] = open_page_view(cache)[block_table[seq_len // bs].long(), : seq_len - open_start]
+    if open_start < seq_len and open_view is not None:  # the open page is token-major
+        out[open_start:] = open_view[block_table[seq_len // bs].long(), : seq_len - open_start]
     return out
 
 
 def paged_attention_ref(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: PagedKV,
     query_start_loc: torch.Tensor,  # [num_seqs + 1]
     seq_lens: torch.Tensor,  # [num_seqs]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over the paged cache; float32 math (fp8 dequantised)."""
     out = torch.empty_like(q)
     num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = kv.num_kv_heads
+    v_open = kv.v_open if kv.v_dims_major else None
     group = num_heads // num_kv_heads
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -121,8 +115,8 @@ def paged_attention_ref(
         q_len = q_s.shape[0]
         if q_len == 0:
             continue
-        k = dequantize_kv(_gather_kv(k_cache, block_tables[s], seq_len), k_scale)  # [seq_len, kv_heads, dim]
-        v = dequantize_kv(_gather_kv(v_cache, block_tables[s], seq_len), v_scale)
+        k = dequantize_kv(_gather_kv(kv.k, None, block_tables[s], seq_len), kv.k_scale)  # [seq_len, kv_heads, dim]
+        v = dequantize_kv(_gather_kv(kv.v, v_open, block_tables[s], seq_len), kv.v_scale)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_s, k) * scale  # [num_heads, q_len, seq_len]
@@ -136,13 +130,10 @@ def paged_attention_ref(
 
 def paged_decode_attention_ref(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query per sequence
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv: PagedKV,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
 ) -> torch.Tensor:
     qsl = torch.arange(q.shape[0] + 1, device=q.device, dtype=torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, block_tables, scale, k_scale, v_scale)
+    return paged_attention_ref(q, kv, qsl, seq_lens, block_tables, scale)

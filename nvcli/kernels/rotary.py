@@ -4,7 +4,7 @@ One program per (token, KV head): it loads that KV head's query heads (GQA group
 head and (when storing) its value head once, normalizes q and k per head in fp32, rotates them
 (neox layout: first half / second half), writes q back in place and writes k and v straight
 into the paged cache slot (quantized for an fp8 cache, as `kv_store` does; V token-major through
-`open_page_view`, see kv_layout.py). On the decode path
+its open-page view, see kv_layout.py). On the decode path
 this replaces the torch norm/rotary ops and the separate KV-store kernel with one launch.
 """
 
@@ -14,11 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.kv_layout import open_page_view
+from nvcli.kernels.kv_layout import PagedKV
 from nvcli.kernels.kv_store import (
     FP8_E4M3_MAX,
-    Scale,
-    is_fp8,
     load_scales,
     scale_args,
     seal_page,
@@ -189,16 +187,13 @@ def rope_qk_norm_triton(
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     *,
-    v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: with the caches, store k and v
-    k_cache: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor | None = None,  # the same shape; a token- or dims-major view (kv_layout.py)
+    v: torch.Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim]: with kv, store k and v
+    kv: PagedKV | None = None,  # the layer's cache (V written through its open-page view, kv_layout.py)
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
-    k_scale: Scale = None,
-    v_scale: Scale = None,
     scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden] or [num_tokens] precomputed: see the docstring
     scale_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm + rotary on q and k; with `k_cache` the rotated k and v go to the cache instead of back into k.
+    """Norm + rotary on q and k; with `kv` the rotated k and v go to the cache instead of back into k.
     `scale_rows` (deferred RMSNorm, models/llama.py; needs the cache store, which is where v is scaled): q, k and
     v are first multiplied by rsqrt(mean(row ** 2) + scale_eps) of their token's row, or by the token's entry of a
     [num_tokens] float32 of those values precomputed (layers.norm.row_rstd_vector)."""
@@ -210,20 +205,21 @@ def rope_qk_norm_triton(
     if num_tokens == 0:
         return q, k
     norm = q_weight is not None
-    store = k_cache is not None
+    store = kv is not None
     if store:
-        assert v is not None and v_cache is not None and slot_mapping is not None
+        assert v is not None and slot_mapping is not None
         assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape[0] == num_tokens
-        assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim)
-        assert k_cache.stride(-1) == 1
-        v_cache = open_page_view(v_cache)  # asserts one of the two layouts (and fp8 for dims-major)
+        assert (kv.num_kv_heads, kv.head_dim) == (num_kv_heads, head_dim)
+        k_cache, v_cache, cache_strides, page, cache_dtype = kv.k, kv.v_open, kv.store_strides, kv.block_size, kv.dtype
+        quant = kv.fp8
+        k_scale, v_scale = (kv.k_scale, kv.v_scale) if quant else (None, None)  # scales only apply to fp8
     else:
-        v, k_cache, v_cache, slot_mapping = k, k, k, positions
-    assert scale_rows is None or store, "scale_rows scales v on its way to the cache: pass k_cache"
+        # no cache: the kernel writes k back in place, the cache arguments are stand-ins it does not read
+        v, k_cache, v_cache, slot_mapping, page, cache_dtype = k, k, k, positions, 1, k.dtype
+        cache_strides = (k.stride(0), k.stride(1), k.stride(2), k.stride(0), k.stride(1), k.stride(2), 1)
+        quant, k_scale, v_scale = False, None, None
+    assert scale_rows is None or store, "scale_rows scales v on its way to the cache: pass kv"
     rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, num_tokens, q)
-    quant = store and is_fp8(k_cache.dtype)
-    if not quant:
-        k_scale = v_scale = None
     ks_ptr, vs_ptr, ks_val, vs_val, scale_is_ptr = scale_args(k_scale, v_scale, positions)
     group = num_heads // num_kv_heads
     pdl = use_pdl(q, num_tokens)
@@ -234,12 +230,10 @@ def rope_qk_norm_triton(
         eps,
         rs_ptr, rs_stride, rs_n, scale_eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1) if k_cache.dim() > 1 else 0, k_cache.stride(2) if k_cache.dim() > 2 else 0,
-        v_cache.stride(0), v_cache.stride(1) if v_cache.dim() > 1 else 0, v_cache.stride(2) if v_cache.dim() > 2 else 0,
-        v_cache.stride(3) if v_cache.dim() > 3 else 1,
+        *cache_strides,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head_dim // 2,
-        PAGE=k_cache.shape[1] if store else 1, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
-        FP8_MAX=FP8_E4M3_MAX if k_cache.dtype == torch.float8_e4m3fn else 57344.0,
+        PAGE=page, NORM=norm, STORE=store, QUANT=quant, SCALE_IS_PTR=scale_is_ptr,
+        FP8_MAX=FP8_E4M3_MAX if cache_dtype == torch.float8_e4m3fn else 57344.0,
         PDL=pdl,
         ROW_SCALE=scale_rows is not None,
         RS_BLOCK=rs_block,

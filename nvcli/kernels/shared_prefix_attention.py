@@ -29,8 +29,8 @@ import triton.language as tl
 
 from nvcli.kernels.arrival_counters import arrival_counters
 from nvcli.kernels.decode_attention import sm_count
-from nvcli.kernels.kv_layout import is_dims_major
-from nvcli.kernels.kv_store import Scale, is_fp8, load_scales, scale_args
+from nvcli.kernels.kv_layout import PagedKV
+from nvcli.kernels.kv_store import load_scales, scale_args
 
 MAX_SHARED_SPLITS = 8
 
@@ -206,9 +206,9 @@ def _shared_prefix_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_exists[:, None])
 
 
-def supports_shared_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def supports_shared_prefix(kv: PagedKV) -> bool:
     """Caches this kernel reads: token-major K pages, and V token-major or dims-major (kv_layout.py)."""
-    return k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or is_dims_major(v_cache))
+    return kv.k.stride(-1) == 1 and (kv.v.stride(-1) == 1 or kv.v_dims_major)
 
 
 def seqs_per_group(num_heads: int, num_kv_heads: int) -> int:
@@ -218,8 +218,7 @@ def seqs_per_group(num_heads: int, num_kv_heads: int) -> int:
 
 def shared_prefix_decode_attention_triton(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], token-major
-    v_cache: torch.Tensor,
+    kv: PagedKV,  # supports_shared_prefix
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a graph's padding row)
     shared_len: torch.Tensor,  # int32, [1] or one per group (seqs_per_group consecutive rows of `order`): the first
@@ -228,12 +227,10 @@ def shared_prefix_decode_attention_triton(
     scale: float,
     order: torch.Tensor | None = None,  # [num_seqs] int32 permutation: the rows grouped into programs in this order
     out: torch.Tensor | None = None,  # like q: written in place (a mixed step's leading rows of its output)
-    k_scale: Scale = None,  # an fp8 cache's per-tensor scales (float or [1] float32 tensor)
-    v_scale: Scale = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert supports_shared_prefix(k_cache, v_cache) and num_heads % num_kv_heads == 0
+    block_size, num_kv_heads = kv.block_size, kv.num_kv_heads
+    assert supports_shared_prefix(kv) and num_heads % num_kv_heads == 0
     group = num_heads // num_kv_heads
     seqs = seqs_per_group(num_heads, num_kv_heads)
     rows = max(16, triton.next_power_of_2(seqs * group))
@@ -244,15 +241,15 @@ def shared_prefix_decode_attention_triton(
     if num_seqs == 0:
         return out
     dot_f32 = q.dtype == torch.float32
-    fp8 = is_fp8(k_cache.dtype)
+    fp8 = kv.fp8
     # fp8 tiles are converted for the dots: to fp16, whose mantissa holds every e4m3 value (bf16's does not)
     dot_dtype = tl.float32 if dot_f32 else tl.float16 if fp8 or q.dtype == torch.float16 else tl.bfloat16
-    v_t = is_dims_major(v_cache)
+    v_t = kv.v_dims_major
     # dims-major V: two pages per tile (fp8's 32-token pages), as the engine kernel's 64-token tiles
     block_n = 2 * block_size if v_t else 32 if dot_f32 else 64
-    if not fp8:
-        k_scale = v_scale = None
-    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(k_scale, v_scale, seq_lens)
+    # scales only apply to an fp8 cache (an fp8 cache's are floats or [1] float32 tensors)
+    k_ptr, v_ptr, k_val, v_val, scale_is_ptr = scale_args(kv.k_scale if fp8 else None, kv.v_scale if fp8 else None,
+                                                          seq_lens)
     groups = triton.cdiv(num_seqs, seqs)
     per_group = shared_len.numel() > 1
     assert not per_group or shared_len.numel() >= groups
@@ -265,10 +262,9 @@ def shared_prefix_decode_attention_triton(
     counters = arrival_counters(q.device, groups * num_kv_heads)
     grid = (groups, num_kv_heads, shared_splits + seqs)
     _shared_prefix_decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, order, shared_len, out, mid_o, mid_lse, counters, num_seqs,
+        q, kv.k, kv.v, block_tables, seq_lens, order, shared_len, out, mid_o, mid_lse, counters, num_seqs,
         scale * 1.4426950408889634, k_ptr, v_ptr, k_val, v_val,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), *kv.strides[:6], block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, SEQS=seqs, ROWS=rows, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_N=block_n, DOT_F32=dot_f32,
         DOT_DTYPE=dot_dtype, SCALE_IS_PTR=scale_is_ptr, V_T=v_t, SHARED_SPLITS=shared_splits, PER_GROUP=per_group, num_warps=4,
         num_stages=3,  # Triton's default on Hopper, which the bf16 measurements used; the engine's fp8 kernel too

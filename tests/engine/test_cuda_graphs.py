@@ -364,9 +364,9 @@ llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=512, max_n
 compiled, split_rows = [], []
 triton.knobs.runtime.jit_cache_hook = lambda **kw: compiled.append((kw["fn"].jit_function, kw["key"]))  # compiles
 split = forward.split_attention
-def counting_split(q, k_cache, v_cache, s, *a, **kw):
+def counting_split(q, kv, s, *a, **kw):
     split_rows.append(s.num_rows)
-    return split(q, k_cache, v_cache, s, *a, **kw)
+    return split(q, kv, s, *a, **kw)
 forward.split_attention = counting_split
 rng = random.Random(0)
 prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(350, 450))] for _ in range(60)]

@@ -15,6 +15,7 @@ import torch
 from nvcli import LLM, SamplingParams
 from nvcli.engine import kv_sizing
 from nvcli.kernels import ops
+from nvcli.kernels.kv_layout import PagedKV
 from nvcli.kernels.reference import (
     dequantize_kv,
     paged_attention_ref,
@@ -83,7 +84,7 @@ def test_fp8_kv_nonunit_scale_and_broken_scale(tiny_model_dir, ref, monkeypatch)
     scale = 0.05
     llm = make_llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8", kv_cache_scale=scale)
     runner = runner_of(llm)
-    assert all(a.k_scale.item() == a.v_scale.item() == pytest.approx(scale) for a in runner.attn_layers)
+    assert all(a.kv.k_scale.item() == a.kv.v_scale.item() == pytest.approx(scale) for a in runner.attn_layers)
     short = [o[:SHORT] for o in ref["outs"]]
     st = compare_logits([x[:SHORT] for x in ref["logits"]], teacher_forced_logits(runner, PROMPTS, short))
     print(f"fp8 (scale {scale}) vs fp32 KV: {st}")
@@ -95,7 +96,7 @@ def test_fp8_kv_nonunit_scale_and_broken_scale(tiny_model_dir, ref, monkeypatch)
 
     # Negative control: a store that ignores the scale (attention still dequantises with it).
     store = ops.store_kvcache
-    monkeypatch.setattr(ops, "store_kvcache", lambda k, v, kc, vc, sm, ks=None, vs=None: store(k, v, kc, vc, sm))
+    monkeypatch.setattr(ops, "store_kvcache", lambda k, v, kv, sm: store(k, v, PagedKV(kv.k, kv.v), sm))
     first = [o[:1] for o in ref["outs"]]  # prefill logits only
     broken = compare_logits([x[:1] for x in ref["logits"]], teacher_forced_logits(runner, PROMPTS, first))
     print(f"broken scale: {broken}")
@@ -137,7 +138,7 @@ def test_fp8_default_pages_store_v_dims_major(tiny_model_dir) -> None:
     token_major = make_llm(tiny_model_dir("qwen3"), kv_cache_dtype="fp8", kvcache_block_size=16)
     for llm, expect in ((dims_major, True), (token_major, False)):
         attn = runner_of(llm).attn_layers[0]
-        assert is_dims_major(attn.v_cache) is expect and not is_dims_major(attn.k_cache)
+        assert is_dims_major(attn.kv.v) is expect and not is_dims_major(attn.kv.k) and attn.kv.v_dims_major is expect
     outs = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] for llm in (dims_major, token_major)]
     assert outs[0] == outs[1]
     # the cache really holds the prompts' values in dims-major storage: the written V slots are nonzero there
@@ -159,7 +160,7 @@ def test_reference_store_quantizes_and_attention_dequantizes() -> None:
     slots[5] = -1  # padding: skipped
     k_cache = torch.zeros(nb, bs, h, d, dtype=FP8)
     v_cache = torch.zeros_like(k_cache)
-    store_kvcache_ref(k, v, k_cache, v_cache, slots, ks, vs)
+    store_kvcache_ref(k, v, PagedKV(k_cache, v_cache, ks, vs), slots)
 
     valid = slots >= 0
     kq = k_cache.view(-1, h, d)[slots[valid]]
@@ -185,17 +186,18 @@ def test_reference_store_quantizes_and_attention_dequantizes() -> None:
     seq_lens = torch.tensor([20, 32], dtype=torch.int32)
     k_f, v_f = dequantize_kv(k_cache, ks), dequantize_kv(v_cache, vs)
     q = torch.randn(2, 4, d, generator=gen)
-    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, d**-0.5, ks, vs)
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_f, v_f, tables, seq_lens, d**-0.5))
+    out = paged_decode_attention_ref(q, PagedKV(k_cache, v_cache, ks, vs), tables, seq_lens, d**-0.5)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, PagedKV(k_f, v_f), tables, seq_lens, d**-0.5))
     qp = torch.randn(7, 4, d, generator=gen)
     qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
-    out = paged_attention_ref(qp, k_cache, v_cache, qsl, seq_lens, tables, d**-0.5, ks, vs)
-    torch.testing.assert_close(out, paged_attention_ref(qp, k_f, v_f, qsl, seq_lens, tables, d**-0.5))
+    out = paged_attention_ref(qp, PagedKV(k_cache, v_cache, ks, vs), qsl, seq_lens, tables, d**-0.5)
+    torch.testing.assert_close(out, paged_attention_ref(qp, PagedKV(k_f, v_f), qsl, seq_lens, tables, d**-0.5))
     # ops (CPU -> references) pass the scales through; a wrong scale changes the result
-    out_ops = ops.paged_prefill_attention(qp, k_cache, v_cache, qsl, seq_lens, tables, 4, 32, d**-0.5, ks, vs)
+    out_ops = ops.paged_prefill_attention(qp, PagedKV(k_cache, v_cache, ks, vs), qsl, seq_lens, tables, 4, 32,
+                                          d**-0.5)
     torch.testing.assert_close(out_ops, out)
-    wrong = ops.paged_prefill_attention(qp, k_cache, v_cache, qsl, seq_lens, tables, 4, 32, d**-0.5, 1.0, vs)
+    wrong = ops.paged_prefill_attention(qp, PagedKV(k_cache, v_cache, 1.0, vs), qsl, seq_lens, tables, 4, 32, d**-0.5)
     assert (wrong - out).abs().max() > 0.1
     k2, v2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    ops.store_kvcache(k, v, k2, v2, slots, ks, vs)
+    ops.store_kvcache(k, v, PagedKV(k2, v2, ks, vs), slots)
     assert torch.equal(k2.view(torch.uint8), k_cache.view(torch.uint8))

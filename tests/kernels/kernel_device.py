@@ -1,7 +1,7 @@
 """Run the kernel tests on the GPU when there is one, else on CPU tensors via the Triton interpreter.
 
 Inputs and references are built on the CPU; `on_device` wraps a kernel entry point so its
-tensor arguments travel to DEVICE, in-place results (the KV caches) come back, and so does
+tensor and PagedKV arguments travel to DEVICE, in-place results (the KV caches) come back, and so does
 the return value.
 """
 
@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from nvcli.kernels.kv_layout import PagedKV
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -24,17 +26,36 @@ def _to_cpu(x: Any) -> Any:
     return x
 
 
+def _to_device(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(DEVICE)  # keeps a dims-major view's strides (dense storage)
+    if isinstance(x, PagedKV):
+        return PagedKV(x.k.to(DEVICE), x.v.to(DEVICE), _to_device(x.k_scale), _to_device(x.v_scale))
+    return x
+
+
+def _copy_back(a: Any, moved: Any) -> None:
+    """Caches are written in place: their device copies' values go back into the CPU originals."""
+    if isinstance(a, torch.Tensor):
+        a.copy_(moved.cpu())
+    elif isinstance(a, PagedKV):
+        a.k.copy_(moved.k.cpu())
+        a.v.copy_(moved.v.cpu())
+
+
 def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if DEVICE.type == "cpu":
             return fn(*args, **kwargs)
-        moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
-        moved_kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        moved = [_to_device(a) for a in args]
+        moved_kw = {k: _to_device(v) for k, v in kwargs.items()}
         out = fn(*moved, **moved_kw)
         for a, m in zip(args, moved):
-            if isinstance(a, torch.Tensor):
-                a.copy_(m.cpu())  # caches are written in place
+            _copy_back(a, m)
+        for k, v in kwargs.items():
+            if isinstance(v, PagedKV):
+                _copy_back(v, moved_kw[k])
         return _to_cpu(out)
 
     return call

@@ -11,6 +11,7 @@ from kernel_device import DEVICE, on_device
 
 from nvcli.kernels import arrival_counters, decode_attention, prefill_attention
 from nvcli.kernels.decode_attention import choose_num_splits
+from nvcli.kernels.kv_layout import PagedKV
 from nvcli.kernels.reference import paged_attention_ref, paged_decode_attention_ref
 
 paged_decode_attention_triton = on_device(decode_attention.paged_decode_attention_triton)
@@ -57,7 +58,7 @@ def quantize(cache: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def decode_ref(q, k_cache, v_cache, tables, seq_lens) -> torch.Tensor:
-    out = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    out = paged_decode_attention_ref(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE)
     out[seq_lens == 0] = 0.0  # the reference leaves empty rows unset; the kernel writes zeros
     return out
 
@@ -78,7 +79,7 @@ def test_decode_gqa_block_boundaries(num_heads: int, num_kv_heads: int, block_si
     k_cache, v_cache, tables = make_paged_kv(lens, num_kv_heads, block_size, gen)
     q = torch.randn(len(lens), num_heads, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    out = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE)
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
     assert (out[seq_lens == 0] == 0).all()
 
@@ -104,9 +105,8 @@ def test_decode_splits(num_splits: int | None, block_n: int) -> None:
         assert choose_num_splits(len(lens), 2, tables.shape[1] * 16, block_n, 132) > 1
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(
-        q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=num_splits, block_n=block_n
-    )
+    out = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE, num_splits=num_splits,
+                                        block_n=block_n)
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
 
 
@@ -120,10 +120,10 @@ def test_decode_split_merge() -> None:
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_splits=4, block_n=16)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, **kw)
+    out = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE, **kw)
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
     assert (out[seq_lens == 0] == 0).all()
-    again = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, **kw)
+    again = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE, **kw)
     assert torch.equal(out, again)  # deterministic: the merge runs in split order whoever finishes last
     assert arrival_counters.all_zero()
 
@@ -177,15 +177,15 @@ def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
     ref_qkv, ref_kc, ref_vc = _dev(qkv.clone()), _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(ref_qkv)
     rope_qk_norm_triton(q, k, _dev(positions), _dev(rope.cos_sin_cache), _dev(qw), _dev(kw), 1e-6, v=v,
-                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=_dev(slots), **scales)
-    ref = paged_decode_attention_triton(q, ref_kc, ref_vc, tables, seq_lens, SCALE, num_splits=num_splits,
-                                         block_n=16, **scales)
+                        kv=PagedKV(ref_kc, ref_vc, **scales), slot_mapping=_dev(slots))
+    ref = paged_decode_attention_triton(q, PagedKV(ref_kc, ref_vc, **scales), tables, seq_lens, SCALE,
+                                        num_splits=num_splits, block_n=16)
 
     fused_qkv, kc, vc = _dev(qkv.clone()), _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(fused_qkv)
     r = DecodeRope(k, v, _dev(positions), _dev(rope.cos_sin_cache), _dev(slots), _dev(qw), _dev(kw), 1e-6)
-    out = paged_decode_attention_triton(q, kc, vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
-                                         rope=r, **scales)
+    out = paged_decode_attention_triton(q, PagedKV(kc, vc, **scales), tables, seq_lens, SCALE, num_splits=num_splits,
+                                        block_n=16, rope=r)
     assert torch.equal(out.cpu(), ref.cpu())
     assert torch.equal(kc.cpu().view(torch.uint8), ref_kc.cpu().view(torch.uint8))
     assert torch.equal(vc.cpu().view(torch.uint8), ref_vc.cpu().view(torch.uint8))
@@ -195,8 +195,8 @@ def test_decode_with_fused_rope(norm: bool, fp8: bool, num_splits: int) -> None:
     # programs taking the sequences longest first: the same output and cache bytes
     order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
     kc2, vc2 = _dev(k_cache.clone()), _dev(v_cache.clone())
-    again = paged_decode_attention_triton(q, kc2, vc2, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16,
-                                          rope=r, order=order, **scales)
+    again = paged_decode_attention_triton(q, PagedKV(kc2, vc2, **scales), tables, seq_lens, SCALE,
+                                          num_splits=num_splits, block_n=16, rope=r, order=order)
     assert torch.equal(again.cpu(), ref.cpu())
     assert torch.equal(kc2.cpu().view(torch.uint8), ref_kc.cpu().view(torch.uint8))
     assert torch.equal(vc2.cpu().view(torch.uint8), ref_vc.cpu().view(torch.uint8))
@@ -209,7 +209,7 @@ def test_decode_large_pages(block_size: int) -> None:
     k_cache, v_cache, tables = make_paged_kv(lens, 2, block_size, gen)
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2)
+    out = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE, num_splits=2)
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens))
 
 
@@ -221,7 +221,7 @@ def test_decode_fp16_strided_q() -> None:
     qkv = torch.randn(len(lens), 8 * HEAD_DIM, generator=gen).to(torch.float16)
     q = qkv[:, : 4 * HEAD_DIM].view(len(lens), 4, HEAD_DIM)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE)
+    out = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE)
     assert out.dtype == torch.float16
     assert_close(out, decode_ref(q, k_cache, v_cache, tables, seq_lens), atol=2e-3, rtol=2e-3)
 
@@ -241,7 +241,7 @@ def test_decode_fp8_cache(scale_kind: str, f16_dot: bool, v_tile: bool) -> None:
         k_scale, v_scale = torch.tensor([ks]), torch.tensor(vs)
     else:
         k_scale, v_scale = ks, vs
-    out = paged_decode_attention_triton(q, k8, v8, tables, seq_lens, SCALE, k_scale, v_scale, num_splits=2,
+    out = paged_decode_attention_triton(q, PagedKV(k8, v8, k_scale, v_scale), tables, seq_lens, SCALE, num_splits=2,
                                         f16_dot=f16_dot, v_dequant_in_tile=v_tile)
     # fp16 dots (the GPU default for an fp8 cache) round q and the probabilities to fp16
     tol = dict(atol=2e-3, rtol=2e-3) if f16_dot else {}
@@ -266,9 +266,9 @@ def test_decode_run_addressing(block_size: int, block_n: int, num_splits: int, f
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_splits=num_splits, block_n=block_n, f16_dot=fp8)
-    per_token = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, ks, vs,
+    per_token = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache, ks, vs), tables, seq_lens, SCALE,
                                               run_addressing=False, v_dequant_in_tile=False, **kw)
-    runs = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, ks, vs,
+    runs = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache, ks, vs), tables, seq_lens, SCALE,
                                          run_addressing=True, v_dequant_in_tile=fp8, **kw)
     assert torch.equal(runs, per_token)
     assert_close(runs, decode_ref(q, k_deq, v_deq, tables, seq_lens), **(dict(atol=2e-3, rtol=2e-3) if fp8 else {}))
@@ -288,9 +288,9 @@ def test_decode_program_order(fp8: bool, num_splits: int) -> None:
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_splits=num_splits, block_n=16)
-    base = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, *scales, **kw)
+    base = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache, *scales), tables, seq_lens, SCALE, **kw)
     for order in (torch.argsort(seq_lens, descending=True, stable=True), torch.randperm(len(lens), generator=gen)):
-        out = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, *scales,
+        out = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache, *scales), tables, seq_lens, SCALE,
                                             order=order.to(torch.int32), **kw)
         assert torch.equal(out, base)
 
@@ -305,11 +305,9 @@ def _packed(q_lens: list[int], num_heads: int, gen: torch.Generator, dtype=torch
     return q, qsl
 
 
-def _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, **kw) -> torch.Tensor:
+def _run_prefill(q, kv: PagedKV, qsl, seq_lens, tables, **kw) -> torch.Tensor:
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
-    return paged_prefill_attention_triton(
-        q, k_cache, v_cache, qsl, seq_lens, tables, max(q_lens), int(seq_lens.max()), SCALE, **kw
-    )
+    return paged_prefill_attention_triton(q, kv, qsl, seq_lens, tables, max(q_lens), int(seq_lens.max()), SCALE, **kw)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
@@ -322,8 +320,8 @@ def test_prefill_mixed_batch(num_heads: int, num_kv_heads: int, block_size: int)
     k_cache, v_cache, tables = make_paged_kv(seq_lens_l, num_kv_heads, block_size, gen)
     q, qsl = _packed(q_lens, num_heads, gen)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
-    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    out = _run_prefill(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, SCALE)
     assert_close(out, ref)
 
 
@@ -336,8 +334,8 @@ def test_prefill_tile_shapes(block_m: int, block_n: int) -> None:
     k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen)
     q, qsl = _packed(q_lens, 4, gen)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, block_m=block_m, block_n=block_n)
-    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    out = _run_prefill(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, block_m=block_m, block_n=block_n)
+    ref = paged_attention_ref(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, SCALE)
     assert_close(out, ref)
 
 
@@ -348,8 +346,8 @@ def test_prefill_large_pages_and_empty_query() -> None:
     k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 64, gen)
     q, qsl = _packed(q_lens, 4, gen)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
-    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    out = _run_prefill(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, SCALE)
     assert_close(out, ref)
 
 
@@ -360,8 +358,8 @@ def test_prefill_fp16() -> None:
     k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen, dtype=torch.float16)
     q, qsl = _packed(q_lens, 4, gen, dtype=torch.float16)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    out = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
-    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    out = _run_prefill(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, SCALE)
     assert out.dtype == torch.float16
     assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
@@ -376,8 +374,8 @@ def test_prefill_fp8_cache() -> None:
     v8, v_deq = quantize(v_cache * 3.0, vs)
     q, qsl = _packed(q_lens, 8, gen)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    out = _run_prefill(q, k8, v8, qsl, seq_lens, tables, k_scale=torch.tensor(ks), v_scale=vs)
-    ref = paged_attention_ref(q, k_deq, v_deq, qsl, seq_lens, tables, SCALE)
+    out = _run_prefill(q, PagedKV(k8, v8, k_scale=torch.tensor(ks), v_scale=vs), qsl, seq_lens, tables)
+    ref = paged_attention_ref(q, PagedKV(k_deq, v_deq), qsl, seq_lens, tables, SCALE)
     assert_close(out, ref)
 
 
@@ -389,8 +387,8 @@ def test_decode_and_prefill_agree_on_decode_batch() -> None:
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
-    dec = paged_decode_attention_triton(q, k_cache, v_cache, tables, seq_lens, SCALE, num_splits=2)
-    pre = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables)
+    dec = paged_decode_attention_triton(q, PagedKV(k_cache, v_cache), tables, seq_lens, SCALE, num_splits=2)
+    pre = _run_prefill(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables)
     torch.testing.assert_close(dec, pre, atol=1e-5, rtol=1e-5)
 
 
@@ -411,14 +409,16 @@ def test_decode_with_fused_rope_scales_unnormalized_rows(norm: bool, num_splits:
     ref_qkv, ref_kc, ref_vc = _dev(qkv * row_rstd(rows, 1e-6)), _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(ref_qkv)
     rope_qk_norm_triton(q, k, _dev(positions), _dev(rope.cos_sin_cache), _dev(qw), _dev(kw), 1e-6, v=v,
-                        k_cache=ref_kc, v_cache=ref_vc, slot_mapping=_dev(slots))
-    ref = paged_decode_attention_triton(q, ref_kc, ref_vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16)
+                        kv=PagedKV(ref_kc, ref_vc), slot_mapping=_dev(slots))
+    ref = paged_decode_attention_triton(q, PagedKV(ref_kc, ref_vc), tables, seq_lens, SCALE, num_splits=num_splits,
+                                        block_n=16)
 
     kc, vc = _dev(k_cache.clone()), _dev(v_cache.clone())
     q, k, v = views(_dev(qkv.clone()))
     r = DecodeRope(k, v, _dev(positions), _dev(rope.cos_sin_cache), _dev(slots), _dev(qw), _dev(kw), 1e-6,
                    scale_rows=_dev(rows), scale_eps=1e-6)
-    out = paged_decode_attention_triton(q, kc, vc, tables, seq_lens, SCALE, num_splits=num_splits, block_n=16, rope=r)
+    out = paged_decode_attention_triton(q, PagedKV(kc, vc), tables, seq_lens, SCALE, num_splits=num_splits,
+                                        block_n=16, rope=r)
     torch.testing.assert_close(out.cpu(), ref.cpu(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(kc.cpu(), ref_kc.cpu(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(vc.cpu(), ref_vc.cpu(), atol=2e-5, rtol=2e-5)
@@ -451,7 +451,7 @@ def test_split_attention_matches_one_pass(graph_padding: bool, many_decodes: boo
     k_cache, v_cache, tables = make_paged_kv(seq_lens_l, 2, 16, gen)
     q, qsl = _packed(q_lens, 4, gen)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    ref = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, SCALE)
+    ref = paged_attention_ref(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, SCALE)
     num_tokens = q.shape[0]
     d_cap, p_extra, pad_rows = (d + 5, 2, 5) if graph_padding else (d, 0, 0)
     q_in = torch.cat([q, torch.randn(pad_rows, 4, HEAD_DIM, generator=gen)])
@@ -466,11 +466,12 @@ def test_split_attention_matches_one_pass(graph_padding: bool, many_decodes: boo
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     split = DecodeSplit(d_cap, dev(dec_lens), dev(dec_tables), dev(order), dev(pre_qsl), dev(pre_lens),
                         dev(pre_tables), max(q_lens[d:]))
-    out = paged_split_attention(dev(q_in), dev(k_cache), dev(v_cache), split, SCALE).cpu()
+    out = paged_split_attention(dev(q_in), PagedKV(dev(k_cache), dev(v_cache)), split, SCALE).cpu()
     assert_close(out[:num_tokens], ref)
     # --batch-invariant: the one-token rows take the prefill kernel too, and every row has the bits of one pass
-    invariant = paged_split_attention(dev(q_in), dev(k_cache), dev(v_cache), split, SCALE, invariant=True).cpu()
-    one_pass = _run_prefill(q, k_cache, v_cache, qsl, seq_lens, tables, invariant=True)
+    invariant = paged_split_attention(dev(q_in), PagedKV(dev(k_cache), dev(v_cache)), split, SCALE,
+                                      invariant=True).cpu()
+    one_pass = _run_prefill(q, PagedKV(k_cache, v_cache), qsl, seq_lens, tables, invariant=True)
     assert torch.equal(invariant[:num_tokens], one_pass)
     assert_close(one_pass, ref)
 
@@ -486,11 +487,11 @@ def test_prefill_invariant_rows_do_not_depend_on_chunks_or_neighbours(num_heads:
     other = torch.randn(12, num_heads, HEAD_DIM, generator=gen)
 
     def run(q_rows, qsl, lens, seq_tables):
-        return _run_prefill(q_rows, k_cache, v_cache, torch.tensor(qsl, dtype=torch.int32),
+        return _run_prefill(q_rows, PagedKV(k_cache, v_cache), torch.tensor(qsl, dtype=torch.int32),
                             torch.tensor(lens, dtype=torch.int32), seq_tables, invariant=True)
 
     whole = run(q, [0, n], [n], tables[:1])
-    ref = paged_attention_ref(q, k_cache, v_cache, torch.tensor([0, n], dtype=torch.int32),
+    ref = paged_attention_ref(q, PagedKV(k_cache, v_cache), torch.tensor([0, n], dtype=torch.int32),
                               torch.tensor([n], dtype=torch.int32), tables[:1], SCALE)
     assert_close(whole, ref)
     # rows 0-39 first, beside a 3-row chunk of the second sequence; then rows 40-69 after a decode row

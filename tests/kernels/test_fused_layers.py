@@ -51,6 +51,7 @@ def test_rope_qk_norm_matches_torch(norm: bool, head_dim: int) -> None:
 def test_rope_with_cache_store_matches_rope_then_store(group: int, fp8: bool) -> None:
     """The fused path (norm + rotary + KV-cache store in one kernel) writes the cache exactly as the
     separate rotary and store would, skips slot -1, and leaves q as the unfused kernel does."""
+    from nvcli.kernels.kv_layout import PagedKV
     from nvcli.kernels.kv_store import store_kvcache_triton
     from nvcli.kernels.rotary import rope_qk_norm_triton
 
@@ -77,9 +78,9 @@ def test_rope_with_cache_store_matches_rope_then_store(group: int, fp8: bool) ->
     kc_ref = torch.zeros(nb, page, KH, D, dtype=cache_dtype, device=DEVICE)
     vc_ref = torch.zeros_like(kc_ref)
     # the separate store kernel (the interpreter's fp8 cast truncates, so compare kernel with kernel)
-    store_kvcache_triton(ref_k.to(DEVICE), v.to(DEVICE), kc_ref, vc_ref, slots.to(DEVICE),
-                         k_scale=None if scale is None else scale.to(DEVICE),
-                         v_scale=None if scale is None else scale.to(DEVICE))
+    store_kvcache_triton(ref_k.to(DEVICE), v.to(DEVICE),
+                         PagedKV(kc_ref, vc_ref, None if scale is None else scale.to(DEVICE),
+                                 None if scale is None else scale.to(DEVICE)), slots.to(DEVICE))
     kc_ref, vc_ref = kc_ref.cpu(), vc_ref.cpu()
 
     qkv_d = qkv.clone().to(DEVICE)
@@ -89,7 +90,7 @@ def test_rope_with_cache_store_matches_rope_then_store(group: int, fp8: bool) ->
     vc = torch.zeros_like(kc)
     sc = None if scale is None else scale.to(DEVICE)
     rope_qk_norm_triton(q2, k2, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), qw.to(DEVICE), kw.to(DEVICE),
-                        1e-6, v=v2, k_cache=kc, v_cache=vc, slot_mapping=slots.to(DEVICE), k_scale=sc, v_scale=sc)
+                        1e-6, v=v2, kv=PagedKV(kc, vc, sc, sc), slot_mapping=slots.to(DEVICE))
     torch.testing.assert_close(q2.cpu(), ref_q, atol=0, rtol=0)
     assert torch.equal(kc.cpu().view(torch.uint8), kc_ref.view(torch.uint8))
     assert torch.equal(vc.cpu().view(torch.uint8), vc_ref.view(torch.uint8))
@@ -142,6 +143,7 @@ def test_rope_store_scales_unnormalized_rows(form: str) -> None:
     """The prompt-step rotary kernel with `scale_rows` (the rows, or their 1 / RMS precomputed): q (in place), and
     the k and v it stores, are those of the rows' projections after RMSNorm; it refuses to scale without the cache
     store, where v is scaled."""
+    from nvcli.kernels.kv_layout import PagedKV
     from nvcli.kernels.rotary import rope_qk_norm_triton
     from nvcli.models.layers.norm import row_rstd
 
@@ -162,7 +164,7 @@ def test_rope_store_scales_unnormalized_rows(form: str) -> None:
         kc = torch.zeros(nb, page, KH, D, device=DEVICE)
         vc = torch.zeros_like(kc)
         rope_qk_norm_triton(q, k, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), qw.to(DEVICE), kw.to(DEVICE),
-                            1e-6, v=v, k_cache=kc, v_cache=vc, slot_mapping=slots.to(DEVICE),
+                            1e-6, v=v, kv=PagedKV(kc, vc), slot_mapping=slots.to(DEVICE),
                             scale_rows=None if scale_rows is None else scale_rows.to(DEVICE), scale_eps=1e-6)
         return q.cpu(), kc.cpu(), vc.cpu()
 
@@ -171,6 +173,6 @@ def test_rope_store_scales_unnormalized_rows(form: str) -> None:
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
     q = qkv[:, : H * D].view(T, H, D).clone().to(DEVICE)
-    with pytest.raises(AssertionError, match="k_cache"):
+    with pytest.raises(AssertionError, match="pass kv"):
         rope_qk_norm_triton(q, q[:, :KH], positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE),
                             scale_rows=rows.to(DEVICE))

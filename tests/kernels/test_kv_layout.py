@@ -11,7 +11,14 @@ from kernel_device import DEVICE, on_device
 from test_attention_kernels import FP8, HEAD_DIM, SCALE, _packed, make_paged_kv, quantize
 
 from nvcli.kernels import decode_attention, kv_store, prefill_attention
-from nvcli.kernels.kv_layout import allocate_kv_cache, is_dims_major, open_page_view, page_view, v_dims_major
+from nvcli.kernels.kv_layout import (
+    PagedKV,
+    allocate_kv_cache,
+    is_dims_major,
+    open_page_view,
+    page_view,
+    v_dims_major,
+)
 from nvcli.kernels.reference import paged_attention_ref, quantize_kv, seal_pages_ref, store_kvcache_ref
 
 paged_decode_attention_triton = on_device(decode_attention.paged_decode_attention_triton)
@@ -60,11 +67,21 @@ def test_which_caches_are_dims_major() -> None:
 
 
 def test_allocated_views_address_their_storage() -> None:
-    storage, caches = allocate_kv_cache(2, 3, 32, 2, 16, FP8, "cpu")
+    storage, caches = allocate_kv_cache(2, 3, 32, 2, 16, FP8, "cpu", scale=0.25)
     assert storage.shape == (2, 2, 3, 32 * 2 * 16) and len(caches) == 2
-    k, v = caches[1]
+    kv = caches[1]
+    k, v = kv.k, kv.v
     assert k.shape == v.shape == (3, 32, 2, 16)
     assert not is_dims_major(k) and is_dims_major(v)
+    assert (kv.num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim, kv.dtype) == (3, 32, 2, 16, FP8)
+    assert kv.fp8 and kv.v_dims_major
+    # the strides the kernels take: K (block, token, head), V (block, token, head, dim); stores address V's open page
+    assert kv.strides == (*k.stride()[:3], *v.stride()) == (1024, 32, 16, 1024, 1, 512, 32)
+    assert kv.store_strides == (*k.stride()[:3], *open_page_view(v).stride()) == (1024, 32, 16, 1024, 16, 512, 1)
+    # each layer its own [1] float32 scales, set to the cache's scale
+    for s in (kv.k_scale, kv.v_scale, caches[0].k_scale):
+        assert isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.tolist() == [0.25]
+    assert kv.k_scale is not caches[0].k_scale and kv.k_scale is not kv.v_scale
     v[2, 5, 1, 7] = 3.0  # block 2, token 5, head 1, dim 7
     assert storage[1, 1, 2].view(2, 16, 32)[1, 7, 5].item() == 3.0  # [head, dim, token] in storage
     k[0, 1, 0, 3] = 2.0
@@ -72,8 +89,9 @@ def test_allocated_views_address_their_storage() -> None:
     open_page_view(v)[1, 5, 1, 7] = 4.0  # an open page: [head, token, dim] in the same bytes
     assert storage[1, 1, 1].view(2, 32, 16)[1, 5, 7].item() == 4.0
     assert open_page_view(k) is k
-    _, ((k16, v16),) = allocate_kv_cache(1, 2, 16, 2, 16, FP8, "cpu")
-    assert not is_dims_major(v16) and v16.is_contiguous()
+    _, (kv16,) = allocate_kv_cache(1, 2, 16, 2, 16, FP8, "cpu")
+    assert not is_dims_major(kv16.v) and kv16.v.is_contiguous() and not kv16.v_dims_major and kv16.v_open is kv16.v
+    assert kv16.strides == kv16.store_strides == (*kv16.k.stride()[:3], *kv16.v.stride())
     with pytest.raises(AssertionError, match="neither token-major nor dims-major"):
         is_dims_major(torch.zeros(3, 2, 16, 32).permute(0, 3, 2, 1))  # [block, token, head, dim] from [b, d, h, t]
 
@@ -97,12 +115,8 @@ def test_store_writes_token_major_rows(store: str) -> None:
     k_flat = torch.zeros(blocks, bs, heads, HEAD_DIM, dtype=FP8)
     v_flat = torch.zeros_like(k_flat)
     k_dm, v_dm = torch.zeros_like(k_flat), dims_major_copy(torch.zeros_like(k_flat))
-    if store == "triton":
-        fn(key, value, k_flat, v_flat, slots, k_scale=0.5, v_scale=0.25)
-        fn(key, value, k_dm, v_dm, slots, k_scale=0.5, v_scale=0.25)
-    else:
-        fn(key, value, k_flat, v_flat, slots, 0.5, 0.25)
-        fn(key, value, k_dm, v_dm, slots, 0.5, 0.25)
+    fn(key, value, PagedKV(k_flat, v_flat, 0.5, 0.25), slots)
+    fn(key, value, PagedKV(k_dm, v_dm, 0.5, 0.25), slots)
     assert torch.equal(open_page_view(v_dm).contiguous().view(torch.uint8), v_flat.view(torch.uint8))
     assert torch.equal(k_dm.view(torch.uint8), k_flat.view(torch.uint8))
     slot = int(slots[4])
@@ -124,7 +138,7 @@ def test_seal_turns_filled_pages_dims_major(seal: str) -> None:
     before_open = open_page_view(v).contiguous()
     before = codes.clone()
     slots = torch.tensor([3 * bs + bs - 1, -1, 1 * bs + 7, 0 * bs + bs - 1, 4 * bs])  # seals blocks 3 and 0
-    (seal_pages_triton if seal == "triton" else seal_pages_ref)(v, slots)
+    (seal_pages_triton if seal == "triton" else seal_pages_ref)(PagedKV(torch.zeros_like(before_open), v), slots)
     for block in range(blocks):
         if block in (0, 3):
             assert torch.equal(v[block].contiguous().view(torch.uint8), before_open[block].view(torch.uint8))
@@ -151,8 +165,9 @@ def test_chunks_and_decode_steps_keep_the_engine_layout(ops_path: str) -> None:
         codes = torch.randint(0, 126, (2, len(pos), heads, HEAD_DIM), generator=gen, dtype=torch.uint8)
         k, v = codes.view(FP8).float()[0], codes.view(FP8).float()[1]
         for vc, kc in ((v_tm, k_tm), (v_dm, k_dm)):
-            store(k, v, kc, vc, slots, k_scale=1.0, v_scale=1.0) if ops_path == "triton" else store(k, v, kc, vc, slots)
-            seal(vc, slots)
+            cache = PagedKV(kc, vc, 1.0, 1.0) if ops_path == "triton" else PagedKV(kc, vc)
+            store(k, v, cache, slots)
+            seal(cache, slots)
         done = end
         assert torch.equal(logical_values(v_dm, table, [end]).view(torch.uint8), v_tm.view(torch.uint8)), end
 
@@ -170,16 +185,16 @@ def test_decode_reads_dims_major_v(num_splits: int, block_n: int) -> None:
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     kw = dict(num_splits=num_splits, block_n=block_n, f16_dot=True)
-    token_major = paged_decode_attention_triton(q, k8, v8, tables, seq_lens, SCALE, 0.05, 0.05, run_addressing=True,
-                                                **kw)
-    dims_major = paged_decode_attention_triton(q, k8, engine_layout(v8, tables, lens), tables, seq_lens, SCALE, 0.05,
-                                               0.05, **kw)
+    token_major = paged_decode_attention_triton(q, PagedKV(k8, v8, 0.05, 0.05), tables, seq_lens, SCALE,
+                                                run_addressing=True, **kw)
+    dims_major = paged_decode_attention_triton(q, PagedKV(k8, engine_layout(v8, tables, lens), 0.05, 0.05), tables,
+                                               seq_lens, SCALE, **kw)
     # the open page is a tile of its own, taken first: the online softmax rescales at other points
     full_pages = [i for i, n in enumerate(lens) if n % 32 == 0]  # no open page: the same tiles, bit for bit
     assert torch.equal(dims_major[full_pages], token_major[full_pages])
     torch.testing.assert_close(dims_major, token_major, atol=1e-4, rtol=1e-3)
-    ref = paged_attention_ref(q, k_deq, v_deq, torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens, tables,
-                              SCALE)
+    ref = paged_attention_ref(q, PagedKV(k_deq, v_deq), torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens,
+                              tables, SCALE)
     ref[seq_lens == 0] = 0.0
     torch.testing.assert_close(dims_major, ref, atol=2e-3, rtol=2e-3)
 
@@ -211,9 +226,9 @@ def test_decode_with_fused_rope_stores_into_dims_major_v() -> None:
         kc, vc = k8.clone().to(DEVICE), v.clone().to(DEVICE)  # .to keeps the dims-major strides
         assert is_dims_major(vc) == (v is not v8)
         r = DecodeRope(k_new, v_new, positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE), slots.to(DEVICE))
-        outs.append(decode_attention.paged_decode_attention_triton(q, kc, vc, tables.to(DEVICE), seq_lens.to(DEVICE),
-                                                                   SCALE, 0.01, 0.02, num_splits=2, block_n=32,
-                                                                   rope=r).cpu())
+        outs.append(decode_attention.paged_decode_attention_triton(q, PagedKV(kc, vc, 0.01, 0.02), tables.to(DEVICE),
+                                                                   seq_lens.to(DEVICE), SCALE, num_splits=2,
+                                                                   block_n=32, rope=r).cpu())
         v_caches.append(vc.cpu())
     logical = logical_values(v_caches[1], tables, lens)
     for row, n in enumerate(lens):  # every sequence's tokens (a newly opened page holds anything past its end)
@@ -235,11 +250,12 @@ def test_prefill_reads_dims_major_v() -> None:
     v8, v_deq = quantize(v_cache, 0.01)
     q, qsl = _packed(q_lens, 4, gen)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32)
-    args = (qsl, seq_lens, tables, max(q_lens), max(seq_lens_l), SCALE, 0.02, 0.01)
-    token_major = paged_prefill_attention_triton(q, k8, v8, *args)
-    dims_major = paged_prefill_attention_triton(q, k8, engine_layout(v8, tables, seq_lens_l), *args)
+    args = (qsl, seq_lens, tables, max(q_lens), max(seq_lens_l), SCALE)
+    token_major = paged_prefill_attention_triton(q, PagedKV(k8, v8, 0.02, 0.01), *args)
+    dims_major = paged_prefill_attention_triton(q, PagedKV(k8, engine_layout(v8, tables, seq_lens_l), 0.02, 0.01),
+                                                *args)
     assert torch.equal(dims_major, token_major)
-    torch.testing.assert_close(dims_major, paged_attention_ref(q, k_deq, v_deq, qsl, seq_lens, tables, SCALE),
+    torch.testing.assert_close(dims_major, paged_attention_ref(q, PagedKV(k_deq, v_deq), qsl, seq_lens, tables, SCALE),
                                atol=2e-4, rtol=1e-3)
 
 
@@ -248,5 +264,5 @@ def test_dims_major_v_is_fp8_only() -> None:
     k_cache, v_cache, tables = make_paged_kv([40], 2, 32, gen)
     q = torch.randn(1, 4, HEAD_DIM, generator=gen)
     with pytest.raises(AssertionError, match="fp8-only"):
-        decode_attention.paged_decode_attention_triton(q, k_cache, dims_major_copy(v_cache), tables,
+        decode_attention.paged_decode_attention_triton(q, PagedKV(k_cache, dims_major_copy(v_cache)), tables,
                                                        torch.tensor([40], dtype=torch.int32), SCALE)

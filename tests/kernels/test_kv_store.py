@@ -7,6 +7,7 @@ import torch
 from kernel_device import on_device
 
 from nvcli.kernels import kv_store
+from nvcli.kernels.kv_layout import PagedKV
 from nvcli.kernels.reference import store_kvcache_ref
 
 store_kvcache_triton = on_device(kv_store.store_kvcache_triton)
@@ -37,8 +38,8 @@ def test_store_matches_reference(dtype: torch.dtype, block_size: int) -> None:
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kvcache_triton(k, v, k_cache, v_cache, slots)
-    store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    store_kvcache_triton(k, v, PagedKV(k_cache, v_cache), slots)
+    store_kvcache_ref(k, v, PagedKV(k_ref, v_ref), slots)
     assert torch.equal(k_cache, k_ref)
     assert torch.equal(v_cache, v_ref)
 
@@ -68,25 +69,24 @@ def test_store_fp8(scale_kind: str) -> None:
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=FP8)
     v_cache = torch.zeros_like(k_cache)
     if scale_kind == "none":
-        store_kvcache_triton(k, v, k_cache, v_cache, slots)
+        store_kvcache_triton(k, v, PagedKV(k_cache, v_cache), slots)
     elif scale_kind == "float":
-        store_kvcache_triton(k, v, k_cache, v_cache, slots, k_scale=ks, v_scale=vs)
+        store_kvcache_triton(k, v, PagedKV(k_cache, v_cache, k_scale=ks, v_scale=vs), slots)
     elif scale_kind == "tensor":
-        store_kvcache_triton(
-            k, v, k_cache, v_cache, slots, k_scale=torch.tensor([ks]), v_scale=torch.tensor(vs)
-        )
+        store_kvcache_triton(k, v, PagedKV(k_cache, v_cache, k_scale=torch.tensor([ks]), v_scale=torch.tensor(vs)),
+                             slots)
     else:
-        store_kvcache_triton(k, v, k_cache, v_cache, slots, k_scale=torch.tensor(ks), v_scale=vs)
+        store_kvcache_triton(k, v, PagedKV(k_cache, v_cache, k_scale=torch.tensor(ks), v_scale=vs), slots)
 
     k_ref = torch.zeros_like(k_cache)
     v_ref = torch.zeros_like(v_cache)
-    store_kvcache_ref(_quantize_ref(k, ks), _quantize_ref(v, vs), k_ref, v_ref, slots)
+    store_kvcache_ref(_quantize_ref(k, ks), _quantize_ref(v, vs), PagedKV(k_ref, v_ref), slots)
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     assert k_cache.float().abs().max().item() == 448.0
     # the reference store quantises the same way when given the scales itself
     k_ref.zero_()
     v_ref.zero_()
-    store_kvcache_ref(k, v, k_ref, v_ref, slots, ks, torch.tensor([vs]))
+    store_kvcache_ref(k, v, PagedKV(k_ref, v_ref, ks, torch.tensor([vs])), slots)
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))

@@ -7,7 +7,7 @@ import torch
 from kernel_device import on_device
 
 from nvcli.kernels import shared_prefix_attention
-from nvcli.kernels.kv_layout import is_dims_major
+from nvcli.kernels.kv_layout import PagedKV, is_dims_major
 from nvcli.kernels.reference import paged_decode_attention_ref
 
 HEAD_DIM = 32
@@ -36,7 +36,7 @@ def shared_case(own: list[int], shared_pages: int, num_kv_heads: int, page: int,
 
 
 def reference(q, k, v, tables, lens) -> torch.Tensor:
-    out = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, lens, HEAD_DIM**-0.5)
+    out = paged_decode_attention_ref(q.float(), PagedKV(k.float(), v.float()), tables, lens, HEAD_DIM**-0.5)
     out[lens == 0] = 0.0
     return out
 
@@ -51,7 +51,7 @@ def test_matches_reference_across_groupings(num_heads: int, num_kv_heads: int, p
     q = torch.randn(len(own), num_heads, HEAD_DIM, generator=gen)
     order = torch.argsort(lens, descending=True).to(torch.int32)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
-    out = run(q, k, v, tables, lens, torch.tensor([3 * page], dtype=torch.int32), HEAD_DIM**-0.5, order)
+    out = run(q, PagedKV(k, v), tables, lens, torch.tensor([3 * page], dtype=torch.int32), HEAD_DIM**-0.5, order)
     torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
 
 
@@ -70,7 +70,7 @@ def test_a_long_shared_prefix_split_across_programs(num_seqs: int) -> None:
     order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
     for _ in range(2):
-        out = run(q, k, v, tables, lens, torch.tensor([45 * 16], dtype=torch.int32), HEAD_DIM**-0.5, order)
+        out = run(q, PagedKV(k, v), tables, lens, torch.tensor([45 * 16], dtype=torch.int32), HEAD_DIM**-0.5, order)
         torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
         assert arrival_counters.all_zero()
 
@@ -93,9 +93,9 @@ def test_each_group_of_rows_reads_its_own_shared_pages() -> None:
     q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
     shared = torch.tensor([48, 80, 0], dtype=torch.int32)
-    out = run(q, k, v, tables, lens, shared, HEAD_DIM**-0.5)
+    out = run(q, PagedKV(k, v), tables, lens, shared, HEAD_DIM**-0.5)
     torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
-    wrong = run(q, k, v, tables, lens, torch.tensor([80, 48, 0], dtype=torch.int32), HEAD_DIM**-0.5)
+    wrong = run(q, PagedKV(k, v), tables, lens, torch.tensor([80, 48, 0], dtype=torch.int32), HEAD_DIM**-0.5)
     assert not torch.allclose(wrong[:8], out[:8], atol=1e-3)  # group 0 told of 5 shared pages reads row 0's own
 
 
@@ -105,7 +105,7 @@ def test_no_shared_pages_is_plain_decode_and_padding_rows_are_zero() -> None:
     k, v, tables, lens = shared_case(own, 0, 2, 16, gen)
     q = torch.randn(len(own), 4, HEAD_DIM, generator=gen)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
-    out = run(q, k, v, tables, lens, torch.tensor([0], dtype=torch.int32), HEAD_DIM**-0.5)
+    out = run(q, PagedKV(k, v), tables, lens, torch.tensor([0], dtype=torch.int32), HEAD_DIM**-0.5)
     torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
     assert (out[lens == 0] == 0).all()
 
@@ -116,7 +116,7 @@ def test_half_precision() -> None:
     k, v, tables, lens = shared_case(own, 4, 2, 16, gen, dtype=torch.float16)
     q = torch.randn(len(own), 4, HEAD_DIM, generator=gen).to(torch.float16)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
-    out = run(q, k, v, tables, lens, torch.tensor([64], dtype=torch.int32), HEAD_DIM**-0.5)
+    out = run(q, PagedKV(k, v), tables, lens, torch.tensor([64], dtype=torch.int32), HEAD_DIM**-0.5)
     torch.testing.assert_close(out.float(), reference(q, k, v, tables, lens), atol=2e-2, rtol=2e-2)
 
 
@@ -141,8 +141,8 @@ def test_fp8_cache(page: int, q_dtype: torch.dtype) -> None:
     q = torch.randn(len(own), 4, HEAD_DIM, generator=gen).to(q_dtype)
     order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
-    out = run(q, k8, v8, tables, lens, torch.tensor([9 * page], dtype=torch.int32), HEAD_DIM**-0.5, order,
-              k_scale=torch.tensor([0.05]), v_scale=torch.tensor([0.07]))
+    out = run(q, PagedKV(k8, v8, k_scale=torch.tensor([0.05]), v_scale=torch.tensor([0.07])), tables, lens,
+              torch.tensor([9 * page], dtype=torch.int32), HEAD_DIM**-0.5, order)
     tol = 1e-4 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), reference(q, k_deq, v_deq, tables, lens), atol=tol, rtol=tol)
 
@@ -153,12 +153,12 @@ def test_a_wrong_shared_length_changes_the_answer() -> None:
     k, v, tables, lens = shared_case([6, 6, 6], 0, 1, 16, gen)
     q = torch.randn(3, 2, HEAD_DIM, generator=gen)
     run = on_device(shared_prefix_attention.shared_prefix_decode_attention_triton)
-    out = run(q, k, v, tables, lens, torch.tensor([0], dtype=torch.int32), HEAD_DIM**-0.5)
+    out = run(q, PagedKV(k, v), tables, lens, torch.tensor([0], dtype=torch.int32), HEAD_DIM**-0.5)
     torch.testing.assert_close(out, reference(q, k, v, tables, lens), atol=2e-4, rtol=1e-3)
     lens16 = lens + 16
     tables16 = torch.cat([tables[:, :1], tables], dim=1)  # one more page in front, different per row
     tables16[:, 0] = torch.tensor([tables[0, 0], tables[1, 0], tables[2, 0]])
-    wrong = run(q, k, v, tables16, lens16, torch.tensor([16], dtype=torch.int32), HEAD_DIM**-0.5)
+    wrong = run(q, PagedKV(k, v), tables16, lens16, torch.tensor([16], dtype=torch.int32), HEAD_DIM**-0.5)
     assert not torch.allclose(wrong, reference(q, k, v, tables16, lens16), atol=1e-3)
 
 
@@ -194,8 +194,7 @@ def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypa
     d, num_tokens = q_lens.count(1), sum(q_lens)
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
-    want = paged_attention_ref(q, k_deq, v_deq, qsl, lens, tables, HEAD_DIM**-0.5) if fp8 else paged_attention_ref(
-        q, k, v, qsl, lens, tables, HEAD_DIM**-0.5)
+    want = paged_attention_ref(q, PagedKV(k_deq, v_deq) if fp8 else PagedKV(k, v), qsl, lens, tables, HEAD_DIM**-0.5)
     d_cap, pad = d + 4, 3  # a graph's decode capacity past the real rows, and its padding token rows
     dec_lens = torch.zeros(d_cap, dtype=torch.int32)
     dec_lens[:d] = lens[:d]
@@ -216,7 +215,8 @@ def test_one_token_rows_beside_prompt_chunks_read_the_shared_pages_once(monkeypa
         split = DecodeSplit(d_cap, dev(dec_lens), dev(dec_tables), dev(order), dev(pre_qsl), dev(pre_lens),
                             dev(pre_tables), max(q_lens[d:]),
                             shared_prefix_len=None if shared is None else dev(torch.tensor([shared], dtype=torch.int32)))
-        return paged_split_attention(dev(q_in), dev(k), dev(v), split, HEAD_DIM**-0.5, **scales).cpu()[:num_tokens]
+        return paged_split_attention(dev(q_in), PagedKV(dev(k), dev(v), **scales), split, HEAD_DIM**-0.5).cpu()[
+            :num_tokens]
 
     torch.testing.assert_close(run(shared_pages * page), want, atol=2e-4, rtol=1e-3)
     assert calls == [d_cap]  # the one-token rows (the graph's capacity of them) went to the shared-prefix kernel

@@ -1,5 +1,5 @@
-"""Paged attention layer: holds a layer's KV cache pages and fp8 scales; one forward, whose kernel calls are the
-attention backend's (nvcli/attention/forward.py)."""
+"""Paged attention layer: holds a layer's paged KV cache (one PagedKV: pages and fp8 scales); one forward, whose
+kernel calls are the attention backend's (nvcli/attention/forward.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,16 @@ from torch import nn
 
 from nvcli.attention.forward import HeadNorm, Rotary, paged_attention
 from nvcli.attention.metadata import AttentionMetadata
+from nvcli.kernels.kv_layout import PagedKV
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # Bound by the model runner once the cache is allocated: [num_blocks, block_size, num_kv_heads, head_dim]
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
-        # Per-tensor scales of an fp8 cache (ignored by other dtypes): stored = clamp(x / scale), read
-        # back as stored * scale. 1-element float32 buffers on the model's device, set once by the model
-        # runner (fill_, never reassigned) so kernels and captured CUDA graphs read them in place.
-        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        # Bound by the model runner once the cache is allocated (engine/kv_sizing.py). Kernels and captured CUDA
+        # graphs read its pages and fp8 scales in place, so the binding is not replaced once graphs are captured.
+        self.kv: PagedKV | None = None
 
     def forward(
         self,
