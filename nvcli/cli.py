@@ -9,7 +9,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from nvcli.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
+from nvcli.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 
 app = typer.Typer(
     name="nv",
@@ -48,6 +56,10 @@ _SCHEDULING_POLICY_HELP = (
     f"{' | '.join(SCHEDULING_POLICIES)} (vLLM's). fcfs serves requests in arrival order; priority serves each line's "
     "\"priority\" (an integer, lower first, ties by arrival) among the lines read ahead, and a full KV cache preempts "
     "the least urgent running line."
+)
+_QUANTIZATION_HELP = (
+    f"{' | '.join(QUANTIZATIONS)}: the projections quantized to block-wise FP8 (128x128 blocks) as they load; FP8 GEMMs "
+    "on compute capability 8.9+, dequantized elsewhere. An FP8 checkpoint needs no flag."
 )
 _RAY_ADDRESS_HELP = "With --dp-backend ray: the cluster to join (default: RAY_ADDRESS, else a local cluster)."
 _DEBUG_HELP = (
@@ -124,6 +136,7 @@ def generate(
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per KV-cache block, a power of two (default: 16; 32 for an fp8 cache).", rich_help_panel=ENGINE)] = _D["kvcache_block_size"],
     num_kvcache_blocks: Annotated[Optional[int], typer.Option(help="Fix the number of KV blocks (default: sized from free memory).", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights).", rich_help_panel=ENGINE)] = _D["load_format"],
+    quantization: Annotated[Optional[str], typer.Option("--quantization", help=_QUANTIZATION_HELP, rich_help_panel=ENGINE)] = None,
     device: Annotated[str, typer.Option(help=f"{_choices(DEVICES)}.", rich_help_panel=ENGINE)] = _D["device"],
     cpu_kvcache_space: Annotated[float, typer.Option("--cpu-kvcache-space", metavar="GIB", help=_CPU_KVCACHE_HELP, rich_help_panel=ENGINE)] = _D["cpu_kvcache_space_gib"],
     cpu_threads: Annotated[Optional[int], typer.Option("--cpu-threads", metavar="N", help=_CPU_THREADS_HELP, rich_help_panel=ENGINE)] = None,
@@ -192,6 +205,7 @@ def generate(
         kvcache_block_size=block_size,
         num_kvcache_blocks=num_kvcache_blocks,
         load_format=load_format,
+        quantization=quantization,
         device=device,
         cpu_kvcache_space_gib=cpu_kvcache_space,
         cpu_threads=cpu_threads,
@@ -239,6 +253,7 @@ if __name__ == "__main__":
 def bench(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model dir / GGUF / HF id (default: SmolLM2-135M-Instruct), or with --load-format dummy a built-in shape: qwen3-0.6b (the default with dummy), qwen3-8b, qwen3-32b, qwen3-30b-a3b, llama-3-8b, llama-3-70b.", rich_help_panel=ENGINE)] = None,
     load_format: Annotated[str, typer.Option(help=f"{_choices(LOAD_FORMATS)} (dummy: random weights of the real shape).", rich_help_panel=ENGINE)] = _D["load_format"],
+    quantization: Annotated[Optional[str], typer.Option("--quantization", help=_QUANTIZATION_HELP, rich_help_panel=ENGINE)] = None,
     tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "--tp", "-tp", help="Number of GPUs.", rich_help_panel=ENGINE)] = 1,
     data_parallel_size: Annotated[int, typer.Option("--data-parallel-size", "--dp", "-dp", help=_DP_HELP + " The workload grows N times.", rich_help_panel=ENGINE)] = 1,
     data_parallel_backend: Annotated[str, typer.Option("--data-parallel-backend", "--dp-backend", help=_DP_BACKEND_HELP, rich_help_panel=ENGINE)] = _D["data_parallel_backend"],
@@ -285,7 +300,7 @@ def bench(
         if load_format == "dummy" and (model is None or model in PRESETS):
             model = str(preset_dir(model or "qwen3-0.6b", tempfile.mkdtemp(prefix="nv-preset-")))
         config = EngineConfig(
-            model=model, load_format=load_format, tensor_parallel_size=tensor_parallel_size,
+            model=model, load_format=load_format, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, data_parallel_backend=data_parallel_backend, ray_address=ray_address,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             scheduling_policy=scheduling_policy,

@@ -16,6 +16,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 # names store K/V in that dtype whatever the model's (e.g. a bfloat16 cache under a float32 model).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "bfloat16", "float16", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# vLLM's --quantization: fp8 quantizes the projections to block-wise FP8 at load (models/layers/fp8.py)
+QUANTIZATIONS = ("fp8",)
 DEVICES = ("auto", "cuda", "cpu")
 # mp: replicas as processes of this host; ray: Ray actors, across the hosts of a Ray cluster (nvcli[ray])
 DATA_PARALLEL_BACKENDS = ("mp", "ray")
@@ -63,6 +65,9 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     load_format: str = "auto"
+    # None: the weights as the checkpoint stores them (an FP8 checkpoint's config.json says so itself); fp8: the
+    # projections of a bf16 / fp32 checkpoint (or dummy weights) quantized to FP8 as they load
+    quantization: str | None = None
     tokenizer: str | None = None
     async_scheduling: bool | None = None  # None: on for a single GPU (host work overlaps the device)
     # CPU only (vLLM's VLLM_CPU_KVCACHE_SPACE, --cpu-kvcache-space): the KV cache's bound in GiB when
@@ -142,6 +147,9 @@ class EngineConfig:
             f"must be a finite number > 0 (got {self.kv_cache_scale!r})",
         )
         need(self.load_format in LOAD_FORMATS, "--load-format", f"must be one of {LOAD_FORMATS}")
+        need(self.quantization is None or self.quantization in QUANTIZATIONS, "--quantization",
+             f"must be {' or '.join(QUANTIZATIONS)}, or left out for the checkpoint's own weights "
+             f"(got {self.quantization!r})")
         need(
             isinstance(self.cpu_kvcache_space_gib, (int, float)) and not isinstance(self.cpu_kvcache_space_gib, bool)
             and math.isfinite(self.cpu_kvcache_space_gib) and self.cpu_kvcache_space_gib > 0,

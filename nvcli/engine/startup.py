@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nvcli import env
-from nvcli.config import EngineConfig
+from nvcli.config import ConfigError, EngineConfig
 from nvcli.engine import kv_sizing
 from nvcli.engine.penalties import PenaltyBatch, apply_penalties
 from nvcli.engine.sampler import SamplingBatch, sample, token_logprobs
@@ -67,11 +67,17 @@ def compile_plan(config: EngineConfig, model_config: ModelConfig, rank: int, dev
 
 def load_model(config: EngineConfig, model_config: ModelConfig, model_dir: Path, device: torch.device,
                dtype: torch.dtype) -> torch.nn.Module:
-    """The model on `device` in `dtype`, its weights loaded (or random: load_format dummy) and its norms folded."""
+    """The model on `device` in `dtype`, its weights loaded (or random: load_format dummy) and its norms folded.
+    FP8 projections (an FP8 checkpoint, or --quantization fp8) stay FP8 on a GPU with FP8 tensor cores, else are
+    dequantized to `dtype` before the norms fold into them (models/layers/fp8.py)."""
+    from nvcli.kernels.block_fp8 import fp8_gemm_supported
+    from nvcli.models.layers.fp8 import finish_fp8_layers, fp8_projections, fp8_spec
+
+    fp8 = fp8_spec(config.quantization, model_config.quantization, model_config.num_experts)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), fp8_projections(fp8):
             model = model_class(model_config)(model_config)
     finally:
         torch.set_default_dtype(default_dtype)
@@ -79,6 +85,13 @@ def load_model(config: EngineConfig, model_config: ModelConfig, model_dir: Path,
         load_dummy_weights(model, config.seed)
     else:
         load_weights(model, iter_safetensors(model_dir))
+    if fp8 is not None:
+        keep = fp8_gemm_supported(device)
+        if keep and config.batch_invariant:
+            raise ConfigError("--batch-invariant: not with FP8 weights on this GPU yet (the FP8 GEMM has no "
+                              "batch-invariant form); leave out --quantization fp8 or use a bf16 checkpoint")
+        layers = finish_fp8_layers(model, keep, dtype)
+        log.info("%d projections in FP8: %s", layers, "FP8 GEMM" if keep else f"dequantized to {dtype} at load")
     model.fold_norm_weights()  # deferred RMSNorm (models/llama.py)
     model.set_batch_invariant(config.batch_invariant)
     return model.eval()

@@ -156,6 +156,10 @@ class TensorParallelExecutor:
 
             raise ConfigError(f"--tensor-parallel-size={world} needs {world} GPUs; {torch.cuda.device_count()} visible")
         _check_divisible(model_config, world)
+        from nvcli.models.layers.fp8 import check_tp_split
+
+        check_tp_split(model_config.quantization, {"o_proj": model_config.num_attention_heads * model_config.head_dim,
+                                                   "down_proj": model_config.intermediate_size}, world)
         self.shm = SharedMemory(name=f"nv-{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                 size=4 * channel_words(config))
         self.buf = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)

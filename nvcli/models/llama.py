@@ -13,8 +13,9 @@ scales gate and up by rstd(h); h += act @ Wd.T. In decode steps the two add+RMSN
 each was a few microseconds of launch and latency in a chain of dependent kernels. Prompt
 steps compute rstd(h) once per row with a small kernel instead (a pass over h, where add+RMSNorm made four), and the
 rotary and SiLU kernels read it. A few rows keep the fused kernels (the norm in the skinny
-GEMM's prologue). Not with tensor parallelism (o_proj and down are summed across ranks after the GEMM) or projection
-biases (a bias is added after the scaling).
+GEMM's prologue). Not with tensor parallelism (o_proj and down are summed across ranks after the GEMM), projection
+biases (a bias is added after the scaling) or FP8 projections kept in FP8 (layers/fp8.py: a norm weight folded into
+fp8 columns would change their block scales, and the deferred path's cuBLAS GEMMs take no fp8 weight).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
 from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nvcli.models.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -52,7 +54,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads, bias=qkv_bias)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias=False)
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias=False, what="o_proj")
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             config.max_position_embeddings,
@@ -100,7 +102,7 @@ class DecoderMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=False)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, what="down_proj")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,13 +122,11 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if use_triton(x):  # add+RMSNorm fused into the next projection (one kernel for a few rows)
-            from nvcli.kernels.skinny_gemm import norm_linear
-
-            norm, proj = self.input_layernorm, self.self_attn.qkv_proj
-            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+            norm = self.input_layernorm
+            qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, norm.weight, norm.eps)
             x = self.self_attn.attend(positions, qkv, meta)
-            norm, proj, down = self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.down_proj
-            gate_up, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+            norm, down = self.post_attention_layernorm, self.mlp.down_proj
+            gate_up, residual = self.mlp.gate_up_proj.forward_norm(x, residual, norm.weight, norm.eps)
             return down.forward_silu_mul(gate_up), residual
         if residual is None:
             residual = x
@@ -177,7 +177,9 @@ class DecoderLayer(nn.Module):
 
     def fold_norm_weights(self) -> None:
         """Fold each norm's weight into the projection it feeds, leaving the norm at weight 1: the same function,
-        and the form `forward_deferred` needs."""
+        and the form `forward_deferred` needs. Not into FP8 weights (see the module docstring)."""
+        if self.has_fp8:
+            return
         for norm, proj in ((self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm,
                                                                               self.mlp.gate_up_proj)):
             w = proj.weight.data  # [out, hidden]
@@ -185,9 +187,14 @@ class DecoderLayer(nn.Module):
             norm.weight.data.fill_(1.0)
 
     @property
+    def has_fp8(self) -> bool:
+        """Whether a projection of the layer holds FP8 weights (kept so after loading: layers/fp8.py)."""
+        return any(isinstance(m, LinearBase) and m.fp8 is not None for m in self.modules())
+
+    @property
     def can_defer_norm(self) -> bool:
-        return all(p.bias is None for p in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
-                                            self.mlp.down_proj))
+        return not self.has_fp8 and all(p.bias is None for p in (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                                                                 self.mlp.gate_up_proj, self.mlp.down_proj))
 
 
 class DecoderModel(nn.Module):

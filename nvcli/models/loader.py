@@ -2,6 +2,8 @@
 
 Checkpoint tensors stream one at a time (never the whole checkpoint in memory) into each
 parameter's weight_loader, which takes this rank's shard. Only safetensors are read: no pickle.
+An FP8 checkpoint's `<name>.weight_scale_inv` goes to the scale_loader of `<name>.weight`'s parameter
+(models/layers/fp8.py).
 """
 
 from __future__ import annotations
@@ -47,20 +49,29 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue
-        target, shard = name, None
-        mapped = own_target(name)
+        is_scale = name.endswith(".weight_scale_inv")
+        weight_name = name.removesuffix("_scale_inv")
+        target, shard = weight_name, None
+        mapped = own_target(weight_name)
         if mapped is not None:
             target, shard = mapped
         else:
             for ckpt_part, (our_part, shard_id) in packed.items():
-                if f".{ckpt_part}." in name:
-                    target, shard = name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
+                if f".{ckpt_part}." in weight_name:
+                    target, shard = weight_name.replace(f".{ckpt_part}.", f".{our_part}."), shard_id
                     break
         param = params.get(target)
         if param is None:
             if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                 continue
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        if is_scale:  # not a parameter of its own: the FP8 layer checks that every fp8 weight got its scales
+            scale_loader = getattr(param, "scale_loader", None)
+            if scale_loader is None:
+                raise ValueError(f"checkpoint tensor {name!r} scales FP8 weights, but {target} is not FP8 "
+                                 "(is config.json's quantization_config missing?)")
+            scale_loader(tensor, shard, name)
+            continue
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             param.data.copy_(tensor)
@@ -85,7 +96,10 @@ def load_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights of the real shape: the speed of the engine does not depend on their values."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if "norm" in name:
+        dummy_loader = getattr(p, "dummy_loader", None)  # FP8 weights: random values quantized (layers/fp8.py)
+        if dummy_loader is not None:
+            dummy_loader(gen)
+        elif "norm" in name:
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)

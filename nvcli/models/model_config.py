@@ -103,6 +103,9 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights renormalized to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # The checkpoint's `quantization_config` (None: plain weights). Only block-wise FP8 is read (models/layers/fp8.py):
+    # {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": (128, 128)}
+    quantization: Optional[Mapping[str, Any]] = None
 
     def __post_init__(self) -> None:
         optional = ("sliding_window",) if self.sliding_window is not None else ()
@@ -173,6 +176,7 @@ class ModelConfig:
             sliding_window=_qwen_sliding_window(d, get("num_hidden_layers", fam.num_hidden_layers))
             if model_type in ("qwen2", "qwen3") else _qwen_moe_sliding_window(d) if model_type == "qwen3_moe" else None,
             **_moe(d, MOE_DEFAULTS.get(model_type)),
+            quantization=_quantization(d.get("quantization_config")),
         )
 
     @classmethod
@@ -205,6 +209,7 @@ class ModelConfig:
             sliding_window=None if config.model_type == "llama"
             else _sliding_window(getattr(config, "sliding_window", None), getattr(config, "layer_types", None)),
             **_moe_from_hf(config),
+            quantization=_quantization(getattr(config, "quantization_config", None)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -289,6 +294,29 @@ def _moe_from_hf(config: Any) -> dict[str, Any]:
                 norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
                 decoder_sparse_step=getattr(config, "decoder_sparse_step", None) or 1,
                 mlp_only_layers=tuple(int(i) for i in getattr(config, "mlp_only_layers", None) or ()))
+
+
+def _quantization(q: Any) -> Optional[Mapping[str, Any]]:
+    """A `quantization_config` nv can load, normalized: block-wise FP8 with 128 x 128 blocks and activations
+    quantized at run time (DeepSeek-V3's and Qwen3-FP8's); any other scheme is refused here, by name."""
+    if q is None:
+        return None
+    if not isinstance(q, Mapping):
+        q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ModelConfigError(f"config.json: quantization_config quant_method {method!r} is not supported "
+                               "(nv loads block-wise fp8 checkpoints)")
+    block = q.get("weight_block_size")
+    if block is None or [int(b) for b in block] != [128, 128]:
+        raise ModelConfigError(f"config.json: quantization_config weight_block_size {block!r} is not supported: nv "
+                               "loads block-wise fp8 with [128, 128] blocks (not per-tensor or per-channel scales)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ModelConfigError(f"config.json: quantization_config activation_scheme {q['activation_scheme']!r} is "
+                               "not supported (only dynamic)")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ModelConfigError(f"config.json: quantization_config fmt {q['fmt']!r} is not supported (only e4m3)")
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": (128, 128)}
 
 
 def _sliding_window(window: Optional[int], layer_types: Optional[Any]) -> Optional[int]:

@@ -3,6 +3,9 @@
 Column-parallel layers split the output features across ranks; row-parallel ones split the
 input features and all-reduce the partial sums. Fused layers (qkv, gate_up) take each
 checkpoint tensor with a shard id and copy it into their slice.
+
+Built inside `fp8.fp8_projections`, the tensor-parallel layers hold block-wise FP8 weights (layers/fp8.py: `self.fp8`
+holds their scales and how checkpoint tensors load into them; after loading they stay FP8 or become plain layers).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.distributed import all_reduce, tp_rank, tp_size
+from nvcli.kernels.block_fp8 import FP8_DTYPE
 from nvcli.kernels.ops import use_triton
+from nvcli.models.layers.fp8 import Fp8Weights, active_fp8, fp8_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -31,26 +36,69 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int | None) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard_dim: int | None,
+                 what: str = "a projection") -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.shard_dim = shard_dim
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        spec = active_fp8() if shard_dim is not None else None  # replicated layers (a MoE router) stay unquantized
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE if spec else None),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.fp8: Fp8Weights | None = None
+        if spec is not None:
+            shards = {s: self.shard_rows(s) for s in self.shard_ids()}
+            self.fp8 = Fp8Weights(self, spec, shards, column=shard_dim == 0, row_split=shard_dim == 1, what=what)
+            self.weight.scale_loader = self.scale_loader  # type: ignore[attr-defined]
+            self.weight.dummy_loader = self.fp8.load_dummy  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if self.shard_dim is not None and self.shard_dim < loaded.dim():
-            size = param.shape[self.shard_dim]
-            loaded = loaded.narrow(self.shard_dim, self.tp_rank * size, size)
-        param.data.copy_(loaded)
+    def shard_ids(self) -> list[int | str | None]:
+        """The shard ids checkpoint tensors load with (None: one tensor, no id)."""
+        return [None]
+
+    def shard_rows(self, shard_id: int | str | None) -> tuple[int, int]:
+        """(first row, rows) of a shard in this rank's weight."""
+        return 0, self.weight.shape[0]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        offset, size = self.shard_rows(shard_id)
+        if self.shard_dim == 0:  # column-parallel and fused: this rank's rows of the tensor (weight or bias)
+            loaded = loaded.narrow(0, self.tp_rank * size, size)
+        elif self.shard_dim == 1 and loaded.dim() == 2:  # row-parallel: this rank's input columns
+            cols = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * cols, cols)
+        if self.fp8 is not None and param is self.weight:
+            self.fp8.store_weight(loaded, offset, shard_id)
+        else:
+            param.data.narrow(0, offset, loaded.shape[0]).copy_(loaded)
+
+    def scale_loader(self, scale: torch.Tensor, shard_id: int | str | None = None, name: str = "") -> None:
+        """A checkpoint's `weight_scale_inv` of the tensor that loads as `shard_id` (FP8 layers only)."""
+        assert self.fp8 is not None
+        self.fp8.load_scale(scale, shard_id, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows)
         return linear(x, self.weight, self.bias)
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(RMSNorm(x + residual)), x + residual) on the GPU: for a few rows one skinny-GEMM kernel with the norm
+        in its prologue (kernels/skinny_gemm.norm_linear); an FP8 layer runs the add+RMSNorm kernel, then its GEMM."""
+        if self.fp8 is None:
+            from nvcli.kernels.skinny_gemm import norm_linear
+
+            return norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
+        from nvcli.kernels.rms_norm import rms_norm_triton
+
+        normed, residual = rms_norm_triton(x, norm_weight, eps, residual)
+        return self.forward(normed), residual
 
 
 class ReplicatedLinear(LinearBase):
@@ -59,8 +107,8 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, _divide(out_features, tp_size(), "output features"), bias, 0)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, what: str = "a projection") -> None:
+        super().__init__(in_features, _divide(out_features, tp_size(), "output features"), bias, 0, what)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -68,13 +116,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(output_sizes), bias, "gate_up_proj")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
-        size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        loaded = loaded.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(loaded)
+    def shard_ids(self) -> list[int | str | None]:
+        return list(range(len(self.output_sizes)))
+
+    def shard_rows(self, shard_id: int | str | None) -> tuple[int, int]:
+        assert isinstance(shard_id, int)
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, self.output_sizes[shard_id] // self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -86,32 +135,40 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
         self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
         out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias)
+        super().__init__(hidden_size, out, bias, "qkv_proj")
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
+    def shard_ids(self) -> list[int | str | None]:
+        return ["q", "k", "v"]
+
+    def shard_rows(self, shard_id: int | str | None) -> tuple[int, int]:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        loaded = loaded.narrow(0, self.tp_rank * size, size)
-        param.data.narrow(0, offset, size).copy_(loaded)
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]  # type: ignore[index]
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(_divide(in_features, tp_size(), "input features"), out_features, bias, 1)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, what: str = "a projection") -> None:
+        super().__init__(_divide(in_features, tp_size(), "input features"), out_features, bias, 1, what)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         if loaded.dim() == 1:  # the bias is added once, on rank 0 only (after the reduce it would count N times)
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
-        super().weight_loader(param, loaded)
+        super().weight_loader(param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(linear(x, self.weight, self.bias))
+        return all_reduce(super().forward(x))
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
-        for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two."""
+        for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (not for FP8
+        weights: the SiLU-and-mul kernel, then the FP8 GEMM)."""
+        if self.fp8 is not None:
+            from nvcli.kernels.activation import silu_and_mul_triton
+
+            k = gate_up.shape[-1] // 2
+            act = silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k)
+            return self.forward(act)
         from nvcli.kernels.skinny_gemm import silu_mul_linear
 
         return all_reduce(silu_mul_linear(gate_up, self.weight, self.bias))

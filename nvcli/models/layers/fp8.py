@@ -1,0 +1,212 @@
+"""FP8 projections: which linear layers hold block-wise FP8 weights, how checkpoint tensors and scales load into
+them, and what happens to them once loaded.
+
+Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale per 128 x 128 block):
+
+* an FP8 checkpoint (config.json `quantization_config` with quant_method fp8, as Qwen and DeepSeek publish them):
+  each projection's weight is fp8 and `<name>.weight_scale_inv` holds its block scales;
+* `--quantization fp8` on a bf16 / fp32 checkpoint (or dummy weights): each tensor is quantized as it loads, on the
+  layer's device, per checkpoint tensor (a q, k or v projection apart), exactly as a checkpoint would store it.
+
+The layers to quantize are the model's tensor-parallel projections (q/k/v, o, gate/up, down), built inside
+`fp8_projections(spec)`; embeddings, norms, the LM head and a mixture-of-experts router stay in the model dtype.
+A fused layer stacks its shards' scales along the output rows; where a shard does not start and end on a 128-row
+boundary of the fused weight (k / v of a small model, a tensor-parallel slice inside a block), the layer keeps one
+scale per row instead (`scale_rows` 1): each row the scale of its own checkpoint block. A row-parallel split must
+not cut a 128-column block of a checkpoint's scales (ConfigError naming --tensor-parallel-size).
+
+After loading, `finish_fp8_layers` keeps the FP8 weights where the GPU has FP8 tensor cores (compute capability 8.9
+or newer: kernels/fp8_gemm.py runs them), else dequantizes them once to the model dtype: the CPU and older GPUs run
+the model dtype's kernels on the dequantized weights, so a CPU run equals a float run on those weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from nvcli.config import ConfigError
+from nvcli.kernels.block_fp8 import BLOCK, FP8_DTYPE, dequantize_weight, fp8_linear_ref, quantize_weight
+from nvcli.kernels.ops import use_triton
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """How a model's projections are FP8: `checkpoint` True when the checkpoint stores them so (scales beside the
+    weights), False when they are quantized as they load (--quantization fp8)."""
+
+    checkpoint: bool
+
+
+_active: Optional[Fp8Spec] = None
+
+
+@contextmanager
+def fp8_projections(spec: Optional[Fp8Spec]) -> Iterator[None]:
+    """Within: the projections constructed are FP8 per `spec` (None: in the model dtype)."""
+    global _active
+    before, _active = _active, spec
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def active_fp8() -> Optional[Fp8Spec]:
+    """The spec projections constructed now take (layers/linear.py)."""
+    return _active
+
+
+def fp8_spec(quantization: Optional[str], checkpoint: Optional[Mapping[str, Any]], num_experts: int = 0
+             ) -> Optional[Fp8Spec]:
+    """The FP8 spec of a model: from its checkpoint's quantization_config (ModelConfig.quantization, already checked
+    to be block-wise fp8) or the --quantization flag (EngineConfig.quantization); None for neither."""
+    if checkpoint is None and quantization is None:
+        return None
+    if num_experts:
+        source = "an FP8 checkpoint" if checkpoint is not None else "--quantization fp8"
+        raise ConfigError(f"{source}: FP8 weights of mixture-of-experts models are not supported yet "
+                          "(dense models only); load a bf16 checkpoint without --quantization")
+    return Fp8Spec(checkpoint=checkpoint is not None)
+
+
+def _tp_cut(tp: int, what: str, in_features: int) -> ConfigError:
+    return ConfigError(f"--tensor-parallel-size={tp}: {what} has {in_features} input features, {in_features // tp} "
+                       f"per rank, which cuts the FP8 checkpoint's {BLOCK}-column scale blocks; choose a size that "
+                       f"leaves a multiple of {BLOCK} per rank")
+
+
+def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict[str, int], tp: int) -> None:
+    """Before any rank starts: an FP8 checkpoint (`quantization`, ModelConfig.quantization) split over `tp` ranks
+    leaves each rank of a row-parallel projection (name -> input features) whole 128-column scale blocks."""
+    if quantization is None or tp == 1:
+        return
+    for what, in_features in row_parallel.items():
+        if in_features % tp == 0 and (in_features // tp) % BLOCK:
+            raise _tp_cut(tp, what, in_features)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+               scale_rows: int) -> torch.Tensor:
+    """x @ dequant(weight).T (+ bias), activations quantized per token per 128 columns: the Triton kernel on a GPU,
+    its torch reference elsewhere."""
+    if use_triton(x):
+        from nvcli.kernels.fp8_gemm import fp8_linear_triton
+
+        return fp8_linear_triton(x, weight, scale, bias, scale_rows)
+    return fp8_linear_ref(x, weight, scale, bias, scale_rows)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Weights:
+    """A projection's FP8 state: its scales [ceil(out / scale_rows), ceil(in / 128)] (float32, a buffer of the
+    layer) and which shards have their weight and their scales.
+
+    `shards`: shard id -> (first row in the layer, rows) of this rank; `column`: this rank's rows are rows
+    [rank * rows, (rank + 1) * rows) of each checkpoint tensor (column-parallel and fused layers), else all of them;
+    `row_split`: the input features are split across ranks (row-parallel), this rank holding columns
+    [rank * in, (rank + 1) * in)."""
+
+    def __init__(self, layer: nn.Module, spec: Fp8Spec, shards: dict[Any, tuple[int, int]], column: bool,
+                 row_split: bool, what: str) -> None:
+        out_features, in_features = layer.weight.shape
+        self.tp_rank, self.tp_size = layer.tp_rank, layer.tp_size
+        self.shards, self.column, self.row_split = shards, column, row_split
+        if spec.checkpoint and row_split and self.tp_size > 1 and in_features % BLOCK:
+            raise _tp_cut(self.tp_size, what, in_features * self.tp_size)
+        last = max(offset for offset, _ in shards.values())
+        aligned = all(offset % BLOCK == 0 and (rows % BLOCK == 0 or (offset == last and (self.tp_size == 1 or not column)))
+                      for offset, rows in shards.values())
+        self.scale_rows = BLOCK if aligned else 1
+        layer.register_buffer("weight_scale", torch.ones(_cdiv(out_features, self.scale_rows),
+                                                         _cdiv(in_features, BLOCK), dtype=torch.float32),
+                              persistent=False)
+        self.layer = layer
+        self.fp8_weights: set[Any] = set()  # shards whose weight arrived in fp8
+        self.scaled: set[Any] = set()  # shards whose scales are set (from the checkpoint or by quantizing)
+
+    def _write_scale(self, block_scale: torch.Tensor, offset: int, rows: int) -> None:
+        """Scales of `rows` rows from `offset`, given per 128 rows from the first ([ceil(rows / 128), kb])."""
+        dst = self.layer.weight_scale
+        if self.scale_rows == 1:
+            dst[offset : offset + rows].copy_(block_scale.repeat_interleave(BLOCK, 0)[:rows])
+        else:
+            dst[offset // BLOCK : offset // BLOCK + block_scale.shape[0]].copy_(block_scale)
+
+    def store_weight(self, loaded: torch.Tensor, offset: int, shard: Any) -> None:
+        """This rank's slice of a checkpoint tensor ([rows, in]) into rows from `offset`: fp8 as it is (its scales
+        come as their own tensor), any other dtype quantized here, on the layer's device, with its scales."""
+        weight = self.layer.weight.data
+        dst = weight.narrow(0, offset, loaded.shape[0])
+        if loaded.dtype == FP8_DTYPE:
+            dst.copy_(loaded)
+            self.fp8_weights.add(shard)
+            return
+        q, scale = quantize_weight(loaded.to(weight.device))
+        dst.copy_(q)
+        self._write_scale(scale, offset, loaded.shape[0])
+        self.scaled.add(shard)
+
+    def load_scale(self, scale: torch.Tensor, shard: Any, name: str) -> None:
+        """A checkpoint's `weight_scale_inv` [ceil(rows / 128), ceil(in / 128)] of the whole tensor: this rank's
+        part into the layer's scales."""
+        offset, rows = self.shards[shard]
+        in_features = self.layer.weight.shape[1]
+        total_rows = rows * self.tp_size if self.column else rows
+        total_in = in_features * self.tp_size if self.row_split else in_features
+        want = (_cdiv(total_rows, BLOCK), _cdiv(total_in, BLOCK))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(scale.shape)}; block-wise FP8 scales of a "
+                             f"[{total_rows}, {total_in}] weight have shape {want}")
+        row_start = self.tp_rank * rows if self.column else 0
+        col_block = self.tp_rank * in_features // BLOCK if self.row_split else 0
+        per_row = scale.float().repeat_interleave(BLOCK, 0)[row_start : row_start + rows]
+        per_row = per_row[:, col_block : col_block + _cdiv(in_features, BLOCK)].to(self.layer.weight_scale.device)
+        dst = self.layer.weight_scale
+        if self.scale_rows == 1:
+            dst[offset : offset + rows].copy_(per_row)
+        else:  # aligned: every 128th row starts a block
+            dst[offset // BLOCK : offset // BLOCK + _cdiv(rows, BLOCK)].copy_(per_row[::BLOCK])
+        self.scaled.add(shard)
+
+    def load_dummy(self, generator: torch.Generator) -> None:
+        """Random weights of the real shape (std 0.02, as loader.load_dummy_weights), quantized."""
+        weight = self.layer.weight
+        w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, 0.02, generator=generator)
+        q, scale = quantize_weight(w)
+        weight.data.copy_(q)
+        self._write_scale(scale, 0, weight.shape[0])
+        self.scaled.update(self.shards)
+
+    def check_loaded(self, name: str) -> None:
+        unscaled = self.fp8_weights - self.scaled
+        if unscaled:
+            raise ValueError(f"checkpoint has FP8 weights for {name} (shards {sorted(map(str, unscaled))}) without "
+                             "their weight_scale_inv")
+
+
+def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
+    """After loading: every FP8 projection checked to have its scales, then kept in FP8 (`keep`: the GPU runs
+    kernels/fp8_gemm.py) or dequantized to `dtype` (the layer then runs as any other). -> the number of FP8 layers."""
+    count = 0
+    for name, module in model.named_modules():
+        state: Optional[Fp8Weights] = getattr(module, "fp8", None)
+        if not isinstance(state, Fp8Weights):
+            continue
+        state.check_loaded(name)
+        count += 1
+        if keep:
+            continue
+        w = dequantize_weight(module.weight.data, module.weight_scale, dtype, state.scale_rows)
+        module.weight = nn.Parameter(w, requires_grad=False)
+        del module.weight_scale
+        module.fp8 = None
+    return count
