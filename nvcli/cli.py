@@ -52,6 +52,9 @@ _DP_HELP = (
     "the same one; a replica that dies has its lines served by the others."
 )
 _DP_BACKEND_HELP = "mp: replicas are processes of this host | ray: Ray actors on the hosts of a Ray cluster (pip install 'nvcli[ray]')."
+_SPECULATIVE_HELP = ('Speculative decoding (vLLM\'s): prompt lookup, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; speculates in steps of at most '
+                     '"disable_by_batch_size" (default 8) sequences; the tokens stay those the model would sample.')
 _SCHEDULING_POLICY_HELP = (
     f"{' | '.join(SCHEDULING_POLICIES)} (vLLM's). fcfs serves requests in arrival order; priority serves each line's "
     "\"priority\" (an integer, lower first, ties by arrival) among the lines read ahead, and a full KV cache preempts "
@@ -128,6 +131,7 @@ def generate(
     scheduling_policy: Annotated[str, typer.Option("--scheduling-policy", help=_SCHEDULING_POLICY_HELP, rich_help_panel=ENGINE)] = _D["scheduling_policy"],
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
     batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help=_BATCH_INVARIANT_HELP, rich_help_panel=ENGINE)] = False,
+    speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", metavar="JSON", help=_SPECULATIVE_HELP, rich_help_panel=ENGINE)] = None,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.", rich_help_panel=ENGINE)] = _D["enable_prefix_caching"],
     enable_chunked_prefill: Annotated[bool, typer.Option("--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split long prompts across steps.", rich_help_panel=ENGINE)] = _D["enable_chunked_prefill"],
     dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
@@ -198,6 +202,7 @@ def generate(
         scheduling_policy=scheduling_policy,
         enforce_eager=enforce_eager,
         batch_invariant=batch_invariant,
+        speculative_config=speculative_config,
         enable_prefix_caching=enable_prefix_caching,
         enable_chunked_prefill=enable_chunked_prefill,
         dtype=dtype,
@@ -265,6 +270,7 @@ def bench(
     gpu_memory_utilization: Annotated[float, typer.Option(rich_help_panel=ENGINE)] = _D["gpu_memory_utilization"],
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="Do not capture CUDA graphs.", rich_help_panel=ENGINE)] = False,
     batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help=_BATCH_INVARIANT_HELP, rich_help_panel=ENGINE)] = False,
+    speculative_config: Annotated[Optional[str], typer.Option("--speculative-config", metavar="JSON", help=_SPECULATIVE_HELP, rich_help_panel=ENGINE)] = None,
     enable_prefix_caching: Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", rich_help_panel=ENGINE)] = True,
     dtype: Annotated[str, typer.Option(help=f"{_choices(DTYPES)}.", rich_help_panel=ENGINE)] = _D["dtype"],
     kv_cache_dtype: Annotated[str, typer.Option(help=f"{_choices(KV_CACHE_DTYPES)}.", rich_help_panel=ENGINE)] = _D["kv_cache_dtype"],
@@ -305,6 +311,7 @@ def bench(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             scheduling_policy=scheduling_policy,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
+            speculative_config=speculative_config,
             enable_prefix_caching=enable_prefix_caching, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
             cpu_kvcache_space_gib=cpu_kvcache_space, cpu_threads=cpu_threads,

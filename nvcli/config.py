@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nvcli.reasoning import REASONING_PARSERS
+
+if TYPE_CHECKING:
+    from nvcli.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 # auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn scaled by kv_cache_scale; the float
@@ -88,6 +92,9 @@ class EngineConfig:
     # depend on what else is in its steps, nor on how its prompt is chunked (kernels/invariant_matmul.py,
     # models/llama.py). Slower: its kernels keep one configuration for every batch size.
     batch_invariant: bool = False
+    # vLLM's --speculative-config: a JSON object, a dict or a speculative.SpeculativeConfig, which it becomes here
+    # (prompt lookup only: engine/spec_decode.py); None: no speculation
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, flag: str, why: str) -> None:
@@ -159,6 +166,12 @@ class EngineConfig:
         need(self.cpu_threads is None or _pos_int(self.cpu_threads), "--cpu-threads",
              f"must be a positive integer (got {self.cpu_threads!r})")
         need(isinstance(self.seed, int), "--seed", "must be an integer")
+        from nvcli.speculative import speculative_config
+
+        try:
+            self.speculative_config = speculative_config(self.speculative_config)
+        except ValueError as e:  # its messages name the flag
+            raise ConfigError(str(e)) from None
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(
                 self.max_num_batched_tokens >= self.max_model_len,

@@ -142,6 +142,15 @@ def hit_rate(stats: EngineStats) -> float | None:
     return stats.prefix_cache_hit_tokens / q if q else None
 
 
+def spec_decode(stats: EngineStats) -> str | None:
+    """Speculative decoding's drafts as accepted so far; None where the engine has verified none (speculation off)."""
+    rows, drafted, accepted = stats.spec_verify_rows, stats.spec_draft_tokens, stats.spec_accepted_tokens
+    if not rows:
+        return None
+    return (f"accepted {accepted:,} / {drafted:,} drafts ({accepted / max(1, drafted):.0%}), "
+            f"{1 + accepted / rows:.2f} tokens per verify")
+
+
 # -- the live view ---------------------------------------------------------------------------
 def _bar(total: int, completed: int, label: Text, width: int, **style: str) -> Table:
     row = Table.grid(padding=(0, 1))
@@ -197,6 +206,9 @@ def render_dashboard(p: JobProgress, rates: Rates, width: int = 100) -> Renderab
             f"running {s.num_running:,}   waiting {s.num_waiting:,}   "
             f"preempted {s.num_preemptions:,}",
         )
+        spec = spec_decode(s)
+        if spec is not None:
+            grid.add_row("spec decode", spec)
         for i, r in enumerate(s.replicas or ()):
             grid.add_row(f"replica {i}", _replica_line(r, rates.replica_gen_tps[i] if i < len(rates.replica_gen_tps)
                                                        else None))
@@ -232,6 +244,8 @@ def plain_line(p: JobProgress, rates: Rates) -> str:
         if total:
             parts.append(f"KV {s.kv_blocks_used / total:.0%}")
         parts.append(f"running {s.num_running} waiting {s.num_waiting}")
+        if s.spec_verify_rows:
+            parts.append(f"spec accepted {s.spec_accepted_tokens}/{s.spec_draft_tokens}")
         if s.replicas:
             parts.append("replicas " + " ".join(
                 "gone" if r is None else f"{rate or 0:.0f}tok/s,KV{r.kv_blocks_used / max(1, r.kv_blocks_total):.0%}"
@@ -272,6 +286,9 @@ def render_summary(r: JobResult) -> Table:
         if hr is not None:
             t.add_row("prefix cache hit rate", f"{hr:.1%}")
         t.add_row("preemptions", f"{s.num_preemptions:,}")
+        spec = spec_decode(s)
+        if spec is not None:
+            t.add_row("speculative decoding", spec)
     if r.output_closed:
         t.add_row("stopped", "the output was closed")
     elif r.aborted:

@@ -28,6 +28,7 @@ from nvcli.sampling_params import SamplingParams
 if TYPE_CHECKING:
 
     from nvcli.engine.sampling_stage import StepHandle
+    from nvcli.engine.spec_decode import NgramProposer
     from nvcli.engine.structured_output import GrammarCompiler
 
 log = logging.getLogger("nvcli")
@@ -103,6 +104,14 @@ class LLMEngine(TextSide):
         self._in_flight = None  # launched step whose tokens are not read yet (async scheduling)
         self._num_constrained = 0  # unfinished sequences with a grammar: steps without any skip the mask hook
         self.async_scheduling = bool(self.config.async_scheduling) and self.executor.supports_async
+        self.proposer: NgramProposer | None = None  # speculative decoding (engine/spec_decode.py)
+        self.num_verify_steps = 0
+        spec = self.config.speculative_config
+        if spec is not None:
+            from nvcli.engine.spec_decode import NgramProposer
+
+            self.proposer = NgramProposer(spec, self.max_model_len, self.config.kvcache_block_size,
+                                          str(self.config.kv_cache_dtype).startswith("fp8"))
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -167,7 +176,13 @@ class LLMEngine(TextSide):
                     self.scheduler.finish(seq, "abort")
                     finished.append(seq)
             self._release_held(request)
-        batch = self.scheduler.schedule()
+        drafts = None
+        if self.proposer is not None and self.proposer.wants(self.scheduler.running):
+            if self._in_flight is not None:  # drafts continue the last tokens: read them first (no overlap here)
+                finished.extend(self._collect(self._in_flight))
+                self._in_flight = None
+            drafts = self.proposer.propose(self.scheduler.running)
+        batch = self.scheduler.schedule(drafts)
         t1 = time.perf_counter()
         self.schedule_s += t1 - t0
         # The pipeline: launch this step's forward; sample it (a constrained row's mask needs the token before it,
@@ -189,7 +204,9 @@ class LLMEngine(TextSide):
                 assert compiler is not None
                 masks = compiler.step_mask(batch.seqs, batch.sample_index)
             self.executor.sample(handle, masks)
-        if not self.async_scheduling:
+        verifies = any(batch.num_drafts)
+        self.num_verify_steps += verifies
+        if not self.async_scheduling or verifies:  # the next step's drafts need what this one accepts
             self._in_flight, handle = handle, None
         if self._in_flight is not None:
             finished.extend(self._collect(self._in_flight))
@@ -218,8 +235,10 @@ class LLMEngine(TextSide):
         if self._num_constrained and compiler is not None:  # the constrained rows' matchers: their tokens
             compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
                                             if seq.grammar is not None])
-        self.generation_tokens += len(produced)
         for seq, index in produced:
+            if seq.is_finished:
+                continue  # a verify row's tokens after the one that stopped it (already cut)
+            self.generation_tokens += 1
             if logprob_at:
                 j = logprob_at.get(rows[seq.seq_id])
                 if j is not None:
@@ -332,6 +351,10 @@ class LLMEngine(TextSide):
             execute_s=self.execute_s,
             postprocess_s=self.postprocess_s,
             num_decode_steps=self.num_decode_steps,
+            spec_draft_tokens=self.scheduler.spec_draft_tokens,
+            spec_accepted_tokens=self.scheduler.spec_accepted_tokens,
+            spec_verify_rows=self.scheduler.spec_verify_rows,
+            spec_verify_steps=self.num_verify_steps,
         )
 
     def shutdown(self) -> None:

@@ -152,19 +152,24 @@ class ModelRunner:
         return self._forward_rows(step)[0]
 
     def _forward_rows(self, step: StepInput) -> tuple[Final, Final | None, torch.Tensor | None, int]:
-        """forward's rows; the same of `step.logit_rows` (None without); the logits [num_seqs, vocab] where a graph
-        computed them (else None), and that graph's size (else 0)."""
+        """forward's rows, then those of `step.draft_rows`; the same of `step.logit_rows` (None without); the logits
+        [num_seqs, vocab] where a graph computed them (else None), and that graph's size (else 0)."""
         key = self.cuda_graphs.key_for(step) if self.cuda_graphs is not None else None
         if key is not None:
             done = self.cuda_graphs.replay(step, key, lambda ids: self._feed_back(ids, step))
             extra = self._logit_rows(done.outputs, step) if key.chunks else None
-            return done.final, extra, done.logits, key.tokens if done.logits is not None else 0
+            final = done.final
+            if len(step.draft_rows):  # a mixed graph (a verify row has 2+ tokens): every row is in its outputs
+                final = _cat(final, _rows(done.outputs, self._upload(step.draft_rows, np.int64)))
+            return final, extra, done.logits, key.tokens if done.logits is not None else 0
         input_ids, positions, meta = self.eager_inputs(step)
         self._feed_back(input_ids, step)
         hidden, residual = self.model(input_ids, positions, meta)  # [num_tokens, hidden] each
         if step.decode_only:  # one token per sequence: every row is a last token
             return (hidden, residual), None, None, 0
         last = meta.query_start_loc[1:].long() - 1
+        if len(step.draft_rows):  # speculative decoding's verify rows sample there too, after every last row
+            last = torch.cat([last, self._upload(step.draft_rows, np.int64)])
         return _rows((hidden, residual), last), self._logit_rows((hidden, residual), step), None, 0
 
     def _logit_rows(self, final: Final, step: StepInput) -> Final | None:
@@ -199,7 +204,8 @@ class ModelRunner:
         final, extra, _, _ = self._forward_rows(step)
         self.model.compute_logits(*final)  # the vocab-parallel gather needs every rank
         if self.sampling.broadcast_tokens:  # rank 0's sampled tokens, for the next step's pending inputs
-            self.prev_tokens = torch.empty(len(step.seq_lens), dtype=torch.int64, device=self.device)
+            rows = len(step.seq_lens) + len(step.draft_rows)  # rank 0 samples every row of `final`
+            self.prev_tokens = torch.empty(rows, dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(self.prev_tokens, src=0)
         for _ in self.prompt_logit_chunks(extra) if extra is not None else ():  # rank 0 runs them after the broadcast
             pass
@@ -221,6 +227,10 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
             self.sampling.sampler_graphs = None
+
+
+def _cat(a: Final, b: Final) -> Final:
+    return torch.cat([a[0], b[0]]), None if a[1] is None or b[1] is None else torch.cat([a[1], b[1]])
 
 
 def _rows(final: Final, index: torch.Tensor) -> Final:

@@ -35,6 +35,12 @@ class EngineStats:
     execute_s: float = 0.0
     postprocess_s: float = 0.0
     num_decode_steps: int = 0
+    # Speculative decoding (--speculative-config): drafts verified and accepted, sequences' verifications (a
+    # sequence's step with drafts; it adds 1 + its accepted drafts) and engine steps that verified any
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_rows: int = 0
+    spec_verify_steps: int = 0
     # Data parallelism: each replica's own (None: a replica gone or not heard from yet); the fields above are sums
     replicas: list[EngineStats | None] | None = None
 

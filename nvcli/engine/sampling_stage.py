@@ -56,6 +56,13 @@ class SamplingInputs:
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
                   if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
+        # A verify sequence's rows before its last (speculative decoding): after every sequence's own row, each with
+        # its parameters and its own output position (its last row samples the position after them). Such sequences
+        # have no bans, logprobs or penalties (spec_decode.can_speculate), so only their params and positions repeat.
+        for s, index, k in zip(batch.seqs, batch.sample_index, batch.num_drafts):
+            if k:
+                params.extend([s.sampling_params] * k)
+                positions.extend(range(index - k - s.num_prompt_tokens, index - s.num_prompt_tokens))
         rows, ks = logprob_rows([p.logprobs for p in params])
         targets: list[int] = []
         span_ks: list[int] = []

@@ -40,6 +40,10 @@ class ScheduledBatch:
     is_decode_only: bool = False
     # prompt_logprobs: (batch index, first position, end position) of prompt positions whose logits this step keeps
     prompt_logit_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # Speculative decoding (engine/spec_decode.py): drafts verified per sequence (empty where no step has drafts).
+    # A verify sequence's k drafts sit in its token_ids at sample_index - k .. sample_index - 1, and it samples at each
+    # of them too: those k rows come after every sequence's own row, in batch order (its own row samples the last)
+    num_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_single_token_rows(self) -> int:
@@ -78,6 +82,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # prompt chunks that did not finish their prompt
+        self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_verify_rows = 0  # speculative decoding
         # Prompts being computed, by the hash their first uncached block will have: (sequence, that block's index). A
         # waiting prompt that would compute the same block instead waits a step or two and then reads it from the
         # prefix cache: a job whose lines share an instruction computes it once, and every sequence's table then
@@ -97,12 +102,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> ScheduledBatch:
+        """`drafts`: seq_id -> draft tokens of decoding sequences (engine/spec_decode.py); each verifies as many as
+        the step's token budget holds."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted = False
+        verify: dict[int, list[int]] = {}
 
         block_size = bm.block_size
         i = 0
@@ -115,6 +123,10 @@ class Scheduler:
             n = min(uncomputed, budget)
             if n < uncomputed and not self.enable_chunked_prefill:
                 break
+            proposed = drafts.get(seq.seq_id) if drafts else None
+            if proposed:  # a decode (its last token known): 1 + drafts tokens, KV blocks for all of them
+                proposed = proposed[: budget - n]
+                n += len(proposed)
             # most steps of a decode stay inside its last block: nothing to allocate (can_allocate is then true)
             if seq.num_computed_tokens + n > len(seq.block_table) * block_size:
                 while not bm.can_allocate(seq, n):
@@ -131,6 +143,8 @@ class Scheduler:
                         continue  # seq was the least urgent; the more urgent ones after it (now from i) still run
                     break  # seq preempted itself; everything after it is gone too
                 bm.allocate(seq, n)
+            if proposed:
+                verify[seq.seq_id] = proposed
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -170,7 +184,7 @@ class Scheduler:
             if first_miss is not None and n >= bm.block_size:
                 self._computing[first_miss] = (seq, len(cached))
 
-        return self._advance(seqs, counts)
+        return self._advance(seqs, counts, verify)
 
     def _being_computed(self, block_hash: int) -> bool:
         """Whether a running prompt is computing the block of this hash (and has not registered it yet)."""
@@ -183,7 +197,8 @@ class Scheduler:
         self._computing.pop(block_hash, None)  # registered (now a cache hit), finished or preempted
         return False
 
-    def _advance(self, seqs: list[Sequence], counts: list[int]) -> ScheduledBatch:
+    def _advance(self, seqs: list[Sequence], counts: list[int], drafts: dict[int, list[int]] | None = None
+                 ) -> ScheduledBatch:
         # One-token rows first: a step that also carries prompt chunks runs its first rows through the decode
         # kernel, and the rest through the prefill kernel (AttentionMetadata.split).
         if any(n > 1 for n in counts):
@@ -201,6 +216,10 @@ class Scheduler:
                     seq.num_prompt_logprobs_scheduled = hi
             computed = seq.num_computed_tokens
             start.append(computed)
+            if drafts:  # the drafts are inputs of this step: in token_ids until postprocess keeps the accepted ones
+                verified = drafts.get(seq.seq_id, ())
+                seq.token_ids.extend(verified)
+                batch.num_drafts.append(len(verified))
             seq.num_computed_tokens = computed = computed + n
             num_tokens = len(seq.token_ids)
             decode_only = decode_only and n == 1 and computed == num_tokens
@@ -256,9 +275,20 @@ class Scheduler:
         samples nothing."""
         produced: list[tuple[Sequence, int]] = []
         block_size = self.block_manager.block_size
-        for seq, start, n, index, token in zip(batch.seqs, batch.start, batch.num_new_tokens, batch.sample_index,
-                                                sampled):
+        num_drafts, extra = batch.num_drafts, len(batch.seqs)  # verify rows' earlier samples: from `extra` on
+        for i, (seq, start, n, index, token) in enumerate(zip(batch.seqs, batch.start, batch.num_new_tokens,
+                                                              batch.sample_index, sampled)):
             status = seq.status
+            k = num_drafts[i] if num_drafts else 0
+            if k:  # a verify step is collected before the next schedule: its sequences run or have finished
+                extra += k
+                if status == SequenceStatus.RUNNING:
+                    samples = sampled[extra - k : extra] + [token]
+                    accepted = self._accept(seq, index, samples)
+                    n -= k - accepted
+                    index -= k - accepted  # the last token kept; those from index - accepted on are new
+                    token = samples[accepted]
+                    produced.extend((seq, j) for j in range(index - accepted, index))
             if status == SequenceStatus.FINISHED:
                 continue  # finished (stop, abort) while this step was in flight
             if index >= 0:
@@ -269,6 +299,22 @@ class Scheduler:
             if index >= 0:
                 produced.append((seq, index))
         return produced
+
+    def _accept(self, seq: Sequence, index: int, samples: list[int]) -> int:
+        """A verify row's outcome: its drafts (token_ids[index - k : index]) are accepted while each equals the
+        sample at its position; token_ids keep the accepted drafts and the sample after them (from samples, which
+        equal them), whose KV is then what is computed. Returns the number accepted."""
+        k = len(samples) - 1
+        first = index - k
+        accepted = 0
+        while accepted < k and samples[accepted] == seq.token_ids[first + accepted]:
+            accepted += 1
+        del seq.token_ids[first + accepted + 1 :]  # postprocess writes the sample after them at first + accepted
+        seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV slots are garbage, rewritten later
+        self.spec_draft_tokens += k
+        self.spec_accepted_tokens += accepted
+        self.spec_verify_rows += 1
+        return accepted
 
     def check_stop(self, seq: Sequence, eos_token_ids: set[int], index: int | None = None) -> None:
         """Finish `seq` if the token at `index` (default: the last) ends it: EOS, stop id,

@@ -41,6 +41,9 @@ class StepInput:
     num_decode_rows: int = 0
     # Token rows whose logits are wanted besides each sequence's last (prompt_logprobs), in the batch's span order
     logit_rows: Ints = field(default_factory=list)
+    # Token rows sampled besides each sequence's last: a verify sequence's k rows before its last (speculative
+    # decoding, engine/spec_decode.py), in batch order; their logits follow the sequences' own rows
+    draft_rows: Ints = field(default_factory=list)
 
 
 def _feeding_row(seq: Sequence, prev_rows: dict[int, int] | None) -> int:
@@ -105,5 +108,8 @@ def _build_chunked_step_input(batch: ScheduledBatch, block_size: int, prev_rows:
     if batch.prompt_logit_spans:  # position p of sequence i sits at row qsl[i] + p - start[i]
         logit_rows = np.concatenate([np.arange(qsl[i] + lo - batch.start[i], qsl[i] + hi - batch.start[i])
                                      for i, lo, hi in batch.prompt_logit_spans])
+    draft_rows: Ints = []
+    if batch.num_drafts:  # sequence i's k drafts are the inputs of its k rows before its last, which end at qsl[i + 1]
+        draft_rows = [row for i, k in enumerate(batch.num_drafts) if k for row in range(qsl[i + 1] - 1 - k, qsl[i + 1] - 1)]
     return StepInput(input_ids, positions, slots, qsl, seq_lens, [s.block_table for s in batch.seqs], False, pending, d,
-                     logit_rows)
+                     logit_rows, draft_rows)

@@ -45,7 +45,7 @@ CMD_STEP, CMD_EXIT = 1, 2
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process exited; the job cannot go on."""
-_HEADER = 8  # int32 words: cmd, decode_only, num_tokens, num_seqs, width, pending, decode rows, logit rows
+_HEADER = 9  # int32 words: cmd, decode_only, num_tokens, num_seqs, width, pending, decode rows, logit rows, draft rows
 
 
 def free_port() -> int:
@@ -58,14 +58,14 @@ def channel_words(config: EngineConfig) -> int:
     max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
     max_blocks = -(-(config.max_model_len or 0) // config.kvcache_block_size) + 1
     seqs = config.max_num_seqs
-    return _HEADER + 4 * max_tokens + 2 * seqs + 1 + seqs * max_blocks + 2 * seqs
+    return _HEADER + 5 * max_tokens + 2 * seqs + 1 + seqs * max_blocks + 2 * seqs  # draft rows < tokens
 
 
 def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
     n, s = len(step.input_ids), len(step.seq_lens)
     width = max(len(b) for b in step.block_tables)
     buf[:_HEADER] = (cmd, int(step.decode_only), n, s, width, len(step.pending), step.num_decode_rows,
-                     len(step.logit_rows))
+                     len(step.logit_rows), len(step.draft_rows))
     o = _HEADER
     for arr in (step.input_ids, step.positions, step.slot_mapping):
         buf[o : o + n] = arr
@@ -82,10 +82,13 @@ def pack_step(buf: np.ndarray, step: StepInput, cmd: int = CMD_STEP) -> None:
         buf[o : o + 2 * len(step.pending)] = [x for pair in step.pending for x in pair]
     o += 2 * len(step.pending)
     buf[o : o + len(step.logit_rows)] = step.logit_rows
+    o += len(step.logit_rows)
+    buf[o : o + len(step.draft_rows)] = step.draft_rows
 
 
 def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
-    cmd, decode_only, n, s, width, num_pending, num_decode_rows, num_logit_rows = (int(x) for x in buf[:_HEADER])
+    cmd, decode_only, n, s, width, num_pending, num_decode_rows, num_logit_rows, num_draft_rows = (
+        int(x) for x in buf[:_HEADER])
     if cmd != CMD_STEP:
         return cmd, None
     o = _HEADER
@@ -101,8 +104,10 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
     pending = list(zip(flat[0::2], flat[1::2]))
     o += 2 * num_pending
     logit_rows = buf[o : o + num_logit_rows].tolist()
+    o += num_logit_rows
+    draft_rows = buf[o : o + num_draft_rows].tolist()
     return cmd, StepInput(ids, pos, slots, qsl, seq_lens, tables, bool(decode_only), pending, num_decode_rows,
-                          logit_rows)
+                          logit_rows, draft_rows)
 
 
 def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
@@ -273,7 +278,7 @@ class TensorParallelExecutor:
             return
         for a in self.acks:  # do not overwrite a step a worker has not read yet
             a.wait(timeout=5.0)
-        self.buf[:_HEADER] = (CMD_EXIT, 0, 0, 0, 0, 0, 0, 0)
+        self.buf[:_HEADER] = (CMD_EXIT,) + (0,) * (_HEADER - 1)
         for e in self.events:
             e.set()
         # Graphs that captured NCCL collectives must go before the communicator: on two H200s,

@@ -1,0 +1,141 @@
+"""Speculative decoding by prompt lookup (vLLM's `"method": "ngram"`): drafts from the sequence's own tokens.
+
+Proposal. For a running sequence whose tokens are all known, find the longest suffix n-gram (n from
+prompt_lookup_max down to prompt_lookup_min) that occurred earlier in its last WINDOW tokens (prompt + output), and
+propose the k tokens that followed its most recent earlier occurrence. Where fewer than k follow before the end, the
+match is read as a period and continued (a loop `a b c a b c a b` proposes `c a b c`); no match, no drafts.
+
+Verification. The scheduler gives a sequence with drafts d1..dk a row of 1 + k tokens (its last known token, then
+the drafts) and samples at every one of them, each with the sequence's own parameters and output position, exactly
+as plain decoding would sample there. Sample s_i is drawn from the target distribution after the context and
+d1..di. Drafts are accepted while s_i == d_(i+1); the step appends s_0..s_a, where a is the number accepted (the
+accepted drafts, then the first sample that differs, or the bonus sample after all k).
+
+Why the output is exactly the target's. An n-gram draft is a deterministic function of the context: a point-mass
+proposal q = 1[d]. Speculative sampling accepts d with probability min(1, p(d) / q(d)) = p(d), and otherwise draws
+from the residual norm(max(0, p - q)), which is p without d, renormalized. Sampling s ~ p and accepting when s == d
+does the same: it accepts with probability p(d), and given a rejection s is distributed as p conditioned on s != d.
+So each appended token has the target's conditional distribution, whatever the drafts: greedy gives the tokens of
+plain decoding, and a seeded request gives the same tokens with and without speculation, because its draw at an
+output position depends on its seed and that position only (engine/sampler.py), never on the batch or the step.
+
+Which rows speculate: only where this is exact and cheap. No structured-output grammar (its mask needs the token
+before), no penalties (their counts would need the drafts), no min_tokens ban in force, no logprobs or
+prompt_logprobs; and only in steps with at most `disable_by_batch_size` running sequences (a full batch keeps the
+device busy without them). A verify step needs its sequences' last tokens known, so the engine first collects the
+step in flight, and collects a verify step at once (engine/llm_engine.py): no async overlap for those steps. The
+rejected positions' KV slots hold garbage until later steps overwrite them; only blocks whose tokens are all
+accepted are registered in the prefix cache (Scheduler.postprocess).
+"""
+
+from __future__ import annotations
+
+from weakref import WeakKeyDictionary
+
+import numpy as np
+
+from nvcli.engine.scheduler import PENDING
+from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.speculative import SpeculativeConfig
+
+WINDOW = 4096  # the tokens a proposal searches: the sequence's last ones (host cost is linear in it)
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Whether drafts keep `seq`'s tokens exact at no extra cost (see the module docstring)."""
+    sp = seq.sampling_params
+    return (seq.grammar is None and not sp.has_penalties and sp.logprobs is None and sp.prompt_logprobs is None
+            and seq.num_completion_tokens >= sp.min_tokens)
+
+
+def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to `k` drafts after `tokens` [n] int64: what followed the most recent earlier occurrence of its longest
+    suffix n-gram, n_min <= n <= n_max (continued periodically where the sequence ends first); [] without one."""
+    n = len(tokens)
+    if k < 1 or n < n_min + 1:
+        return []
+    # j: end of an earlier occurrence (j <= n - 2, so a token follows it); grown backwards one token at a time
+    cand = np.flatnonzero(tokens[:-1] == tokens[-1])
+    best, best_len = cand, 1
+    for m in range(1, n_max):
+        cand = cand[cand >= m]
+        cand = cand[tokens[cand - m] == tokens[n - 1 - m]]
+        if not cand.size:
+            break
+        best, best_len = cand, m + 1
+    if best_len < n_min or not best.size:
+        return []
+    j = int(best[-1])
+    drafts = tokens[j + 1 : j + 1 + k].tolist()
+    period = n - 1 - j
+    while len(drafts) < k:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
+
+
+class _TokenArray:
+    """A sequence's token ids as int64, synced by copying only the ids appended since the last proposal: the ids
+    before a proposal's length never change afterwards (a verify step rewrites only positions after it)."""
+
+    __slots__ = ("buf", "n")
+
+    def __init__(self) -> None:
+        self.buf = np.empty(256, dtype=np.int64)
+        self.n = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        n = len(token_ids)
+        if n > len(self.buf):
+            grown = np.empty(max(n, 2 * len(self.buf)), dtype=np.int64)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        if n > self.n:
+            self.buf[self.n : n] = token_ids[self.n : n]
+        self.n = n
+        return self.buf[:n]
+
+
+class NgramProposer:
+    """The engine's proposer: drafts for the running sequences of the next step (`propose`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int, no_draft_at_page_end: bool
+                 ) -> None:
+        """`no_draft_at_page_end`: a cache whose full pages are sealed (fp8: kernels/kv_layout.py) is never written
+        again in a sealed page, so a draft (which may be rejected and rewritten later) never takes a page's last
+        slot there."""
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.no_draft_at_page_end = no_draft_at_page_end
+        self._arrays: WeakKeyDictionary[Sequence, _TokenArray] = WeakKeyDictionary()
+
+    def wants(self, running: list[Sequence]) -> bool:
+        """Whether the next step may speculate (then the engine collects the step in flight first)."""
+        return 0 < len(running) <= self.config.disable_by_batch_size and any(map(can_speculate, running))
+
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """seq_id -> drafts, for the decoding sequences whose last token is known; those without a match are left out.
+        Drafts stop where max_tokens or max_model_len would end the sequence anyway."""
+        cfg = self.config
+        out: dict[int, list[int]] = {}
+        for seq in running:
+            if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1
+                    or seq.token_ids[-1] == PENDING or not can_speculate(seq)):
+                continue
+            num_tokens = seq.num_tokens
+            room = min(cfg.k, self.max_model_len - num_tokens - 1)  # the last sampled index stays < max_model_len
+            max_tokens = seq.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - seq.num_completion_tokens - 1)
+            if self.no_draft_at_page_end:  # drafts sit at positions num_tokens .. num_tokens + room - 1
+                room = min(room, self.block_size - 1 - num_tokens % self.block_size)
+            if room < 1:
+                continue
+            array = self._arrays.get(seq)
+            if array is None:
+                array = self._arrays[seq] = _TokenArray()
+            tokens = array.sync(seq.token_ids)
+            drafts = propose_ngram(tokens[-WINDOW:], room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)  # type: ignore[arg-type]
+            if drafts:
+                out[seq.seq_id] = drafts
+        return out
