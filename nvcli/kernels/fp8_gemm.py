@@ -39,7 +39,7 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, e
     cols = group * GROUP + tl.arange(0, GROUP)
     ok = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x)), eps) / FP8_MAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), eps), FP8_MAX)  # IEEE-rounded: Triton's `/` is approximate
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + group, scale)
