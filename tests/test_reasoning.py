@@ -8,7 +8,7 @@ import json
 import pytest
 
 from nvcli.config import ConfigError
-from nvcli.engine.llm_engine import _reasoning_markers
+from nvcli.engine.text import reasoning_markers
 from nvcli.jobs.formatting import FormatContext, result_line
 from nvcli.jobs.requests import Defaults, Request, parse_line
 from nvcli.outputs import CompletionOutput, RequestOutput
@@ -64,10 +64,10 @@ class _Vocab:
 
 
 def test_a_tokenizer_without_the_markers_is_a_config_error_naming_the_flag() -> None:
-    assert _reasoning_markers(_Vocab({"<think>": 5, "</think>": 6}), "qwen3") == (5, 6)
-    assert _reasoning_markers(_Vocab({}), None) is None
+    assert reasoning_markers(_Vocab({"<think>": 5, "</think>": 6}), "qwen3") == (5, 6)
+    assert reasoning_markers(_Vocab({}), None) is None
     with pytest.raises(ConfigError, match=r"--reasoning-parser=deepseek_r1: the tokenizer has no </think> token"):
-        _reasoning_markers(_Vocab({"<think>": 5}), "deepseek_r1")
+        reasoning_markers(_Vocab({"<think>": 5}), "deepseek_r1")
 
 
 CHAT = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
