@@ -121,21 +121,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attention_block(positions, x, residual, meta)
         if use_triton(x):  # add+RMSNorm fused into the next projection (one kernel for a few rows)
-            norm = self.input_layernorm
-            qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, norm.weight, norm.eps)
-            x = self.self_attn.attend(positions, qkv, meta)
             norm, down = self.post_attention_layernorm, self.mlp.down_proj
             gate_up, residual = self.mlp.gate_up_proj.forward_norm(x, residual, norm.weight, norm.eps)
             return down.forward_silu_mul(gate_up), residual
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def attention_block(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input add+RMSNorm and attention: (attention's output before the residual add, the residual)."""
+        if use_triton(x):  # add+RMSNorm fused into the qkv projection (one kernel for a few rows)
+            norm = self.input_layernorm
+            qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, norm.weight, norm.eps)
+            return self.self_attn.attend(positions, qkv, meta), residual
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.self_attn(positions, x, meta), residual
 
     def forward_invariant(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata

@@ -21,7 +21,6 @@ from torch import nn
 
 from nvcli.attention.metadata import AttentionMetadata
 from nvcli.distributed import all_reduce
-from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.moe import SparseMoeBlock
 from nvcli.models.llama import DecoderLayer, DecoderModel
 from nvcli.models.model_config import ModelConfig
@@ -43,19 +42,7 @@ class MoeDecoderLayer(DecoderLayer):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(x):  # add+RMSNorm fused into the qkv projection (one kernel for a few rows), as DecoderLayer
-            from nvcli.kernels.skinny_gemm import norm_linear
-
-            norm, proj = self.input_layernorm, self.self_attn.qkv_proj
-            qkv, residual = norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-            x = self.self_attn.attend(positions, qkv, meta)
-        else:
-            if residual is None:
-                residual = x
-                x = self.input_layernorm(x)
-            else:
-                x, residual = self.input_layernorm(x, residual)
-            x = self.self_attn(positions, x, meta)
+        x, residual = self.attention_block(positions, x, residual, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -21,6 +21,7 @@ from nvcli.engine.replica import serve
 from nvcli.engine.router import BALANCE_SLACK, Router, prefix_keys
 from nvcli.jobs.requests import Defaults
 from nvcli.jobs.runner import JobOptions, run_job
+from nvcli.testing.processes import running
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = "Summarize the following note in one sentence, keeping every name exactly as written: "
@@ -277,13 +278,6 @@ def test_sigterm_drains_every_replica_and_no_process_outlives_the_job(model, tmp
     assert "Traceback" not in err
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [f"l{i}" for i in range(6)]
     time.sleep(0.5)
-    alive = [p for p in family if _running(p)]
+    alive = [p for p in family if running(p)]
     assert len(family) >= 2 and not alive, (family, alive)
 
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
