@@ -104,7 +104,11 @@ def test_fp8_matmul_matches_the_reference(m: int, n: int, k: int, scale_rows: in
         out = torch.empty(m, n)
         got = on_device(fp8_matmul_triton)(a, a_s, wq, w_s, out, bias, scale_rows)
         want = block_fp8_matmul_ref(a, a_s, wq, w_s, scale_rows) + (0 if bias is None else bias)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+        # Hopper's FP8 tensor cores add a K block's products with fewer mantissa bits than float32 (DeepSeek-V3's
+        # report: ~14), so each 128-wide block's partial carries a relative error near 1e-4 there; the interpreter
+        # computes in float32
+        tol = 1e-5 if INTERPRETED else 1e-3
+        assert torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()), (got - want).abs().max()
 
 
 @needs_fp8_gpu
