@@ -129,7 +129,10 @@ def graph_activation_bytes(runner: Runner) -> int:
     assert graphs is not None
     bs = max([graphs.decode_sizes[-1], *graphs.mixed_sizes])
     hidden = runner.model_config.hidden_size
-    inter = runner.model_config.intermediate_size // max(1, runner.model.tp_size)
+    cfg, tp = runner.model_config, max(1, runner.model.tp_size)
+    inter = cfg.intermediate_size // tp
+    if cfg.num_experts:  # a MoE layer's rows go to top-k experts: gate_up, activation and down rows for each, padded
+        inter = max(inter, cfg.num_experts_per_tok * (cfg.moe_intermediate_size // tp + hidden))
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     # the logits of the graphs that end with the LM head stay allocated beside it, one tensor per graph size
     logit_rows = sum(s for s in graphs.decode_sizes if s <= graphs.logits_max_rows)
