@@ -172,6 +172,8 @@ def run_bench(config, *, num_prompts: int, input_len: tuple[int, int], output_le
 
     from nvcli.engine import build_engine
 
+    if latency_mode and config.data_parallel_size > 1:
+        raise ValueError("--latency times one request on one replica: leave --data-parallel-size out")
     num_prompts *= config.data_parallel_size  # each replica gets the one-GPU workload's share
     t0 = time.perf_counter()
     engine = build_engine(config)

@@ -42,6 +42,13 @@ def test_bench_latency_mode(tiny_model_dir) -> None:
     assert "Time per output token:" in result.stdout
 
 
+def test_bench_latency_refuses_data_parallelism(tiny_model_dir) -> None:
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_model_dir("qwen3")), "--device", "cpu", "--latency",
+                                      "--dp", "2"])
+    assert result.exit_code == 2
+    assert "--latency times one request on one replica" in result.output
+
+
 def test_bench_rejects_a_bad_range() -> None:
     result = CliRunner().invoke(app, ["bench", "--input-len", "50-10", "--device", "cpu"])
     assert result.exit_code == 2
