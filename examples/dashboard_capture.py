@@ -13,30 +13,20 @@ import argparse
 import io
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from nvcli.dashboard import LiveDashboard, Rates, render_dashboard, render_summary
+from nvcli.engine.protocol import EngineStats
 from nvcli.jobs.reader import ReaderCounts
 from nvcli.jobs.runner import JobProgress, JobResult
 
 
-@dataclass
-class DemoStats:  # the fields of nvcli.engine.llm_engine.EngineStats
-    num_running: int = 256
-    num_waiting: int = 250
-    num_preemptions: int = 3
-    kv_blocks_total: int = 4096
-    kv_blocks_used: int = 3277
-    prefix_cache_hit_tokens: int = 4321
-    prefix_cache_query_tokens: int = 10000
-    prompt_tokens: int = 420_000
-    generation_tokens: int = 160_000
-    num_steps: int = 4567
-    last_step_time_s: float = 0.0123
-    num_finished: int = 1234
+def demo_stats() -> EngineStats:
+    return EngineStats(num_running=256, num_waiting=250, num_preemptions=3, kv_blocks_total=4096, kv_blocks_used=3277,
+                       prefix_cache_hit_tokens=4321, prefix_cache_query_tokens=10000, prompt_tokens=420_000,
+                       generation_tokens=160_000, num_steps=4567, last_step_time_s=0.0123, num_finished=1234)
 
 
 def recording_console(width: int) -> Console:
@@ -45,13 +35,13 @@ def recording_console(width: int) -> Console:
 
 def demo(width: int) -> str:
     progress = JobProgress(elapsed_s=83.0, written=1234, failed=4, skipped=0, read=1800, in_flight=512, buffered=3,
-                           total=10000, prompt_tokens=400_000, completion_tokens=150_000, stats=DemoStats(),
+                           total=10000, prompt_tokens=400_000, completion_tokens=150_000, stats=demo_stats(),
                            model_name="Qwen/Qwen3-0.6B")
     history = (900.0, 2100, 3300, 3900, 4200, 4400, 4350, 4500, 4610, 4480, 4550, 4567, 4590, 4620, 4567)
     rates = Rates(prompt_tps=12345.6, gen_tps=4567.8, lines_ps=14.5, history=history)
     result = JobResult(written=1234, errors=Counter({"prompt_too_long": 3, "invalid_json": 1}),
                        counts=ReaderCounts(lines=1236, blank=2, outputs=1234), prompt_tokens=400_000,
-                       completion_tokens=150_000, elapsed_s=83.0, stats=DemoStats())
+                       completion_tokens=150_000, elapsed_s=83.0, stats=demo_stats())
     console = recording_console(width)
     console.print(render_dashboard(progress, rates, width=width))
     console.print(render_summary(result))
