@@ -98,8 +98,39 @@ class Admission:
 
     def admit(self, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None,
               priority: int = 0) -> Admitted:
-        """Check a request and make its sequences. `prompt` is text (tokenized here) or token ids; with token ids,
-        `prompt_text` is the text they came from. `priority`: see check_priority."""
+        """Check a request (`check`) and make its sequences."""
+        token_ids, text, grammar = self.check(prompt, params, prompt_text, priority)
+        compiler = self.compiler if grammar is not None else None
+        # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule) unless it is to hold in the
+        # reasoning too (--structured-outputs-in-reasoning)
+        thinking = (grammar is not None and self.reasoning_markers is not None
+                    and not self.config.structured_outputs_in_reasoning
+                    and not reasoning_ended(token_ids, *self.reasoning_markers))
+        banned: tuple[int, ...] = ()
+        if params.min_tokens:  # the same for every completion
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            banned = tuple(sorted(ends))
+        seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size, priority=priority)
+                for sp in completion_params(params)]
+        for index, seq in enumerate(seqs):
+            seq.completion_index = index
+            seq.min_tokens_banned = banned
+            if compiler is not None and grammar is not None:
+                seq.grammar = compiler.new_state(grammar, self.reasoning_markers[1] if thinking else None)
+        if params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
+            seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
+            seqs[0].prompt_logprobs = FlatLogprobs()
+            seqs[0].prompt_logprobs.append_empty()  # the first prompt token: nothing predicts it
+        # siblings wait for the first completion's prompt blocks only where the cache can share a full block
+        hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
+        return Admitted(seqs, text, hold, grammar is not None)
+
+    def check(self, prompt: str | list[int], params: SamplingParams, prompt_text: str | None = None,
+              priority: int = 0) -> tuple[list[int], str | None, Any]:
+        """Check a request: (its token ids, after truncate_prompt_tokens; the text they spell, None where truncated;
+        its compiled constraint or None). `prompt` is text (tokenized here) or token ids; with token ids,
+        `prompt_text` is the text they came from. `priority`: see check_priority. The data-parallel front end checks
+        requests this way; each replica admits them."""
         check_priority(priority, self.config.scheduling_policy)
         if isinstance(prompt, str):
             if not prompt:
@@ -130,33 +161,9 @@ class Admission:
                              f"max_model_len={self.max_model_len} leaves room for {self.max_model_len - len(token_ids)} "
                              "more (lower max_tokens or shorten the prompt)")
         grammar: Any = None
-        compiler = None
-        # a constraint waits for the reasoning to end (--reasoning-parser, vLLM's rule) unless it is to hold in the
-        # reasoning too (--structured-outputs-in-reasoning)
-        thinking = False
         if params.structured_outputs is not None:  # compiled (and checked) once for all completions
-            compiler = self.structured_outputs()
-            grammar = compiler.grammar(params.structured_outputs)
-            thinking = (self.reasoning_markers is not None and not self.config.structured_outputs_in_reasoning
-                        and not reasoning_ended(token_ids, *self.reasoning_markers))
-        banned: tuple[int, ...] = ()
-        if params.min_tokens:  # the same for every completion
-            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            banned = tuple(sorted(ends))
-        seqs = [Sequence(token_ids, sp, self.config.kvcache_block_size, priority=priority)
-                for sp in completion_params(params)]
-        for index, seq in enumerate(seqs):
-            seq.completion_index = index
-            seq.min_tokens_banned = banned
-            if compiler is not None and grammar is not None:
-                seq.grammar = compiler.new_state(grammar, self.reasoning_markers[1] if thinking else None)
-        if params.prompt_logprobs is not None:  # once per request: by the completion that computes the prompt
-            seqs[0].num_prompt_logprobs_wanted = len(token_ids) - 1
-            seqs[0].prompt_logprobs = FlatLogprobs()
-            seqs[0].prompt_logprobs.append_empty()  # the first prompt token: nothing predicts it
-        # siblings wait for the first completion's prompt blocks only where the cache can share a full block
-        hold = self.config.enable_prefix_caching and len(token_ids) > self.config.kvcache_block_size
-        return Admitted(seqs, text, hold, grammar is not None)
+            grammar = self.structured_outputs().grammar(params.structured_outputs)
+        return token_ids, text, grammar
 
     def truncated(self, token_ids: list[int], keep: int | None, max_tokens: int | None = None) -> list[int]:
         """The prompt's last `keep` tokens (SamplingParams.truncate_prompt_tokens; -1: as many as leave room for

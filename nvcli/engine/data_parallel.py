@@ -102,8 +102,9 @@ class DataParallelEngine(TextSide):
         markers = reasoning_markers(self.tokenizer, config.reasoning_parser)
         self.admission = Admission(self.config, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    eos_token_ids(self.model_dir, self.model_config, self.tokenizer), markers)
-        block_size = self.config.kvcache_block_size or 16
-        self.router = Router(n, window=max(2, self.config.max_num_seqs * 3 // 2), block_size=block_size)
+        assert self.config.kvcache_block_size is not None  # EngineConfig fills it in
+        self.router = Router(n, window=max(2, self.config.max_num_seqs * 3 // 2),
+                             block_size=self.config.kvcache_block_size)
         # fcfs: a deque in arrival order; priority: a heap by (priority, arrival) (waiting_queue.py)
         self._queue: deque[_Pending] | PriorityQueue[_Pending] = waiting_queue(
             self.config.scheduling_policy, attrgetter("priority", "order"))
@@ -134,16 +135,15 @@ class DataParallelEngine(TextSide):
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str | None = None,
                     prompt_text: str | None = None, priority: int = 0) -> str:
-        admitted = self.admission.admit(prompt, sampling_params, prompt_text, priority)  # the priority checked here
-        first = admitted.seqs[0]
-        token_ids = first.token_ids[: first.num_prompt_tokens]
+        # checked here, so a bad request is refused at once; each replica builds its sequences
+        token_ids, text, _ = self.admission.check(prompt, sampling_params, prompt_text, priority)
         guess = sampling_params.max_tokens or min(DEFAULT_OUTPUT_GUESS, self.max_model_len - len(token_ids))
         with self._lock:
             if request_id is None:
                 request_id = f"req-{self._arrivals}"
             if request_id in self._outstanding:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            p = _Pending(self._arrivals, request_id, token_ids, sampling_params, admitted.prompt,
+            p = _Pending(self._arrivals, request_id, token_ids, sampling_params, text,
                          len(token_ids) + guess * sampling_params.n, prefix_keys(token_ids, self.router.block_size),
                          priority=priority)
             self._arrivals += 1
@@ -212,9 +212,10 @@ class DataParallelEngine(TextSide):
             done = []
             with self._lock:
                 for out in msg[1]:
-                    p = self._outstanding.pop(out.request_id, None)
+                    p = self._outstanding.get(out.request_id)
                     if p is None or p.replica != i:
                         continue
+                    del self._outstanding[out.request_id]
                     self.router.release(i, p.cost)
                     self._aborted.discard(out.request_id)
                     done.append(out)
@@ -343,6 +344,5 @@ def _sum_stats(parts: list[EngineStats]) -> EngineStats:
         for name in fields:
             total[name] += getattr(s, name)
     total["last_step_time_s"] = max((s.last_step_time_s for s in parts), default=0.0)
-    total["schedule_s"] = float(total["schedule_s"])
     return EngineStats(**total)
 
