@@ -83,7 +83,7 @@ def block_fp8_matmul_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                    scale_rows: int = BLOCK) -> torch.Tensor:
-    """What kernels/fp8_gemm.fp8_linear_triton computes: x [..., K] quantized per token per 128 columns, times the
+    """What kernels/fp8_gemm.fp8_linear_gpu computes: x [..., K] quantized per token per 128 columns, times the
     fp8 weight [N, K] with its block scales, plus bias, in x's dtype -> [..., N]."""
     k = x.shape[-1]
     a, a_scale = quantize_activations_ref(x.reshape(-1, k))

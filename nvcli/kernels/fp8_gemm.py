@@ -1,28 +1,37 @@
-"""Block-scaled FP8 GEMM in Triton: y = x @ dequant(weight).T (+ bias) with x quantized to FP8 on the fly.
+"""Block-scaled FP8 GEMM: y = x @ dequant(weight).T (+ bias) with x quantized to FP8 on the fly.
 
 The weights are float8_e4m3fn with one float32 scale per 128 x 128 block (or per row and 128 columns:
 `scale_rows`; kernels/block_fp8.py describes the format). Two kernels per projection:
 
 * `_quant_act_kernel`: one program per row and 128 columns: scale = max(amax, 1e-10) / 448, fp8 = clamp(x / scale)
   (an IEEE-rounded division, as torch divides: the result matches `block_fp8.quantize_activations_ref` bit for bit).
-* `_fp8_gemm_kernel`: each program owns a BLOCK_M x BLOCK_N tile of y and walks K in steps of 128 (BLOCK_K is the
-  scale block, so every step needs one activation scale per row and one weight scale per column): the fp8 x fp8 dot on
-  the tensor cores into a float32 partial, times a_scale[m, kb] * b_scale[n, kb], summed in a float32 accumulator;
-  bias and the cast to x's dtype at the end.
+  The scales are written M-major ([ceil(K / 128), M] viewed as [M, ceil(K / 128)]) and the rows padded to a multiple
+  of 4 (zeros), the layout both GEMMs below read.
+* the product, one of two GEMMs picked per shape by `choose_config`:
+  - `_fp8_gemm_kernel` (Triton): each program owns a BLOCK_M x BLOCK_N tile of y and walks K in steps of 128 (BLOCK_K
+    is the scale block, so every step needs one activation scale per row and one weight scale per column): the fp8 x
+    fp8 dot on the tensor cores into a float32 partial, times a_scale[m, kb] * b_scale[n, kb], summed in a float32
+    accumulator; bias and the cast to x's dtype at the end;
+  - cuBLASLt's block-scaled FP8 GEMM through torch's scaled_mm (1x128 activation blocks, 128 x 128 or 1 x 128 weight
+    blocks; CUDA 12.9+ on compute capability 9.0), where `cublas_supported` found it working on this device; it reads
+    the weight scales in the layout `cublas_weight_scales` makes once at load.
 
-The tile shape is a pure function of (M, N, SM count) (`choose_config`), cached on the host: no autotuning and no
-host sync, so CUDA graphs capture the pair; the only allocations are the fp8 activations, their scales and the output,
-all from the caching allocator. Few rows (decode) take BLOCK_M = 16 and the widest BLOCK_N that still gives every SM
-a program, since there the time is the weight's stream from memory; many rows take 64-128 x 128 tiles in
-GROUP_M-swizzled order so neighbouring programs share weight tiles in L2. FP8 tensor cores need compute capability
-8.9 (Ada) or newer: `block_fp8.fp8_gemm_supported`.
+`choose_config` is a pure function of (M, N, K, device), cached on the host: no autotuning and no host sync, so CUDA
+graphs capture the pair. Shapes measured on this GPU model (benchmarks/tune_fp8_gemm.py writes
+`fp8_gemm_tuned.json` beside this file: per weight shape and row bucket, the fastest Triton tile or cuBLAS) take the
+measured choice; others a heuristic: few rows (decode) BLOCK_M = 16 and the widest BLOCK_N that still gives every SM
+a program, since there the time is the weight's stream from memory; many rows 64-128 x 128 tiles in GROUP_M-swizzled
+order so neighbouring programs share weight tiles in L2. FP8 tensor cores need compute capability 8.9 (Ada) or newer:
+`block_fp8.fp8_gemm_supported`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from functools import cache
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import triton
@@ -30,26 +39,29 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
 
+TUNED_PATH = Path(__file__).with_name("fp8_gemm_tuned.json")
+M_ALIGN = 4  # cuBLASLt's block-scaled GEMM wants the activation rows (and their scale rows) in multiples of 4
+
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, eps,
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                       FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
     ok = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=ok & (row < M), other=0.0).to(tl.float32)  # padding rows: 0
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), eps), FP8_MAX)  # IEEE-rounded: Triton's `/` is approximate
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_sm + group, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
     M, N, K,
-    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+    stride_am, stride_asm, stride_ask, stride_bn, stride_bsn, stride_cm,
     SCALE_ROWS: tl.constexpr,  # weight rows per scale row: 128 (block scales) or 1 (per-row scales)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -79,7 +91,7 @@ def _fp8_gemm_kernel(
         k_ok = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
@@ -93,11 +105,17 @@ def _fp8_gemm_kernel(
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
+    """One product's kernel: cuBLASLt (`cublas`) or the Triton kernel with this tile."""
+
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
     group_m: int = 8
+    cublas: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cublas": True} if self.cublas else {k: v for k, v in asdict(self).items() if k != "cublas"}
 
 
 @cache
@@ -105,8 +123,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
-    """The tile of an [m, K] x [n, K]^T product on `sms` SMs: a pure function of the shape (graph-safe)."""
+def heuristic_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
+    """The Triton tile of an [m, K] x [n, K]^T product on `sms` SMs for a shape no measurement covers."""
     if m <= 64:
         # decode: the weight streams once; the widest column tile that still gives every SM a program
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -119,25 +137,130 @@ def choose_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
     return Fp8GemmConfig(128, 128, num_warps=8, num_stages=3)
 
 
-def quantize_activations_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K / 128)]), per row and 128 columns."""
+def row_bucket(m: int) -> int:
+    """The tuned table's row bucket of m rows: the next power of two, at least 16."""
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def load_tuned(path: Path, device_name: str, capability: tuple[int, int]
+               ) -> dict[tuple[int, int], dict[int, Fp8GemmConfig]]:
+    """The measured choices for `device_name` (else for a GPU of the same compute capability): (N, K) -> {row bucket:
+    config}; empty where none were measured."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    entry = data.get(device_name) or next((e for e in data.values() if tuple(e["capability"]) == capability), None)
+    if entry is None:
+        return {}
+    table: dict[tuple[int, int], dict[int, Fp8GemmConfig]] = {}
+    for shape, buckets in entry["shapes"].items():
+        n, k = (int(v) for v in shape.split("x"))
+        table[(n, k)] = {int(m): Fp8GemmConfig(**cfg) for m, cfg in buckets.items()}
+    return table
+
+
+@cache
+def _tuned(device_index: int) -> dict[tuple[int, int], dict[int, Fp8GemmConfig]]:
+    return load_tuned(TUNED_PATH, torch.cuda.get_device_name(device_index),
+                      torch.cuda.get_device_capability(device_index))
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:
+    """The kernel of an [m, k] x [n, k]^T product on `device`: a pure function of the shape (graph-safe)."""
+    if device.type != "cuda":
+        return heuristic_config(m, n, 132)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    buckets = _tuned(index).get((n, k))
+    if buckets:
+        want = row_bucket(m)
+        fits = [b for b in buckets if b >= want]
+        return buckets[min(fits) if fits else max(buckets)]
+    return heuristic_config(m, n, _num_sms(index))
+
+
+def quantize_activations_triton(x: torch.Tensor, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K / 128)]), per row and 128 columns. `m_major`: the GEMMs'
+    layout, rows padded with zeros to a multiple of 4 and the scales stored M-major (stride (1, rows))."""
     m, k = x.shape
     assert x.stride(-1) == 1
     groups = triton.cdiv(k, BLOCK)
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m and k:
-        _quant_act_kernel[(m, groups)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), ACT_EPS,
-                                       FP8_MAX=FP8_MAX, GROUP=BLOCK, num_warps=1 if BLOCK <= 256 else 4)
+    rows = triton.cdiv(m, M_ALIGN) * M_ALIGN if m_major else m
+    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    if m_major:
+        scale = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    if rows and k:
+        _quant_act_kernel[(rows, groups)](x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
+                                          scale.stride(1), ACT_EPS, FP8_MAX=FP8_MAX, GROUP=BLOCK, num_warps=1)
     return q, scale
 
 
-def fp8_linear_triton(
+def cublas_weight_scales(scale: torch.Tensor, scale_rows: int) -> torch.Tensor:
+    """A layer's weight scales ([ceil(N / scale_rows), ceil(K / 128)]) as cuBLASLt reads those of the [K, N] operand:
+    128 x 128 blocks as [K blocks rounded up to 4, N / 128] with stride (1, that), per-row as [N, K / 128] N-major."""
+    if scale_rows == BLOCK:
+        nb, kb = scale.shape
+        padded = torch.zeros((nb, triton.cdiv(kb, 4) * 4), dtype=torch.float32, device=scale.device)
+        padded[:, :kb] = scale
+        return padded.t()
+    return scale.t().contiguous().t()
+
+
+def _cublas_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_mm: torch.Tensor,
+               scale_rows: int, out_dtype: torch.dtype) -> torch.Tensor:
+    F = torch.nn.functional
+    if hasattr(F, "scaled_mm"):  # the recipes named
+        recipe_b = F.ScalingType.BlockWise128x128 if scale_rows == BLOCK else F.ScalingType.BlockWise1x128
+        return F.scaled_mm(a, weight.t(), a_scale, F.ScalingType.BlockWise1x128, scale_mm, recipe_b,
+                           output_dtype=out_dtype)
+    return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale_mm, out_dtype=out_dtype)  # by the shapes
+
+
+def cublas_eligible(n: int, k: int, scale_rows: int) -> bool:
+    """cuBLASLt's block-scaled GEMM takes whole 128-column blocks (and whole 128-row weight blocks for 128 x 128)."""
+    return k % BLOCK == 0 and (scale_rows == 1 or n % BLOCK == 0)
+
+
+@cache
+def _cublas_works(device_index: int, dtype: torch.dtype) -> bool:
+    from nvcli.kernels.block_fp8 import fp8_linear_ref, quantize_weight
+
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(6, 256, device=device, generator=gen).to(dtype)
+    w = torch.randn(256, 256, device=device, generator=gen) * 0.05
+    wq, ws = quantize_weight(w)
+    try:
+        a, a_s = quantize_activations_triton(x, m_major=True)
+        for rows, s in ((BLOCK, ws), (1, ws.repeat_interleave(BLOCK, 0))):
+            got = _cublas_mm(a, a_s, wq, cublas_weight_scales(s, rows), rows, dtype)[: x.shape[0]].float()
+            want = fp8_linear_ref(x, wq, s, None, rows).float()
+            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                return False
+        torch.cuda.synchronize(device)
+    except RuntimeError:  # this torch / CUDA build has no block-scaled cuBLASLt GEMM
+        return False
+    return True
+
+
+def cublas_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM runs, and right, on `device` with `dtype` output (probed once, before
+    any graph capture: at load)."""
+    if device.type != "cuda":
+        return False
+    return _cublas_works(device.index if device.index is not None else torch.cuda.current_device(), dtype)
+
+
+def fp8_linear_gpu(
     x: torch.Tensor,  # [..., K], bf16 / fp16 / fp32
     weight: torch.Tensor,  # [N, K] float8_e4m3fn, rows contiguous
     scale: torch.Tensor,  # [ceil(N / scale_rows), ceil(K / 128)] float32
     bias: Optional[torch.Tensor] = None,  # [N]
     scale_rows: int = BLOCK,
+    scale_mm: Optional[torch.Tensor] = None,  # cublas_weight_scales(scale): None where cuBLASLt is not to be used
     config: Optional[Fp8GemmConfig] = None,  # overrides choose_config (tests, benchmarks)
 ) -> torch.Tensor:
     """x @ dequant(weight).T (+ bias) -> [..., N] in x's dtype, x quantized per token per 128 columns."""
@@ -150,17 +273,25 @@ def fp8_linear_triton(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out.view(*x.shape[:-1], n)
-    a, a_scale = quantize_activations_triton(x2)
-    fp8_matmul_triton(a, a_scale, weight, scale, out, bias, scale_rows, config)
+        return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    a, a_scale = quantize_activations_triton(x2, m_major=True)
+    cfg = config or choose_config(m, n, k, x.device)
+    if cfg.cublas and scale_mm is not None:
+        out = _cublas_mm(a, a_scale, weight, scale_mm, scale_rows, x.dtype)[:m]
+        if bias is not None:
+            out += bias
+    else:
+        if cfg.cublas:  # measured best, but this layer has no cuBLAS scales (not eligible or not supported here)
+            cfg = heuristic_config(m, n, _num_sms(x.device.index or 0) if x.is_cuda else 132)
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        fp8_matmul_triton(a[:m], a_scale[:m], weight, scale, out, bias, scale_rows, cfg)
     return out.view(*x.shape[:-1], n)
 
 
 def fp8_matmul_triton(
     a: torch.Tensor,  # [M, K] float8_e4m3fn
-    a_scale: torch.Tensor,  # [M, ceil(K / 128)] float32
+    a_scale: torch.Tensor,  # [M, ceil(K / 128)] float32, any strides
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
     scale: torch.Tensor,  # [ceil(N / scale_rows), ceil(K / 128)] float32
     out: torch.Tensor,  # [M, N]: receives the product (+ bias) in its dtype
@@ -168,16 +299,18 @@ def fp8_matmul_triton(
     scale_rows: int = BLOCK,
     config: Optional[Fp8GemmConfig] = None,
 ) -> torch.Tensor:
-    """The block-scaled product of quantized activations and weights into `out` (returned)."""
+    """The block-scaled product of quantized activations and weights into `out` (returned), by the Triton kernel."""
     m, k = a.shape
     n = weight.shape[0]
     assert a.stride(-1) == 1 and a_scale.shape == (m, triton.cdiv(k, BLOCK)) and out.shape == (m, n)
-    cfg = config or choose_config(m, n, _num_sms(a.device.index or 0) if a.is_cuda else 132)
+    cfg = config or choose_config(m, n, k, a.device)
+    if cfg.cublas:
+        cfg = heuristic_config(m, n, _num_sms(a.device.index or 0) if a.is_cuda else 132)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, scale, bias if bias is not None else scale, out,
         m, n, k,
-        a.stride(0), a_scale.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), weight.stride(0), scale.stride(0), out.stride(0),
         SCALE_ROWS=scale_rows, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

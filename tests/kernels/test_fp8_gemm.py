@@ -8,6 +8,8 @@ inputs, bit for bit."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from kernel_device import DEVICE, linear_inputs, on_device
@@ -90,6 +92,18 @@ def test_activation_quantization_matches_the_reference(m: int, k: int) -> None:
 
 
 @needs_fp8_gpu
+def test_the_gemm_layout_pads_rows_to_4_and_stores_scales_m_major() -> None:
+    from nvcli.kernels.fp8_gemm import quantize_activations_triton
+
+    x = _representable(5, 200, seed=3) if INTERPRETED else torch.randn(5, 200, generator=torch.Generator().manual_seed(3))
+    q, s = on_device(quantize_activations_triton)(x, m_major=True)
+    q_ref, s_ref = quantize_activations_ref(x)
+    assert q.shape == (8, 200) and s.shape == (8, 2) and s.stride() == (1, 8)
+    assert torch.equal(s[:5], s_ref) and torch.equal(q[:5].view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(q[5:].float(), torch.zeros(3, 200))  # padding rows quantize zeros
+
+
+@needs_fp8_gpu
 @pytest.mark.parametrize("m, n, k", [(1, 96, 128), (3, 200, 320), (17, 64, 130), (70, 256, 256)])
 @pytest.mark.parametrize("scale_rows", [128, 1])
 def test_fp8_matmul_matches_the_reference(m: int, n: int, k: int, scale_rows: int) -> None:
@@ -100,6 +114,7 @@ def test_fp8_matmul_matches_the_reference(m: int, n: int, k: int, scale_rows: in
     wq, w_s = quantize_weight(w)
     if scale_rows == 1:  # per-row scales, each row its own (as a fused layer with unaligned shards holds them)
         w_s = w_s.repeat_interleave(128, 0)[:n] * torch.linspace(0.5, 1.5, n)[:, None]
+    a_s = a_s.t().contiguous().t() if m % 2 else a_s  # both scale layouts: row-major and M-major
     for bias in (None, b):
         out = torch.empty(m, n)
         got = on_device(fp8_matmul_triton)(a, a_s, wq, w_s, out, bias, scale_rows)
@@ -114,7 +129,7 @@ def test_fp8_matmul_matches_the_reference(m: int, n: int, k: int, scale_rows: in
 @needs_fp8_gpu
 @pytest.mark.parametrize("m", [1, 12, 40, 300])
 def test_fp8_linear_matches_the_reference(m: int) -> None:
-    from nvcli.kernels.fp8_gemm import fp8_linear_triton
+    from nvcli.kernels.fp8_gemm import fp8_linear_gpu
 
     n, k = 192, 384
     x, w, b = linear_inputs(m, n, k, seed=m)
@@ -122,7 +137,7 @@ def test_fp8_linear_matches_the_reference(m: int) -> None:
         x = _representable(m, k, seed=m)
     wq, w_s = quantize_weight(w)
     dtype = torch.float32 if INTERPRETED else torch.bfloat16
-    got = on_device(fp8_linear_triton)(x.to(dtype), wq, w_s, b.to(dtype))
+    got = on_device(fp8_linear_gpu)(x.to(dtype), wq, w_s, b.to(dtype))
     want = fp8_linear_ref(x.to(dtype), wq, w_s, b.to(dtype))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (got.float() - want.float()).abs().max()
@@ -131,15 +146,61 @@ def test_fp8_linear_matches_the_reference(m: int) -> None:
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
 @needs_fp8_gpu
 def test_fp8_linear_is_captured_by_a_cuda_graph() -> None:
-    from nvcli.kernels.fp8_gemm import fp8_linear_triton
+    from nvcli.kernels.fp8_gemm import fp8_linear_gpu
 
     x, w, _ = linear_inputs(8, 512, 1024, seed=1, dtype=torch.bfloat16)
     wq, w_s = (t.cuda() for t in quantize_weight(w.float()))
     x = x.cuda()
-    fp8_linear_triton(x, wq, w_s)  # compile outside the capture
+    fp8_linear_gpu(x, wq, w_s)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = fp8_linear_triton(x, wq, w_s)
+        y = fp8_linear_gpu(x, wq, w_s)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    assert torch.allclose(y.float(), fp8_linear_triton(x, wq, w_s).float())
+    assert torch.allclose(y.float(), fp8_linear_gpu(x, wq, w_s).float())
+
+
+def test_tuned_choices_are_read_by_device_then_by_capability(tmp_path) -> None:
+    from nvcli.kernels.fp8_gemm import Fp8GemmConfig, load_tuned, row_bucket
+
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"GPU A": {"capability": [9, 0], "shapes": {"6144x4096": {
+        "16": {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 5, "group_m": 8},
+        "256": {"cublas": True}}}}}))
+    table = load_tuned(path, "GPU A", (9, 0))
+    assert table[(6144, 4096)][16] == Fp8GemmConfig(16, 64, 4, 5, 8)
+    assert table[(6144, 4096)][256].cublas
+    assert load_tuned(path, "GPU B", (9, 0)) == table  # another GPU of that compute capability
+    assert load_tuned(path, "GPU C", (8, 9)) == {} and load_tuned(tmp_path / "none.json", "GPU A", (9, 0)) == {}
+    assert [row_bucket(m) for m in (1, 16, 17, 256, 257)] == [16, 16, 32, 256, 512]
+    assert Fp8GemmConfig(cublas=True).to_json() == {"cublas": True}
+    assert Fp8GemmConfig(**Fp8GemmConfig(32, 64).to_json()) == Fp8GemmConfig(32, 64)
+
+
+def test_the_shipped_table_parses() -> None:
+    from nvcli.kernels.fp8_gemm import TUNED_PATH, load_tuned
+
+    if not TUNED_PATH.exists():
+        pytest.skip("no measured table shipped")
+    for name, entry in json.loads(TUNED_PATH.read_text()).items():
+        assert load_tuned(TUNED_PATH, name, tuple(entry["capability"]))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="cuBLASLt runs on a GPU")
+@needs_fp8_gpu
+@pytest.mark.parametrize("m, scale_rows", [(1, 128), (37, 128), (300, 1)])
+def test_cublas_block_scaled_gemm_matches_the_reference(m: int, scale_rows: int) -> None:
+    from nvcli.kernels.fp8_gemm import Fp8GemmConfig, cublas_supported, cublas_weight_scales, fp8_linear_gpu
+
+    if not cublas_supported(torch.device("cuda"), torch.bfloat16):
+        pytest.skip("this torch / CUDA build has no block-scaled cuBLASLt GEMM")
+    n, k = 384, 512
+    x, w, b = linear_inputs(m, n, k, seed=m)
+    wq, w_s = quantize_weight(w)
+    if scale_rows == 1:
+        w_s = w_s.repeat_interleave(128, 0)[:n] * torch.linspace(0.5, 1.5, n)[:, None]
+    x, wq, w_s, b = x.cuda().bfloat16(), wq.cuda(), w_s.cuda(), b.cuda().bfloat16()
+    got = fp8_linear_gpu(x, wq, w_s, b, scale_rows, cublas_weight_scales(w_s, scale_rows), Fp8GemmConfig(cublas=True))
+    want = fp8_linear_ref(x, wq, w_s, b, scale_rows)
+    assert got.shape == (m, n)
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), (got.float() - want.float()).abs().max()

@@ -92,13 +92,13 @@ def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-               scale_rows: int) -> torch.Tensor:
-    """x @ dequant(weight).T (+ bias), activations quantized per token per 128 columns: the Triton kernel on a GPU,
-    its torch reference elsewhere."""
+               scale_rows: int, scale_mm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ dequant(weight).T (+ bias), activations quantized per token per 128 columns: kernels/fp8_gemm.py on a GPU
+    (`scale_mm`: the scales in cuBLASLt's layout, where its GEMM may run), its torch reference elsewhere."""
     if use_triton(x):
-        from nvcli.kernels.fp8_gemm import fp8_linear_triton
+        from nvcli.kernels.fp8_gemm import fp8_linear_gpu
 
-        return fp8_linear_triton(x, weight, scale, bias, scale_rows)
+        return fp8_linear_gpu(x, weight, scale, bias, scale_rows, scale_mm)
     return fp8_linear_ref(x, weight, scale, bias, scale_rows)
 
 
@@ -132,6 +132,8 @@ class Fp8Weights:
         self.layer = layer
         self.fp8_weights: set[Any] = set()  # shards whose weight arrived in fp8
         self.scaled: set[Any] = set()  # shards whose scales are set (from the checkpoint or by quantizing)
+        # the scales in cuBLASLt's layout, set after loading where its block-scaled GEMM runs (finish_fp8_layers)
+        self.scale_mm: Optional[torch.Tensor] = None
 
     def _write_scale(self, block_scale: torch.Tensor, offset: int, rows: int) -> None:
         """Scales of `rows` rows from `offset`, given per 128 rows from the first ([ceil(rows / 128), kb])."""
@@ -195,7 +197,8 @@ class Fp8Weights:
 
 def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
     """After loading: every FP8 projection checked to have its scales, then kept in FP8 (`keep`: the GPU runs
-    kernels/fp8_gemm.py) or dequantized to `dtype` (the layer then runs as any other). -> the number of FP8 layers."""
+    kernels/fp8_gemm.py, with the scales also in cuBLASLt's layout where its GEMM works) or dequantized to `dtype`
+    (the layer then runs as any other). -> the number of FP8 layers."""
     count = 0
     for name, module in model.named_modules():
         state: Optional[Fp8Weights] = getattr(module, "fp8", None)
@@ -204,6 +207,11 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
         state.check_loaded(name)
         count += 1
         if keep:
+            from nvcli.kernels.fp8_gemm import cublas_eligible, cublas_supported, cublas_weight_scales
+
+            weight = module.weight
+            if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype):
+                state.scale_mm = cublas_weight_scales(module.weight_scale, state.scale_rows)
             continue
         w = dequantize_weight(module.weight.data, module.weight_scale, dtype, state.scale_rows)
         module.weight = nn.Parameter(w, requires_grad=False)
