@@ -132,6 +132,7 @@ def graph_activation_bytes(runner: Runner) -> int:
     cfg, tp = runner.model_config, max(1, runner.model.tp_size)
     inter = cfg.intermediate_size // tp
     if cfg.num_experts:  # a MoE layer's rows go to top-k experts: gate_up, activation and down rows for each, padded
+        # (FP8 experts hold an fp8 copy of each token's hidden row beside fp8 activations, well inside this count)
         inter = max(inter, cfg.num_experts_per_tok * (cfg.moe_intermediate_size // tp + hidden))
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     # the logits of the graphs that end with the LM head stay allocated beside it, one tensor per graph size

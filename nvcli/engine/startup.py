@@ -68,12 +68,13 @@ def compile_plan(config: EngineConfig, model_config: ModelConfig, rank: int, dev
 def load_model(config: EngineConfig, model_config: ModelConfig, model_dir: Path, device: torch.device,
                dtype: torch.dtype) -> torch.nn.Module:
     """The model on `device` in `dtype`, its weights loaded (or random: load_format dummy) and its norms folded.
-    FP8 projections (an FP8 checkpoint, or --quantization fp8) stay FP8 on a GPU with FP8 tensor cores, else are
-    dequantized to `dtype` before the norms fold into them (models/layers/fp8.py)."""
+    FP8 projections and experts (an FP8 checkpoint, or --quantization fp8) stay FP8 on a GPU with FP8 tensor cores,
+    else are dequantized to `dtype` before the norms fold into them (models/layers/fp8.py, moe_fp8.py)."""
     from nvcli.kernels.block_fp8 import fp8_gemm_supported
     from nvcli.models.layers.fp8 import finish_fp8_layers, fp8_projections, fp8_spec
+    from nvcli.models.layers.moe_fp8 import finish_fp8_experts
 
-    fp8 = fp8_spec(config.quantization, model_config.quantization, model_config.num_experts)
+    fp8 = fp8_spec(config.quantization, model_config.quantization)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -91,7 +92,9 @@ def load_model(config: EngineConfig, model_config: ModelConfig, model_dir: Path,
             raise ConfigError("--batch-invariant: not with FP8 weights on this GPU yet (the FP8 GEMM has no "
                               "batch-invariant form); leave out --quantization fp8 or use a bf16 checkpoint")
         layers = finish_fp8_layers(model, keep, dtype)
-        log.info("%d projections in FP8: %s", layers, "FP8 GEMM" if keep else f"dequantized to {dtype} at load")
+        experts = finish_fp8_experts(model, keep, dtype)
+        log.info("%d projections and %d expert blocks in FP8: %s", layers, experts,
+                 "FP8 GEMM" if keep else f"dequantized to {dtype} at load")
     model.fold_norm_weights()  # deferred RMSNorm (models/llama.py)
     model.set_batch_invariant(config.batch_invariant)
     return model.eval()

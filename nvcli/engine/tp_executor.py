@@ -163,8 +163,11 @@ class TensorParallelExecutor:
         _check_divisible(model_config, world)
         from nvcli.models.layers.fp8 import check_tp_split
 
-        check_tp_split(model_config.quantization, {"o_proj": model_config.num_attention_heads * model_config.head_dim,
-                                                   "down_proj": model_config.intermediate_size}, world)
+        row_parallel = {"o_proj": model_config.num_attention_heads * model_config.head_dim,
+                        "down_proj": model_config.intermediate_size}
+        if model_config.num_experts:  # each expert's gate / up rows and down columns split alike
+            row_parallel["the experts' down_proj"] = model_config.moe_intermediate_size
+        check_tp_split(model_config.quantization, row_parallel, world)
         self.shm = SharedMemory(name=f"nv-{os.getpid()}-{uuid.uuid4().hex[:12]}", create=True,
                                 size=4 * channel_words(config))
         self.buf = np.ndarray((self.shm.size // 4,), dtype=np.int32, buffer=self.shm.buf)

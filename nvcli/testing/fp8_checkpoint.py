@@ -1,9 +1,10 @@
 """Block-wise FP8 checkpoints written from plain ones, as Qwen and DeepSeek publish them, and back.
 
-`write_fp8_checkpoint` quantizes every decoder projection (q/k/v/o, gate/up/down) of a safetensors checkpoint to
-float8_e4m3fn with `<name>.weight_scale_inv` beside it (one float32 scale per 128 x 128 block,
-kernels/block_fp8.py) and adds `quantization_config` to config.json; embeddings, norms and the LM head keep their
-dtype. `write_dequantized_checkpoint` writes the weights such a checkpoint holds (fp8 times scale) as a plain float32
+`write_fp8_checkpoint` quantizes every decoder projection (q/k/v/o, gate/up/down, and each expert's gate/up/down of a
+mixture-of-experts model, as Qwen publishes Qwen3-MoE FP8) of a safetensors checkpoint to float8_e4m3fn with
+`<name>.weight_scale_inv` beside it (one float32 scale per 128 x 128 block, kernels/block_fp8.py) and adds
+`quantization_config` to config.json; embeddings, norms, the LM head and a MoE router keep their dtype.
+`write_dequantized_checkpoint` writes the weights such a checkpoint holds (fp8 times scale) as a plain float32
 checkpoint: the reference a float run of transformers gives for the FP8 model. `--quantization fp8` quantizes each
 checkpoint tensor the same way as it loads, so both checkpoints also describe that run.
 """
@@ -23,7 +24,8 @@ from nvcli.kernels.block_fp8 import FP8_DTYPE, dequantize_weight, quantize_weigh
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [128, 128]}
-PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# every decoder projection, a mixture-of-experts block's per-expert tensors too (not its router, `mlp.gate`)
+PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
   layer's device, per checkpoint tensor (a q, k or v projection apart), exactly as a checkpoint would store it.
 
 The layers to quantize are the model's tensor-parallel projections (q/k/v, o, gate/up, down), built inside
-`fp8_projections(spec)`; embeddings, norms, the LM head and a mixture-of-experts router stay in the model dtype.
+`fp8_projections(spec)`, and a mixture-of-experts block's experts (layers/moe_fp8.py, per expert tensor);
+embeddings, norms, the LM head and the router stay in the model dtype.
 A fused layer stacks its shards' scales along the output rows; where a shard does not start and end on a 128-row
 boundary of the fused weight (k / v of a small model, a tensor-parallel slice inside a block), the layer keeps one
 scale per row instead (`scale_rows` 1): each row the scale of its own checkpoint block. A row-parallel split must
@@ -62,16 +63,11 @@ def active_fp8() -> Optional[Fp8Spec]:
     return _active
 
 
-def fp8_spec(quantization: Optional[str], checkpoint: Optional[Mapping[str, Any]], num_experts: int = 0
-             ) -> Optional[Fp8Spec]:
+def fp8_spec(quantization: Optional[str], checkpoint: Optional[Mapping[str, Any]]) -> Optional[Fp8Spec]:
     """The FP8 spec of a model: from its checkpoint's quantization_config (ModelConfig.quantization, already checked
     to be block-wise fp8) or the --quantization flag (EngineConfig.quantization); None for neither."""
     if checkpoint is None and quantization is None:
         return None
-    if num_experts:
-        source = "an FP8 checkpoint" if checkpoint is not None else "--quantization fp8"
-        raise ConfigError(f"{source}: FP8 weights of mixture-of-experts models are not supported yet "
-                          "(dense models only); load a bf16 checkpoint without --quantization")
     return Fp8Spec(checkpoint=checkpoint is not None)
 
 

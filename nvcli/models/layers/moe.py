@@ -12,7 +12,9 @@ dense MLP does; the router is replicated.
 
 The CPU runs the torch reference (`fused_experts_ref`: expert by expert, the tokens routed to it, added back with
 their routing weight, in transformers' order, so float32 outputs match it); CUDA tensors go through the grouped
-GEMMs of kernels/fused_moe.py.
+GEMMs of kernels/fused_moe.py. Built inside `fp8.fp8_projections`, the experts hold block-wise FP8 weights
+(layers/moe_fp8.py: `FusedMoE.fp8` holds their scales and how expert tensors load into them; after loading they stay
+FP8, run by kernels/fused_moe_fp8.py, or become plain experts).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nvcli.distributed import all_reduce, tp_rank, tp_size
+from nvcli.kernels.block_fp8 import FP8_DTYPE
 from nvcli.kernels.ops import use_triton
+from nvcli.models.layers.fp8 import active_fp8
 from nvcli.models.layers.linear import ReplicatedLinear, linear
+from nvcli.models.layers.moe_fp8 import Fp8Experts, fused_experts_fp8
 
 
 def route(
@@ -82,11 +87,16 @@ class FusedMoE(nn.Module):
                              f"tensor_parallel_size={self.tp_size}; choose another --tp")
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.inter = intermediate_size // self.tp_size  # this rank's columns of each expert
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        spec = active_fp8()
+        dtype = FP8_DTYPE if spec is not None else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter, dtype=dtype),
+                                      requires_grad=False)
         for p, shards in ((self.gate_up_proj, 2 * num_experts), (self.down_proj, num_experts)):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
             p.num_shards = shards  # type: ignore[attr-defined]  # per-expert tensors that make it whole (loader.py)
+        self.fp8: Fp8Experts | None = Fp8Experts(self, spec) if spec is not None else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: Optional[tuple[int, Optional[int]]] = None) -> None:
@@ -100,7 +110,12 @@ class FusedMoE(nn.Module):
             want = (self.num_experts, 2 * full, self.hidden_size) if gate_up else (self.num_experts, self.hidden_size,
                                                                                    full)
             _check_shape(loaded, want)
-            if gate_up:
+            if self.fp8 is not None:  # expert tensor by expert tensor: each has block scales of its own
+                for e in range(self.num_experts):
+                    for half in ((0, 1) if gate_up else (None,)):
+                        one = loaded[e] if half is None else loaded[e].narrow(0, half * full, full)
+                        self.weight_loader(param, one, (e, half))
+            elif gate_up:
                 param.data[:, :n].copy_(loaded.narrow(1, rank * n, n))
                 param.data[:, n:].copy_(loaded.narrow(1, full + rank * n, n))
             else:
@@ -110,10 +125,16 @@ class FusedMoE(nn.Module):
         if gate_up:
             assert half is not None
             _check_shape(loaded, (full, self.hidden_size))
-            param.data[expert, half * n : (half + 1) * n].copy_(loaded.narrow(0, rank * n, n))
+            piece = loaded.narrow(0, rank * n, n)
         else:
             _check_shape(loaded, (self.hidden_size, full))
-            param.data[expert].copy_(loaded.narrow(1, rank * n, n))
+            piece = loaded.narrow(1, rank * n, n)
+        if self.fp8 is not None:
+            self.fp8.store_weight(piece, expert, half)
+        elif gate_up:
+            param.data[expert, half * n : (half + 1) * n].copy_(piece)
+        else:
+            param.data[expert].copy_(piece)
 
 
 def _check_shape(loaded: torch.Tensor, want: tuple[int, ...]) -> None:
@@ -142,5 +163,7 @@ class SparseMoeBlock(nn.Module):
         else:
             logits = linear(x, self.gate.weight, None)  # [num_tokens, num_experts]
         weights, ids = route(logits, self.top_k, self.norm_topk_prob)
+        if self.experts.fp8 is not None:
+            return all_reduce(fused_experts_fp8(x, self.experts, weights, ids))
         out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, invariant)
         return all_reduce(out)
