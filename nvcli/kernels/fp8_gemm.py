@@ -7,31 +7,28 @@ The weights are float8_e4m3fn with one float32 scale per 128 x 128 block (or per
   (an IEEE-rounded division, as torch divides: the result matches `block_fp8.quantize_activations_ref` bit for bit).
   The scales are written M-major ([ceil(K / 128), M] viewed as [M, ceil(K / 128)]) and the rows padded to a multiple
   of 4 (zeros), the layout both GEMMs below read.
-* the product, one of two GEMMs picked per shape by `choose_config`:
-  - `_fp8_gemm_kernel` (Triton): each program owns a BLOCK_M x BLOCK_N tile of y and walks K in steps of 128 (BLOCK_K
-    is the scale block, so every step needs one activation scale per row and one weight scale per column): the fp8 x
-    fp8 dot on the tensor cores into a float32 partial, times a_scale[m, kb] * b_scale[n, kb], summed in a float32
-    accumulator; bias and the cast to x's dtype at the end;
-  - cuBLASLt's block-scaled FP8 GEMM through torch's scaled_mm (1x128 activation blocks, 128 x 128 or 1 x 128 weight
-    blocks; CUDA 12.9+ on compute capability 9.0), where `cublas_supported` found it working on this device; it reads
-    the weight scales in the layout `cublas_weight_scales` makes once at load.
+* the product: cuBLASLt's block-scaled FP8 GEMM through torch's scaled_mm (1x128 activation blocks, 128 x 128 or
+  1 x 128 weight blocks; CUDA 12.9+ on compute capability 9.0) wherever `cublas_supported` finds it working, reading the
+  weight scales in the layout `cublas_weight_scales` makes once at load. Measured on an H100 (benchmarks/RESULTS.md,
+  benchmarks/fp8_gemm_gpu.py) it beats every tile of the Triton kernel below at the Qwen3-8B and -30B-A3B shapes from
+  16 to 4096 rows but three, where it trails the best tile by at most 4%. Elsewhere (Ada, older CUDA builds, shapes
+  not in whole 128-column blocks) `_fp8_gemm_kernel` (Triton): each program owns a BLOCK_M x BLOCK_N tile of y and
+  walks K in steps of 128 (BLOCK_K is the scale block, so every step needs one activation scale per row and one
+  weight scale per column): the fp8 x fp8 dot on the tensor cores into a float32 partial, times
+  a_scale[m, kb] * b_scale[n, kb], summed in a float32 accumulator; bias and the cast to x's dtype at the end. Its
+  tile is a pure function of (M, N, SM count) (`choose_config`): few rows (decode) BLOCK_M = 16 and the widest
+  BLOCK_N that still gives every SM a program, since there the time is the weight's stream from memory; many rows
+  64-128 x 128 tiles in GROUP_M-swizzled order so neighbouring programs share weight tiles in L2.
 
-`choose_config` is a pure function of (M, N, K, device), cached on the host: no autotuning and no host sync, so CUDA
-graphs capture the pair. Shapes measured on this GPU model (benchmarks/tune_fp8_gemm.py writes
-`fp8_gemm_tuned.json` beside this file: per weight shape and row bucket, the fastest Triton tile or cuBLAS) take the
-measured choice; others a heuristic: few rows (decode) BLOCK_M = 16 and the widest BLOCK_N that still gives every SM
-a program, since there the time is the weight's stream from memory; many rows 64-128 x 128 tiles in GROUP_M-swizzled
-order so neighbouring programs share weight tiles in L2. FP8 tensor cores need compute capability 8.9 (Ada) or newer:
-`block_fp8.fp8_gemm_supported`.
+Neither autotunes nor syncs with the host, so CUDA graphs capture the pair. FP8 tensor cores need compute capability
+8.9 (Ada) or newer: `block_fp8.fp8_gemm_supported`.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -39,22 +36,23 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
 
-TUNED_PATH = Path(__file__).with_name("fp8_gemm_tuned.json")
 M_ALIGN = 4  # cuBLASLt's block-scaled GEMM wants the activation rows (and their scale rows) in multiples of 4
 
 
 @triton.jit
 def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
-                      FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+                      FP8_MAX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    # one program: a row's GROUPS consecutive 128-column groups as a [GROUPS, GROUP] tile
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, GROUP)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=ok & (row < M), other=0.0).to(tl.float32)  # padding rows: 0
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x)), eps), FP8_MAX)  # IEEE-rounded: Triton's `/` is approximate
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, eps), FP8_MAX)  # IEEE-rounded: Triton's `/` is approximate
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
 
 
 @triton.jit
@@ -105,17 +103,13 @@ def _fp8_gemm_kernel(
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    """One product's kernel: cuBLASLt (`cublas`) or the Triton kernel with this tile."""
+    """The Triton kernel's tile."""
 
-    block_m: int = 64
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
     group_m: int = 8
-    cublas: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"cublas": True} if self.cublas else {k: v for k, v in asdict(self).items() if k != "cublas"}
 
 
 @cache
@@ -123,8 +117,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def heuristic_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
-    """The Triton tile of an [m, K] x [n, K]^T product on `sms` SMs for a shape no measurement covers."""
+def choose_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
+    """The Triton tile of an [m, K] x [n, K]^T product on `sms` SMs: a pure function of the shape (graph-safe)."""
     if m <= 64:
         # decode: the weight streams once; the widest column tile that still gives every SM a program
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -135,47 +129,6 @@ def heuristic_config(m: int, n: int, sms: int) -> Fp8GemmConfig:
     if m <= 256:
         return Fp8GemmConfig(64, 128, num_warps=4, num_stages=4)
     return Fp8GemmConfig(128, 128, num_warps=8, num_stages=3)
-
-
-def row_bucket(m: int) -> int:
-    """The tuned table's row bucket of m rows: the next power of two, at least 16."""
-    return max(16, 1 << (m - 1).bit_length())
-
-
-def load_tuned(path: Path, device_name: str, capability: tuple[int, int]
-               ) -> dict[tuple[int, int], dict[int, Fp8GemmConfig]]:
-    """The measured choices for `device_name` (else for a GPU of the same compute capability): (N, K) -> {row bucket:
-    config}; empty where none were measured."""
-    if not path.exists():
-        return {}
-    data = json.loads(path.read_text())
-    entry = data.get(device_name) or next((e for e in data.values() if tuple(e["capability"]) == capability), None)
-    if entry is None:
-        return {}
-    table: dict[tuple[int, int], dict[int, Fp8GemmConfig]] = {}
-    for shape, buckets in entry["shapes"].items():
-        n, k = (int(v) for v in shape.split("x"))
-        table[(n, k)] = {int(m): Fp8GemmConfig(**cfg) for m, cfg in buckets.items()}
-    return table
-
-
-@cache
-def _tuned(device_index: int) -> dict[tuple[int, int], dict[int, Fp8GemmConfig]]:
-    return load_tuned(TUNED_PATH, torch.cuda.get_device_name(device_index),
-                      torch.cuda.get_device_capability(device_index))
-
-
-def choose_config(m: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:
-    """The kernel of an [m, k] x [n, k]^T product on `device`: a pure function of the shape (graph-safe)."""
-    if device.type != "cuda":
-        return heuristic_config(m, n, 132)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    buckets = _tuned(index).get((n, k))
-    if buckets:
-        want = row_bucket(m)
-        fits = [b for b in buckets if b >= want]
-        return buckets[min(fits) if fits else max(buckets)]
-    return heuristic_config(m, n, _num_sms(index))
 
 
 def quantize_activations_triton(x: torch.Tensor, m_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,8 +144,10 @@ def quantize_activations_triton(x: torch.Tensor, m_major: bool = False) -> tuple
     else:
         scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     if rows and k:
-        _quant_act_kernel[(rows, groups)](x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0),
-                                          scale.stride(1), ACT_EPS, FP8_MAX=FP8_MAX, GROUP=BLOCK, num_warps=1)
+        per = min(8, triton.next_power_of_2(groups))  # up to 1,024 columns a program
+        _quant_act_kernel[(rows, triton.cdiv(groups, per))](
+            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1), ACT_EPS,
+            FP8_MAX=FP8_MAX, GROUP=BLOCK, GROUPS=per, num_warps=4 if per >= 4 else 1)
     return q, scale
 
 
@@ -260,8 +215,8 @@ def fp8_linear_gpu(
     scale: torch.Tensor,  # [ceil(N / scale_rows), ceil(K / 128)] float32
     bias: Optional[torch.Tensor] = None,  # [N]
     scale_rows: int = BLOCK,
-    scale_mm: Optional[torch.Tensor] = None,  # cublas_weight_scales(scale): None where cuBLASLt is not to be used
-    config: Optional[Fp8GemmConfig] = None,  # overrides choose_config (tests, benchmarks)
+    scale_mm: Optional[torch.Tensor] = None,  # cublas_weight_scales(scale): the product runs in cuBLASLt; None: Triton
+    config: Optional[Fp8GemmConfig] = None,  # the Triton tile, overriding choose_config (tests, benchmarks)
 ) -> torch.Tensor:
     """x @ dequant(weight).T (+ bias) -> [..., N] in x's dtype, x quantized per token per 128 columns."""
     k = x.shape[-1]
@@ -276,16 +231,13 @@ def fp8_linear_gpu(
     if m == 0 or n == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     a, a_scale = quantize_activations_triton(x2, m_major=True)
-    cfg = config or choose_config(m, n, k, x.device)
-    if cfg.cublas and scale_mm is not None:
+    if scale_mm is not None:
         out = _cublas_mm(a, a_scale, weight, scale_mm, scale_rows, x.dtype)[:m]
         if bias is not None:
             out += bias
     else:
-        if cfg.cublas:  # measured best, but this layer has no cuBLAS scales (not eligible or not supported here)
-            cfg = heuristic_config(m, n, _num_sms(x.device.index or 0) if x.is_cuda else 132)
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        fp8_matmul_triton(a[:m], a_scale[:m], weight, scale, out, bias, scale_rows, cfg)
+        fp8_matmul_triton(a[:m], a_scale[:m], weight, scale, out, bias, scale_rows, config)
     return out.view(*x.shape[:-1], n)
 
 
@@ -303,9 +255,7 @@ def fp8_matmul_triton(
     m, k = a.shape
     n = weight.shape[0]
     assert a.stride(-1) == 1 and a_scale.shape == (m, triton.cdiv(k, BLOCK)) and out.shape == (m, n)
-    cfg = config or choose_config(m, n, k, a.device)
-    if cfg.cublas:
-        cfg = heuristic_config(m, n, _num_sms(a.device.index or 0) if a.is_cuda else 132)
+    cfg = config or choose_config(m, n, _num_sms(a.device.index or 0) if a.is_cuda else 132)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_gemm_kernel[grid](
         a, a_scale, weight, scale, bias if bias is not None else scale, out,

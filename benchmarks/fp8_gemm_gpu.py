@@ -1,24 +1,22 @@
-"""Measure the FP8 GEMM's choices per weight shape and row bucket on this GPU; write them to
-nvcli/kernels/fp8_gemm_tuned.json, the table kernels/fp8_gemm.choose_config reads.
+"""The FP8 GEMMs against each other and bf16 cuBLAS, per weight shape and row bucket, on this GPU: the measurement
+behind kernels/fp8_gemm.py's choice of cuBLASLt's block-scaled GEMM wherever it runs.
 
-    PYTHONPATH=. python3 benchmarks/tune_fp8_gemm.py --model qwen3-8b --tp 1 2 --write   # H100: ~3-5 minutes
-    PYTHONPATH=. python3 benchmarks/tune_fp8_gemm.py --smoke                             # CPU: TRITON_INTERPRET=1
+    PYTHONPATH=. python3 benchmarks/fp8_gemm_gpu.py --model qwen3-8b qwen3-30b-a3b --tp 1 2   # H100: ~2 minutes
+    PYTHONPATH=. python3 benchmarks/fp8_gemm_gpu.py --smoke                                    # CPU: TRITON_INTERPRET=1
 
 For each projection of the preset (qkv, o, gate_up, down; a mixture-of-experts model's attention projections only: its
 experts run kernels/fused_moe.py) at each tensor-parallel size, and each row bucket (16 ... 4096 rows, timed at the
 bucket's largest M), times with L2 flushed between calls (triton.testing.do_bench):
 - the Triton kernel in every candidate tile (BLOCK_M, BLOCK_N, warps, stages) that fits the bucket,
 - cuBLASLt's block-scaled FP8 GEMM (torch scaled_mm) where this torch / CUDA build has it,
-- for scale, bf16 cuBLAS (F.linear) and the heuristic tile the table replaces, and the activation quantization kernel
+- for scale, bf16 cuBLAS (F.linear) and the Triton kernel's own tile (choose_config), and the activation quantization kernel
   that precedes either GEMM.
-The fastest GEMM of each (shape, bucket) goes into the table under this GPU's name (merged with the file's other
-GPUs). Prints a table last: microseconds per call.
+Prints a table last: microseconds per call, and the fastest per (shape, bucket).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,14 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nvcli.kernels.fp8_gemm import (  # noqa: E402
-    TUNED_PATH,
     Fp8GemmConfig,
     _cublas_mm,
+    choose_config,
     cublas_eligible,
     cublas_supported,
     cublas_weight_scales,
     fp8_matmul_triton,
-    heuristic_config,
     quantize_activations_triton,
 )
 
@@ -79,15 +76,15 @@ def triton_call(a, a_s, wq, ws, out, m: int, cfg: Fp8GemmConfig):
 
 def measure(model: str, name: str, tp: int, wq: torch.Tensor, ws: torch.Tensor, w16: torch.Tensor,
             scale_mm: torch.Tensor | None, bucket: int, sms: int, gen: torch.Generator, smoke: bool
-            ) -> tuple[Fp8GemmConfig, tuple]:
-    """The fastest GEMM of `bucket` rows against the weight, and the table row of the timings."""
+            ) -> tuple:
+    """The table row of `bucket` rows against the weight: every GEMM's time and the fastest."""
     (n, k), m, dtype = wq.shape, bucket, w16.dtype
     x = torch.randn(m, k, device=wq.device, generator=gen).to(dtype)
     a, a_s = quantize_activations_triton(x, m_major=True)
     out = torch.empty(m, n, dtype=dtype, device=wq.device)
     quant = time_us(lambda: quantize_activations_triton(x, m_major=True), smoke)
     bf16 = time_us(lambda: torch.nn.functional.linear(x, w16), smoke)
-    heur = heuristic_config(m, n, sms)
+    heur = choose_config(m, n, sms)
     results: dict[Fp8GemmConfig, float] = {}
     for cfg in candidates(bucket)[: 2 if smoke else None]:
         try:
@@ -97,24 +94,21 @@ def measure(model: str, name: str, tp: int, wq: torch.Tensor, ws: torch.Tensor, 
     heur_t = results[heur] if heur in results else time_us(triton_call(a, a_s, wq, ws, out, m, heur), smoke)
     best_cfg = min(results, key=results.__getitem__)
     best = results[best_cfg]
+    choice = f"{best_cfg.block_m}x{best_cfg.block_n} w{best_cfg.num_warps} s{best_cfg.num_stages}"
     cub = float("nan")
     if scale_mm is not None:
         cub = time_us(lambda: _cublas_mm(a, a_s, wq, scale_mm, 128, dtype), smoke)
         if cub < best:
-            best_cfg, best = Fp8GemmConfig(cublas=True), cub
-    choice = "cublas" if best_cfg.cublas else (f"{best_cfg.block_m}x{best_cfg.block_n} w{best_cfg.num_warps} "
-                                                 f"s{best_cfg.num_stages}")
+            best, choice = cub, "cublas"
     print(f"{model} tp{tp} {name} [{n}x{k}] M={bucket}: bf16 {bf16:.1f} heuristic {heur_t:.1f} best {best:.1f} "
           f"({choice}) cublas {cub:.1f} quant {quant:.1f} us", flush=True)
-    return best_cfg, (f"{model}/tp{tp}", name, n, k, bucket, bf16, heur_t, best, cub, quant, choice)
+    return (f"{model}/tp{tp}", name, n, k, bucket, bf16, heur_t, best, cub, quant, choice)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", nargs="+", default=["qwen3-8b"])
     ap.add_argument("--tp", type=int, nargs="+", default=[1])
-    ap.add_argument("--write", action="store_true", help=f"merge the choices into {TUNED_PATH}")
-    ap.add_argument("--out", type=Path, help="also write this GPU's table here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two buckets, no timing (CPU)")
     args = ap.parse_args()
 
@@ -131,7 +125,6 @@ def main() -> None:
           f"{cublas}", flush=True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
-    table: dict[str, dict[str, dict]] = {}
     rows = []
     done: set[tuple[int, int]] = set()
     for model, name, tp, n, k in shapes:
@@ -146,24 +139,9 @@ def main() -> None:
         scale_mm = cublas_weight_scales(ws, 128) if cublas and cublas_eligible(n, k, 128) else None
         w16 = w.to(dtype)
         for bucket in buckets:
-            best_cfg, row = measure(model, name, tp, wq, ws, w16, scale_mm, bucket, sms, gen, args.smoke)
-            table.setdefault(f"{n}x{k}", {})[str(bucket)] = best_cfg.to_json()
-            rows.append(row)
+            rows.append(measure(model, name, tp, wq, ws, w16, scale_mm, bucket, sms, gen, args.smoke))
 
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    cap = list(torch.cuda.get_device_capability()) if device.type == "cuda" else [0, 0]
-    entry = {"capability": cap, "shapes": table}
-    if args.out:
-        args.out.write_text(json.dumps({name: entry}, indent=1))
-    if args.write and not args.smoke:
-        data = json.loads(TUNED_PATH.read_text()) if TUNED_PATH.exists() else {}
-        old = data.get(name, {"capability": cap, "shapes": {}})
-        old["shapes"].update(table)
-        data[name] = old
-        TUNED_PATH.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {TUNED_PATH}")
-
-    print("\n| model | proj | N x K | M | bf16 us | fp8 heuristic | fp8 best | cuBLAS fp8 | act quant | best/bf16 | choice |")
+    print("\n| model | proj | N x K | M | bf16 us | fp8 Triton (own tile) | fp8 fastest | cuBLAS fp8 | act quant | best/bf16 | choice |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model, proj, n, k, m, bf16, heur_t, best, cub, quant, choice in rows:
         ratio = (best + quant) / bf16 if bf16 else float("nan")
