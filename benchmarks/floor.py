@@ -5,13 +5,14 @@
 
 The workload is DESIGN.md's (256 requests, prompts randint(100, 1024), outputs randint(100, 1024), random.seed(0)).
 The floor assumes every request is admitted at once (checked against the KV cache the GPU leaves) and its prompt
-computed at the GPU's peak FLOP rate; then decode step s runs every request with more than s tokens still to make,
-and costs max(bytes read / copy bandwidth, FLOPs / peak), where the bytes are
-- the weights the step touches: every dense weight once (the LM head too); of a mixture-of-experts layer the experts
-  the step's tokens route to, E (1 - (1 - k/E)^B) of E for B tokens choosing k each (uniform routing: dummy weights'
-  routers are near uniform; a trained router's skew touches fewer), plus attention and router weights;
-- every running request's KV cache once (its prompt and the tokens made so far),
-and the FLOPs are 2 x active parameters per token plus attention's 4 x context x heads x head_dim per layer. With
+computed at the GPU's peak FLOP rate; then decode step s runs every request with more than s tokens still to make.
+A step is its matmuls, then its attention, each at its own roofline (one kernel after the other, so they cannot hide
+each other): max(weight bytes / copy bandwidth, 2 x active parameters x tokens / peak FLOP rate) +
+max(KV bytes / copy bandwidth, 4 x context x heads x head_dim x layers / peak), where
+- the weights are those the step touches: every dense weight once (the LM head too); of a mixture-of-experts layer
+  the experts the step's tokens route to, E (1 - (1 - k/E)^B) of E for B tokens choosing k each (uniform routing:
+  dummy weights' routers are near uniform; a trained router's skew touches fewer), plus attention and router weights;
+- the KV bytes are every running request's cache once (its prompt and the tokens made so far). With
 tensor parallelism each GPU reads and computes 1/TP of it (KV heads replicate where fewer than TP); all-reduce time is
 not counted. GPU figures are measured, not datasheet: device-to-device copy (read + write) and bf16 dense matmul
 rates (DESIGN.md section 4); FP8 weights double the matmul rate.
@@ -69,9 +70,9 @@ class Floor:
     seconds: float
     tokens_per_s: float
     prefill_s: float
-    weight_s: float  # decode time that reading weights alone would take
-    kv_s: float  # decode time that reading KV alone would take
-    compute_bound_steps: int
+    weight_s: float  # decode time of the matmuls (weights read or FLOPs, whichever is longer)
+    kv_s: float  # decode time of reading the KV cache
+    compute_bound_steps: int  # decode steps whose matmuls are bound by FLOPs, not weight reads
     steps: int
     weights_gb: float  # per GPU, read per dense step
     kv_peak_gb: float  # per GPU, the workload's largest KV cache
@@ -105,13 +106,13 @@ def design_floor(preset: str, gpu: str = "h100", tp: int = 1, weight_bytes: floa
         weights = (s.layers * (attn + s.dense_mlp + touched * s.expert_params) * weight_bytes
                    + s.layers * router * 2.0 + lm_head) / tp
         kv = sum(running) * kv_per_token
-        flops = (2 * active * b + s.layers * 4 * sum(running) * s.heads * s.head_dim) / tp
-        t_mem = (weights + kv) / g["bandwidth"]
-        t_flop = flops / flops_rate
-        seconds += max(t_mem, t_flop)
-        weight_s += weights / g["bandwidth"]
+        mm_flops = 2 * active * b / tp
+        attn_flops = s.layers * 4 * sum(running) * s.heads * s.head_dim / tp
+        t_mm = max(weights / g["bandwidth"], mm_flops / flops_rate)
+        seconds += t_mm + max(kv / g["bandwidth"], attn_flops / g["flops"])
+        weight_s += t_mm
         kv_s += kv / g["bandwidth"]
-        bound += t_flop > t_mem
+        bound += mm_flops / flops_rate > weights / g["bandwidth"]
     return Floor(seconds=seconds, tokens_per_s=sum(outputs) / seconds, prefill_s=prefill_s, weight_s=weight_s,
                  kv_s=kv_s, compute_bound_steps=bound, steps=steps, weights_gb=total_weights / tp / 1e9,
                  kv_peak_gb=kv_peak / 1e9, fits=fits)
@@ -124,10 +125,15 @@ DEFAULT_ROWS = [
     ("qwen3-8b", "h100", 2, "bf16", "bf16"),
     ("qwen3-8b", "h200", 1, "bf16", "bf16"),
     ("qwen3-8b", "h200", 2, "bf16", "bf16"),
+    ("qwen3-8b", "h200", 1, "fp8", "bf16"),
+    ("qwen3-8b", "h200", 4, "bf16", "bf16"),
     ("qwen3-30b-a3b", "h100", 1, "fp8", "bf16"),
     ("qwen3-30b-a3b", "h100", 2, "bf16", "bf16"),
+    ("qwen3-30b-a3b", "h200", 1, "fp8", "bf16"),
     ("qwen3-30b-a3b", "h200", 1, "bf16", "bf16"),
+    ("qwen3-30b-a3b", "h200", 2, "bf16", "bf16"),
     ("llama-3-70b", "h100", 4, "bf16", "bf16"),
+    ("llama-3-70b", "h200", 4, "bf16", "bf16"),
 ]
 
 
@@ -140,8 +146,8 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8"])
     args = ap.parse_args()
     rows = [(args.model, args.gpu, args.tp, args.weights, args.kv)] if args.model else DEFAULT_ROWS
-    print("| model | GPU | TP | weights | KV | floor s | floor tok/s | prefill s | weights s | KV s | compute-bound "
-          "steps | weights GB/GPU | KV peak GB | fits |")
+    print("| model | GPU | TP | weights | KV | floor s | floor tok/s | prefill s | matmuls s | KV s | FLOP-bound "
+          "matmul steps | weights GB/GPU | KV peak GB | fits |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model, gpu, tp, w, kv in rows:
         f = design_floor(model, gpu, tp, 1.0 if w == "fp8" else 2.0, 1.0 if kv == "fp8" else 2.0)
