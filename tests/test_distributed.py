@@ -3,8 +3,10 @@ share the message."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -51,3 +53,77 @@ def test_one_rank_is_left_alone() -> None:
         assert distributed.all_reduce(x) is x
     finally:
         distributed.set_rank_ordered_sums(False)
+
+
+def _symmetric_off_on_gloo(rank: int, world: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ok = distributed.init_symmetric_all_reduce(1024, torch.float32, torch.device("cpu"))
+        x = torch.full((4, 8), float(rank + 1))
+        y = distributed.all_reduce(x)
+        if rank == 0:
+            torch.save((ok, y is x, y), out)
+    finally:
+        distributed.release_symmetric_all_reduce()
+        dist.destroy_process_group()
+
+
+def test_symmetric_all_reduce_stays_off_on_cpu(tmp_path: Path) -> None:
+    """Off CUDA the symmetric-memory path is never set up, and all_reduce still sums in place through gloo."""
+    out = tmp_path / "symm.pt"
+    mp.start_processes(_symmetric_off_on_gloo, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    ok, same, y = torch.load(out)
+    assert ok is False and same
+    assert torch.equal(y, torch.full((4, 8), 3.0))
+
+
+def test_symmetric_all_reduce_needs_several_ranks() -> None:
+    assert distributed.init_symmetric_all_reduce(1024, torch.bfloat16, torch.device("cpu")) is False
+
+
+def _symmetric_matches_nccl(rank: int, world: int, port: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, torch.device("cuda", rank))
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        parts = torch.randn(300, 512, generator=g, device="cuda", dtype=torch.bfloat16)
+        reference = parts.clone()
+        dist.all_reduce(reference)  # NCCL
+        eager = distributed.all_reduce(parts[:256].clone())
+        big = distributed.all_reduce(parts.clone())  # over the buffer: NCCL
+        x = parts[:128].clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            distributed.all_reduce(x.copy_(parts[:128]))  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            distributed.all_reduce(x.copy_(parts[:128]))
+        x.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        results = torch.tensor([ok, torch.equal(eager, reference[:256]), torch.equal(big, reference),
+                                torch.equal(x, reference[:128])])
+        gathered = [torch.empty_like(eager) for _ in range(world)]
+        dist.all_gather(gathered, eager)  # every rank the same bits
+        results = torch.cat([results, torch.tensor([all(torch.equal(gathered[0], t) for t in gathered)])])
+        if rank == 0:
+            torch.save(results, out)
+        del graph
+    finally:
+        distributed.release_symmetric_all_reduce()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_symmetric_all_reduce_matches_nccl_on_two_gpus(tmp_path: Path) -> None:
+    """Two ranks: a + b has one rounding, so two-shot (eager and replayed from a CUDA graph) equals NCCL's bits."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    out = tmp_path / "symm.pt"
+    mp.start_processes(_symmetric_matches_nccl, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    ok, eager, big, graphed, same = torch.load(out).tolist()
+    assert ok, "symmetric memory did not set up (see the log for why)"
+    assert eager and big and graphed and same

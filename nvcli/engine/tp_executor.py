@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nvcli import env
+from nvcli import distributed, env
 from nvcli.attention.backend import fill_tables
 from nvcli.child_processes import exit_with_parent
 from nvcli.config import EngineConfig
+from nvcli.engine import startup
 from nvcli.engine.model_runner import ModelRunner
 from nvcli.engine.sampling_stage import SamplingInputs, StepHandle, StepResult, TokenMasks, collect
 from nvcli.engine.scheduler import ScheduledBatch
@@ -110,12 +111,23 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
                           logit_rows, draft_rows)
 
 
-def _init_dist(config: EngineConfig, rank: int, port: int) -> None:
+# Decode and small mixed steps all-reduce through symmetric memory (distributed.init_symmetric_all_reduce); larger
+# prefill chunks keep NCCL, which is bandwidth-optimal there. The buffer holds this many rows of hidden_size.
+SYMM_ALL_REDUCE_MAX_ROWS = 2048
+
+
+def _init_dist(config: EngineConfig, model_config: ModelConfig, rank: int, port: int) -> None:
     backend = "nccl" if config.resolved_device() == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", world_size=config.tensor_parallel_size, rank=rank,
         timeout=timedelta(minutes=30),
     )
+    if backend == "nccl":
+        # Here, before ModelRunner, so that the KV cache, sized from free GPU memory, counts this buffer as in use.
+        # cuda:rank and the dtype as ModelRunner picks them.
+        rows = min(config.max_num_batched_tokens, SYMM_ALL_REDUCE_MAX_ROWS)
+        distributed.init_symmetric_all_reduce(rows * model_config.hidden_size, startup.pick_dtype(config, "cuda"),
+                                              torch.device("cuda", rank))
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int, port: int, shm_name: str,
@@ -127,7 +139,7 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str,
         import faulthandler
 
         faulthandler.dump_traceback_later(stacks_after_s, exit=False)
-    _init_dist(config, rank, port)
+    _init_dist(config, model_config, rank, port)
     runner = ModelRunner(config, model_config, Path(model_dir), rank=rank)
     shm = SharedMemory(name=shm_name)
     buf = np.ndarray((shm.size // 4,), dtype=np.int32, buffer=shm.buf)
@@ -145,6 +157,7 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str,
         del buf
         shm.close()
         runner.release_cuda_graphs()
+        distributed.release_symmetric_all_reduce()  # after the graphs that captured it, before its group
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -191,7 +204,7 @@ class TensorParallelExecutor:
         self._watchdog = threading.Thread(target=self._watch_workers, daemon=True)
         self._watchdog.start()
         try:
-            _init_dist(config, 0, port)
+            _init_dist(config, model_config, 0, port)
             self.runner = ModelRunner(config, model_config, model_dir, rank=0, compile_workers=compile_workers)
         except BaseException:
             self._cleanup(kill=True)
@@ -287,6 +300,7 @@ class TensorParallelExecutor:
         # Graphs that captured NCCL collectives must go before the communicator: on two H200s,
         # destroy_process_group hung with them alive (eager mode shut down cleanly).
         self.runner.release_cuda_graphs()
+        distributed.release_symmetric_all_reduce()  # after the graphs that captured it, before its group
         self._cleanup(kill=False)
         if dist.is_initialized():
             # Never let a stuck communicator turn a finished job into a hang.
