@@ -83,6 +83,7 @@ def test_activations_round_to_e4m3_as_torch_casts() -> None:
     (1, 64, 32, 4, 2, None, False),  # one decode row; one partial block each way, 64-wide down tiles
     (7, 192, 160, 4, 2, 16, True),  # two K blocks (the second partial), two activation groups, two down tiles
     (13, 128, 256, 8, 2, None, False),  # whole blocks
+    (5, 64, 256, 4, 2, None, True),  # two activation groups into a 64-wide down tile (test_fp8_moe's aligned shape)
     (40, 96, 48, 8, 2, 64, True),  # groups larger than one block of some experts, smaller of others
 ])
 def test_fused_moe_fp8_matches_the_reference(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
