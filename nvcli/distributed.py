@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -21,12 +23,29 @@ _symm_group: str = ""
 _SYMM_DTYPES = (torch.bfloat16, torch.float32)
 
 
+# Inside single_rank(): the layers see one rank whatever the process group (a model only this process runs)
+_single_rank = False
+
+
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if not _single_rank and dist.is_available() and dist.is_initialized() else 0
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if not _single_rank and dist.is_available() and dist.is_initialized() else 1
+
+
+@contextmanager
+def single_rank() -> Iterator[None]:
+    """Within: tp_rank() is 0, tp_size() 1 and all_reduce the identity, so a model built and run inside (the
+    speculative draft model, which only rank 0's process holds) is whole and never waits on the other ranks. Not
+    reentrant across threads: the engine's step runs its forwards on one thread."""
+    global _single_rank
+    before, _single_rank = _single_rank, True
+    try:
+        yield
+    finally:
+        _single_rank = before
 
 
 def set_rank_ordered_sums(on: bool) -> None:

@@ -1,8 +1,9 @@
 """vLLM's `--speculative-config`: typed and validated at construction, every error naming the flag.
 
-Only prompt lookup (`{"method": "ngram", ...}`) exists so far (engine/spec_decode.py); a draft model
-(`{"model": DIR, ...}`) is refused with a message saying so. Errors are ValueErrors; EngineConfig raises them as
-ConfigErrors (this module does not import config.py, which imports it).
+Two methods: prompt lookup (`{"method": "ngram", ...}`, engine/spec_decode.py) and a draft model
+(`{"model": DIR, "num_speculative_tokens": k}`, method "draft_model" implied; engine/draft_model.py). The draft's
+directory and vocabulary are checked where the target's model is known (the engine's start). Errors are ValueErrors;
+EngineConfig raises them as ConfigErrors (this module does not import config.py, which imports it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 FLAG = "--speculative-config"
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # a verify row computes 1 + k tokens; more than this is never accepted in practice
 # Speculate only in steps with at most this many running sequences: a bigger batch keeps the device busy without
 # drafts, and a verify step gives up async scheduling's overlap (it needs the last token known)
@@ -28,14 +29,23 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # draft_model: a model sharing the target's tokenizer (a directory, a GGUF file, a hub id in the local cache, or
+    # with --load-format dummy whatever names the target's shapes); loaded with the target's load format
+    model: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, why: str) -> None:
             if not ok:
                 raise ValueError(f"{FLAG}: {why}")
 
-        need(self.method in METHODS, f"method must be one of {', '.join(METHODS)} (got {self.method!r}); "
-                                     "draft models come in a later version")
+        need(self.method in METHODS, f"method must be one of {', '.join(METHODS)} (got {self.method!r})")
+        need((self.model is not None) == (self.method == "draft_model"),
+             'a draft model is {"model": DIR, "num_speculative_tokens": k} (method draft_model, or left out); '
+             "method ngram takes no model")
+        need(self.model is None or (isinstance(self.model, str) and self.model != ""),
+             f"model must name the draft model's directory (got {self.model!r})")
+        need(self.model is None or (self.prompt_lookup_min is None and self.prompt_lookup_max is None),
+             "prompt_lookup_min / prompt_lookup_max go with method ngram, not with a draft model")
         need(_pos_int(self.num_speculative_tokens) and self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS} "
              f"(got {self.num_speculative_tokens!r})")
@@ -61,7 +71,7 @@ class SpeculativeConfig:
 
 def speculative_config(value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
     """The flag's value (a JSON object as text, a dict, or a SpeculativeConfig) as a SpeculativeConfig; None stays
-    None. Unknown keys and draft models are refused, naming the flag."""
+    None. Unknown keys are refused, naming the flag; `{"model": ...}` without a method is method draft_model."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, str):
@@ -72,9 +82,8 @@ def speculative_config(value: SpeculativeConfig | dict | str | None) -> Speculat
                                          '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
     if not isinstance(value, dict):
         raise ValueError(f"{FLAG}: must be a JSON object (got {type(value).__name__})")
-    if "model" in value:
-        raise ValueError(f"{FLAG}: draft models ({{\"model\": ...}}) are not supported yet; "
-                                     'use prompt lookup: {"method": "ngram", "num_speculative_tokens": 4}')
+    if "model" in value and "method" not in value:
+        value = {**value, "method": "draft_model"}
     known = {f.name for f in fields(SpeculativeConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

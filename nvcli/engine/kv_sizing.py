@@ -1,5 +1,6 @@
 """KV-cache sizing at start-up: how many blocks fit, measured with the largest step a job can schedule.
 
+A draft model's cache (speculative decoding) is sized with the target's, block for block.
 On a GPU the profile run executes a worst-case step (max_num_batched_tokens tokens; on rank 0 every sampling feature
 on every row and the largest penalty pool; a scoring chunk of prompt logprobs), then the cache gets what
 gpu_memory_utilization leaves after that peak and the CUDA graphs' pool. On the CPU the cache holds
@@ -70,6 +71,14 @@ def allocate(runner: Runner) -> int:
     """Size the KV cache (a fixed count, the CPU's budget, or what free GPU memory leaves after a worst-case step),
     allocate it and bind each attention layer's PagedKV (pages and fp8 scales); the number of blocks."""
     per_block = kv_bytes_per_block(runner)
+    spec = runner.config.speculative_config
+    if runner.rank == 0 and getattr(spec, "model", None) is not None:
+        # a draft model's cache has as many blocks, in rank 0's process (engine/draft_model.py): both must fit. Its
+        # weights are loaded before this runs (used memory on a GPU); its forwards come between the target's and are
+        # smaller than the profiled step, so they fit in the activation room that step leaves
+        from nvcli.engine.draft_model import draft_kv_bytes_per_block
+
+        per_block += draft_kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
     if runner.config.num_kvcache_blocks is not None:
         num_blocks = runner.config.num_kvcache_blocks
     elif runner.device.type == "cpu":

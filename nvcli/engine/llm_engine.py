@@ -27,8 +27,9 @@ from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
 
+    from nvcli.engine.draft_model import DraftProposer
     from nvcli.engine.sampling_stage import StepHandle
-    from nvcli.engine.spec_decode import NgramProposer
+    from nvcli.engine.spec_decode import Proposer
     from nvcli.engine.structured_output import GrammarCompiler
 
 log = logging.getLogger("nvcli")
@@ -64,7 +65,15 @@ class LLMEngine(TextSide):
         # A first start-up on a machine compiles its kernels ahead (kernels/compile_ahead.py): its compile workers
         # start here, so that their start and warm-up overlap the tokenizer's load (transformers' imports).
         workers = start_compile_workers_if_cold(self.config, self.model_config)
+        spec = self.config.speculative_config
+        fp8_pages = str(self.config.kv_cache_dtype).startswith("fp8")
+        draft: DraftProposer | None = None
         try:
+            if spec is not None and spec.model is not None:  # before the target sizes its cache: see kv_sizing
+                from nvcli.engine.draft_model import DraftProposer
+
+                assert self.config.max_model_len is not None  # resolve_config set it
+                draft = DraftProposer(self.config, self.model_config, self.config.max_model_len, fp8_pages)
             self.tokenizer = load_tokenizer(config.tokenizer or self.model_dir)
             self.reasoning_markers = reasoning_markers(self.tokenizer, config.reasoning_parser)
             self.executor = make_executor(self.config, self.model_config, self.model_dir, compile_workers=workers)
@@ -104,14 +113,15 @@ class LLMEngine(TextSide):
         self._in_flight = None  # launched step whose tokens are not read yet (async scheduling)
         self._num_constrained = 0  # unfinished sequences with a grammar: steps without any skip the mask hook
         self.async_scheduling = bool(self.config.async_scheduling) and self.executor.supports_async
-        self.proposer: NgramProposer | None = None  # speculative decoding (engine/spec_decode.py)
         self.num_verify_steps = 0
-        spec = self.config.speculative_config
-        if spec is not None:
+        self.proposer: Proposer | None = draft  # speculative decoding (engine/spec_decode.py, engine/draft_model.py)
+        if draft is not None:
+            draft.max_model_len = self.max_model_len  # fit_cache may have lowered it
+            draft.allocate_cache(num_blocks)
+        elif spec is not None:
             from nvcli.engine.spec_decode import NgramProposer
 
-            self.proposer = NgramProposer(spec, self.max_model_len, self.config.kvcache_block_size,
-                                          str(self.config.kv_cache_dtype).startswith("fp8"))
+            self.proposer = NgramProposer(spec, self.max_model_len, self.config.kvcache_block_size, fp8_pages)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -183,6 +193,8 @@ class LLMEngine(TextSide):
                 self._in_flight = None
             drafts = self.proposer.propose(self.scheduler.running)
         batch = self.scheduler.schedule(drafts)
+        if drafts is not None and self.proposer is not None:
+            self.proposer.fill(batch)  # a draft model's drafts, now that the step's blocks are allocated
         t1 = time.perf_counter()
         self.schedule_s += t1 - t0
         # The pipeline: launch this step's forward; sample it (a constrained row's mask needs the token before it,

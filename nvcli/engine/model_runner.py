@@ -135,15 +135,11 @@ class ModelRunner:
         input_ids[rows[:, 0]] = self.prev_tokens[rows[:, 1]]
 
     def _upload(self, x: Ints | np.ndarray, dtype: type) -> torch.Tensor:
-        return upload(torch.from_numpy(np.asarray(x, dtype=dtype)), self.device)  # numpy: torch.tensor(list) is ~3x slower
+        return upload_ints(x, dtype, self.device)
 
     def eager_inputs(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A step's input ids, positions and attention metadata on the device, uploaded without waiting for it."""
-        input_ids, positions = self._upload(step.input_ids, np.int64), self._upload(step.positions, np.int64)
-        meta = self.attention.metadata(self._upload(step.slot_mapping, np.int64), step.query_start_loc, step.seq_lens,
-                                       step.block_tables, step.decode_only, step.num_decode_rows,
-                                       lambda a: upload(torch.from_numpy(a), self.device))
-        return input_ids, positions, meta
+        return eager_inputs(self.attention, self.device, step)
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> Final:
@@ -227,6 +223,21 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
             self.sampling.sampler_graphs = None
+
+
+def upload_ints(x: Ints | np.ndarray, dtype: type, device: torch.device) -> torch.Tensor:
+    return upload(torch.from_numpy(np.asarray(x, dtype=dtype)), device)  # numpy: torch.tensor(list) is ~3x slower
+
+
+def eager_inputs(attention: AttentionBackend, device: torch.device, step: StepInput
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step's input ids, positions and attention metadata on `device`, uploaded without waiting for it (the
+    target's eager steps and the draft model's, engine/draft_model.py)."""
+    input_ids, positions = upload_ints(step.input_ids, np.int64, device), upload_ints(step.positions, np.int64, device)
+    meta = attention.metadata(upload_ints(step.slot_mapping, np.int64, device), step.query_start_loc, step.seq_lens,
+                              step.block_tables, step.decode_only, step.num_decode_rows,
+                              lambda a: upload(torch.from_numpy(a), device))
+    return input_ids, positions, meta
 
 
 def _cat(a: Final, b: Final) -> Final:

@@ -18,6 +18,8 @@ does the same: it accepts with probability p(d), and given a rejection s is dist
 So each appended token has the target's conditional distribution, whatever the drafts: greedy gives the tokens of
 plain decoding, and a seeded request gives the same tokens with and without speculation, because its draw at an
 output position depends on its seed and that position only (engine/sampler.py), never on the batch or the step.
+A draft model's greedy drafts (engine/draft_model.py) are a deterministic function of the context as well, so all
+of this holds for them unchanged.
 
 Which rows speculate: only where this is exact and cheap. No structured-output grammar (its mask needs the token
 before), no penalties (their counts would need the drafts), no min_tokens ban in force, no logprobs or
@@ -34,7 +36,7 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from nvcli.engine.scheduler import PENDING
+from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.speculative import SpeculativeConfig
 
@@ -95,8 +97,9 @@ class _TokenArray:
         return self.buf[:n]
 
 
-class NgramProposer:
-    """The engine's proposer: drafts for the running sequences of the next step (`propose`)."""
+class Proposer:
+    """What every proposer shares: which steps speculate (`wants`), which sequences may draft now, and how many
+    drafts fit (`room`). `propose` runs before the step is scheduled; `fill` after, on the scheduled batch."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int, no_draft_at_page_end: bool
                  ) -> None:
@@ -107,11 +110,40 @@ class NgramProposer:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.no_draft_at_page_end = no_draft_at_page_end
-        self._arrays: WeakKeyDictionary[Sequence, _TokenArray] = WeakKeyDictionary()
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step may speculate (then the engine collects the step in flight first)."""
         return 0 < len(running) <= self.config.disable_by_batch_size and any(map(can_speculate, running))
+
+    def room(self, seq: Sequence) -> int:
+        """How many drafts `seq` may verify in the next step: 0 unless it is decoding with its last token known and
+        may speculate; drafts stop where max_tokens or max_model_len would end the sequence anyway."""
+        if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1
+                or seq.token_ids[-1] == PENDING or not can_speculate(seq)):
+            return 0
+        num_tokens = seq.num_tokens
+        room = min(self.config.k, self.max_model_len - num_tokens - 1)  # the last sampled index stays < max_model_len
+        max_tokens = seq.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_completion_tokens - 1)
+        if self.no_draft_at_page_end:  # drafts sit at positions num_tokens .. num_tokens + room - 1
+            room = min(room, self.block_size - 1 - num_tokens % self.block_size)
+        return max(room, 0)
+
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        raise NotImplementedError
+
+    def fill(self, batch: ScheduledBatch) -> None:
+        """Write the drafts of `batch`'s verify rows where `propose` left placeholders (nothing to do by default)."""
+
+
+class NgramProposer(Proposer):
+    """The engine's proposer: drafts for the running sequences of the next step (`propose`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, block_size: int, no_draft_at_page_end: bool
+                 ) -> None:
+        super().__init__(config, max_model_len, block_size, no_draft_at_page_end)
+        self._arrays: WeakKeyDictionary[Sequence, _TokenArray] = WeakKeyDictionary()
 
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
         """seq_id -> drafts, for the decoding sequences whose last token is known; those without a match are left out.
@@ -119,16 +151,7 @@ class NgramProposer:
         cfg = self.config
         out: dict[int, list[int]] = {}
         for seq in running:
-            if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1
-                    or seq.token_ids[-1] == PENDING or not can_speculate(seq)):
-                continue
-            num_tokens = seq.num_tokens
-            room = min(cfg.k, self.max_model_len - num_tokens - 1)  # the last sampled index stays < max_model_len
-            max_tokens = seq.sampling_params.max_tokens
-            if max_tokens is not None:
-                room = min(room, max_tokens - seq.num_completion_tokens - 1)
-            if self.no_draft_at_page_end:  # drafts sit at positions num_tokens .. num_tokens + room - 1
-                room = min(room, self.block_size - 1 - num_tokens % self.block_size)
+            room = self.room(seq)
             if room < 1:
                 continue
             array = self._arrays.get(seq)

@@ -85,8 +85,10 @@ def test_proposer_stops_drafts_where_the_sequence_ends_and_before_sealed_page_en
 # ---------------------------------------------------------------------------------------------- the flag
 @pytest.mark.parametrize("value, match", [
     ('{"method": "ngram"}', "needs num_speculative_tokens"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram"),
-    ('{"model": "/models/draft", "num_speculative_tokens": 2}', "draft models .* not supported yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram, draft_model"),
+    ('{"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}', "method ngram takes no model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "a draft model is"),
+    ('{"model": "/models/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', "go with method ngram"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
      "must not exceed"),
@@ -117,7 +119,7 @@ def test_cli_rejects_a_bad_speculative_config(tmp_path) -> None:
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
     r = CliRunner().invoke(app, ["generate", str(tmp_path / "in.jsonl"), "--speculative-config",
                                  '{"model": "draft", "num_speculative_tokens": 2}'])
-    assert r.exit_code == 2 and "--speculative-config" in r.output and "not supported yet" in r.output
+    assert r.exit_code == 2 and "--speculative-config: draft model 'draft'" in r.output  # no such directory
     r = CliRunner().invoke(app, ["bench", "--speculative-config", '{"method": "ngram"}'])
     assert r.exit_code == 2 and "--speculative-config" in r.output
 

@@ -1,0 +1,243 @@
+"""Speculative decoding with a draft model (`--speculative-config '{"model": DIR, "num_speculative_tokens": k}'`).
+
+A small model sharing the target's tokenizer proposes k tokens greedily (argmax); the target verifies them as it
+verifies n-gram drafts (engine/spec_decode.py). Greedy drafts are a deterministic function of the context, so the
+acceptance rule there keeps the output exactly the target's: greedy tokens identical, seeded draws unchanged.
+
+Where it runs. In the engine's process, on rank 0's device and in the target's dtype, whole at any --tp (built and
+run inside distributed.single_rank()). Eager forwards only: no CUDA graphs for the draft yet.
+
+Its KV cache. Its own paged cache with as many blocks as the target's and the target's block size, read and written
+through the TARGET's block tables: the draft's KV of block b lives at index b of its own cache, so no second block
+manager exists. KV sizing counts both caches' bytes per block (engine/kv_sizing.py). A block shared through the
+prefix cache may be rewritten by the draft of any sequence holding it; each writes the values of the same tokens at
+the same positions, so the rewrite is harmless.
+
+Per sequence, `valid` counts the leading tokens whose draft KV the draft has computed from the sequence's own
+tokens. A step's drafts come in two halves around the scheduler:
+- `propose` (before scheduling) picks the rows that speculate, by the rules n-gram drafting uses, and returns
+  placeholders for their drafts; the scheduler allocates KV blocks for them as for any drafts, and may cut them to
+  its token budget.
+- `fill` (after scheduling, before the target's forward) runs the draft for the rows that kept drafts: one forward
+  over every row's unseen tokens [valid, n) (a prompt-like chunk; n = the tokens known before the step), whose last
+  row's argmax is d1, then k - 1 one-token forwards feeding d1.. back, each writing tentative KV at positions n,
+  n + 1, ... All rows go in each forward together. The drafts replace the placeholders in token_ids.
+After verification the tentative KV at position n + i counts as valid exactly where the sequence kept the token
+d(i+1) there (checked lazily at the next proposal). A preempted sequence (its blocks freed) starts again from 0.
+A sequence whose unseen tokens do not fit this step's draft budget (max_num_batched_tokens tokens in the first
+forward) does not speculate; the draft processes a chunk of its computed tokens instead ("catching up").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
+
+import numpy as np
+import torch
+
+from nvcli.config import ConfigError, EngineConfig
+from nvcli.distributed import single_rank
+from nvcli.engine import startup
+from nvcli.engine.model_runner import eager_inputs, upload_ints
+from nvcli.engine.scheduler import ScheduledBatch
+from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.engine.spec_decode import Proposer
+from nvcli.engine.step_input import build_step_input
+from nvcli.speculative import FLAG
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from nvcli.models.model_config import ModelConfig
+
+log = logging.getLogger("nvcli")
+PLACEHOLDER = 0  # a draft's token id between propose and fill (a valid id: nothing reads it before fill writes it)
+
+
+def resolve_draft(config: EngineConfig, target: ModelConfig) -> tuple[Path, ModelConfig]:
+    """The draft model's directory and config; ConfigError naming the flag where it is missing or its vocabulary is
+    not the target's (the drafts are token ids of the target's tokenizer)."""
+    from nvcli.models.model_config import load_model_config
+    from nvcli.models.resolve import resolve_model
+
+    spec = config.speculative_config
+    assert spec is not None and not isinstance(spec, (dict, str)) and spec.model is not None
+    try:
+        model_dir = resolve_model(spec.model, config.load_format)
+        draft = load_model_config(model_dir)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{FLAG}: draft model {spec.model!r}: {e}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"{FLAG}: the draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, the "
+                          f"target {target.vocab_size}; a draft must share the target's tokenizer")
+    return model_dir, draft
+
+
+def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of the draft's KV cache (in `dtype`, the target's compute dtype): KV sizing adds them to the
+    target's, so that both caches fit with the same number of blocks."""
+    from nvcli.models.model_config import load_model_config
+    from nvcli.models.resolve import resolve_model
+
+    spec = config.speculative_config
+    assert spec is not None and not isinstance(spec, (dict, str)) and spec.model is not None
+    cfg = load_model_config(resolve_model(spec.model, config.load_format))
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+@dataclass
+class _DraftState:
+    """A sequence's draft KV: tokens [0, valid) computed from its own tokens; the tentative inputs written at
+    positions base, base + 1, ... by the last fill (valid there once the sequence keeps the same tokens)."""
+
+    preemptions: int = 0
+    valid: int = 0
+    base: int = 0
+    tentative: tuple[int, ...] = ()
+
+    def sync(self, seq: Sequence) -> int:
+        """`valid` as the sequence now is (its verify step collected)."""
+        if seq.num_preemptions != self.preemptions:  # its blocks were freed: the draft's KV went with them
+            self.preemptions, self.valid, self.tentative = seq.num_preemptions, 0, ()
+        ids = seq.token_ids
+        kept = 0
+        while (kept < len(self.tentative) and self.base + kept < len(ids)
+               and ids[self.base + kept] == self.tentative[kept]):
+            kept += 1
+        if kept:
+            self.valid = self.base + kept
+        self.tentative = ()
+        self.valid = min(self.valid, seq.num_tokens - 1)
+        return self.valid
+
+
+class DraftProposer(Proposer):
+    def __init__(self, config: EngineConfig, target: ModelConfig, max_model_len: int, no_draft_at_page_end: bool
+                 ) -> None:
+        """Loads the draft model (before the target's KV cache is sized, so that on a GPU its weights count as used
+        memory); `allocate_cache` follows once the number of blocks is known. `config`: the resolved settings."""
+        from nvcli.attention.backend import AttentionBackend
+        from nvcli.kernels.shared_prefix_attention import seqs_per_group  # triton: imported on demand
+        from nvcli.models.layers.attention import Attention
+
+        spec = config.speculative_config
+        assert spec is not None and not isinstance(spec, (dict, str))
+        assert config.kvcache_block_size is not None
+        super().__init__(spec, max_model_len, config.kvcache_block_size, no_draft_at_page_end)
+        model_dir, self.model_config = resolve_draft(config, target)
+        self.device = torch.device("cpu") if config.resolved_device() == "cpu" else torch.device("cuda", 0)
+        self.dtype = startup.pick_dtype(config, self.device.type)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_positions = self.model_config.max_position_embeddings
+        # the draft's own weights as its checkpoint stores them: --quantization applies to the target
+        draft_config = dataclasses.replace(config, quantization=None)
+        with single_rank():
+            self.model = startup.load_model(draft_config, self.model_config, model_dir, self.device, self.dtype)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layer = self.attn_layers[0]
+        width = -(-max_model_len // self.block_size)
+        # eager steps only; never --batch-invariant (the drafts' arithmetic does not reach the output)
+        self.attention = AttentionBackend(self.device, self.block_size, width,
+                                          seqs_per_group(layer.num_heads, layer.num_kv_heads), False)
+        self.kv_cache: torch.Tensor | None = None
+        self._states: WeakKeyDictionary[Sequence, _DraftState] = WeakKeyDictionary()
+        self._catch_up: list[tuple[Sequence, int]] = []  # (sequence, tokens) the next fill processes without drafting
+
+    def allocate_cache(self, num_blocks: int) -> None:
+        """The draft's paged KV cache: `num_blocks` blocks (the target's count), bound to its attention layers."""
+        from nvcli.kernels.kv_layout import allocate_kv_cache
+
+        layer = self.attn_layers[0]
+        self.kv_cache, caches = allocate_kv_cache(len(self.attn_layers), num_blocks, self.block_size,
+                                                  layer.num_kv_heads, layer.head_dim, self.dtype, self.device)
+        for attn, kv in zip(self.attn_layers, caches):
+            attn.kv = kv
+
+    def _state(self, seq: Sequence) -> _DraftState:
+        state = self._states.get(seq)
+        if state is None:
+            state = self._states[seq] = _DraftState(preemptions=seq.num_preemptions)
+        return state
+
+    # ------------------------------------------------------------------ before scheduling
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """seq_id -> placeholder drafts (as many as may be verified) for the rows that speculate this step; `fill`
+        writes the drafts once the step is scheduled."""
+        budget = self.max_num_batched_tokens  # tokens of fill's first forward
+        out: dict[int, list[int]] = {}
+        self._catch_up = []
+        for seq in running:
+            # the draft's positions n - 1 .. n + room - 2 stay inside its rotary table
+            room = min(self.room(seq), self.max_positions - seq.num_tokens + 1)
+            if room < 1 or budget < 1:
+                continue
+            valid = self._state(seq).sync(seq)
+            unseen = seq.num_tokens - valid
+            if unseen <= budget:
+                out[seq.seq_id] = [PLACEHOLDER] * room
+                budget -= unseen
+            else:  # tokens the target has computed (their blocks exist), a chunk of them this step
+                n = min(budget, seq.num_tokens - 1 - valid)
+                self._catch_up.append((seq, n))
+                budget -= n
+        return out
+
+    # ------------------------------------------------------------------ after scheduling
+    @torch.inference_mode()
+    def fill(self, batch: ScheduledBatch) -> None:
+        """Run the draft for `batch`'s verify rows (and the catching-up chunks) and write their drafts into
+        token_ids, where the scheduler put the placeholders."""
+        rows: list[tuple[Sequence, int, int]] = []  # (sequence, drafts, n: tokens known before the step)
+        for seq, k, index in zip(batch.seqs, batch.num_drafts, batch.sample_index):
+            if k:
+                rows.append((seq, k, index - k))
+        chunks: list[tuple[Sequence, int, int]] = []  # (sequence, first position, tokens) of the first forward
+        for seq, _, n in rows:
+            state = self._state(seq)
+            chunks.append((seq, state.valid, n - state.valid))
+        for seq, count in self._catch_up:
+            state = self._states.get(seq)
+            if seq.status == SequenceStatus.RUNNING and state is not None and state.preemptions == seq.num_preemptions:
+                chunks.append((seq, state.valid, count))
+                state.valid += count
+        self._catch_up = []
+        if not chunks:
+            return
+        with single_rank():
+            drafts = self._forward(chunks, len(rows))
+            for (seq, _, n), d in zip(rows, drafts):
+                seq.token_ids[n] = d
+                state = self._state(seq)
+                state.valid, state.base = n, n
+            longest = max((k for _, k, _ in rows), default=0)
+            for j in range(1, longest):  # position n + j - 1 takes draft j and predicts draft j + 1
+                going = [(seq, n) for seq, k, n in rows if k > j]
+                for (seq, n), d in zip(going, self._forward([(seq, n + j - 1, 1) for seq, n in going], len(going))):
+                    seq.token_ids[n + j] = d
+        for seq, k, n in rows:
+            self._state(seq).tentative = tuple(seq.token_ids[n : n + k - 1])
+
+    def _forward(self, chunks: list[tuple[Sequence, int, int]], num_sampled: int) -> list[int]:
+        """One forward of the draft over `chunks` (sequence, first position, tokens): each computes its tokens'
+        KV from token_ids; returns the argmax after the last token of each of the first `num_sampled` chunks."""
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] > 1)  # one-token rows first (step_input.py)
+        batch = ScheduledBatch([chunks[i][0] for i in order], [chunks[i][2] for i in order],
+                               start=[chunks[i][1] for i in order])
+        batch.is_decode_only = all(c[2] == 1 for c in chunks)
+        step = build_step_input(batch, self.block_size)
+        input_ids, positions, meta = eager_inputs(self.attention, self.device, step)
+        hidden, residual = self.model(input_ids, positions, meta)
+        if not num_sampled:
+            return []
+        where = {i: r for r, i in enumerate(order)}
+        last = [step.query_start_loc[where[i] + 1] - 1 for i in range(num_sampled)]
+        index = upload_ints(last, np.int64, self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index),
+                                           None if residual is None else residual.index_select(0, index))
+        return logits.argmax(dim=-1).tolist()
+
