@@ -53,7 +53,8 @@ _DP_HELP = (
 )
 _DP_BACKEND_HELP = "mp: replicas are processes of this host | ray: Ray actors on the hosts of a Ray cluster (pip install 'nvcli[ray]')."
 _SPECULATIVE_HELP = ('Speculative decoding (vLLM\'s): prompt lookup, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; speculates in steps of at most '
+                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a draft model sharing the tokenizer, '
+                     '\'{"model": DIR, "num_speculative_tokens": 4}\'; speculates in steps of at most '
                      '"disable_by_batch_size" (default 8) sequences; the tokens stay those the model would sample.')
 _SCHEDULING_POLICY_HELP = (
     f"{' | '.join(SCHEDULING_POLICIES)} (vLLM's). fcfs serves requests in arrival order; priority serves each line's "

@@ -93,7 +93,7 @@ class EngineConfig:
     # models/llama.py). Slower: its kernels keep one configuration for every batch size.
     batch_invariant: bool = False
     # vLLM's --speculative-config: a JSON object, a dict or a speculative.SpeculativeConfig, which it becomes here
-    # (prompt lookup only: engine/spec_decode.py); None: no speculation
+    # (prompt lookup: engine/spec_decode.py; a draft model: engine/draft_model.py); None: no speculation
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ run inside distributed.single_rank()). Eager forwards only: no CUDA graphs for t
 
 Its KV cache. Its own paged cache with as many blocks as the target's and the target's block size, read and written
 through the TARGET's block tables: the draft's KV of block b lives at index b of its own cache, so no second block
-manager exists. KV sizing counts both caches' bytes per block (engine/kv_sizing.py). A block shared through the
+manager exists. KV sizing counts both caches' bytes per block (kv_sizing.draft_kv_bytes_per_block). A block shared through the
 prefix cache may be rewritten by the draft of any sequence holding it; each writes the values of the same tokens at
 the same positions, so the rewrite is harmless.
 
@@ -77,19 +77,6 @@ def resolve_draft(config: EngineConfig, target: ModelConfig) -> tuple[Path, Mode
     return model_dir, draft
 
 
-def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of the draft's KV cache (in `dtype`, the target's compute dtype): KV sizing adds them to the
-    target's, so that both caches fit with the same number of blocks."""
-    from nvcli.models.model_config import load_model_config
-    from nvcli.models.resolve import resolve_model
-
-    spec = config.speculative_config
-    assert spec is not None and not isinstance(spec, (dict, str)) and spec.model is not None
-    cfg = load_model_config(resolve_model(spec.model, config.load_format))
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
-
-
 @dataclass
 class _DraftState:
     """A sequence's draft KV: tokens [0, valid) computed from its own tokens; the tentative inputs written at
@@ -141,9 +128,9 @@ class DraftProposer(Proposer):
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attn_layers[0]
         width = -(-max_model_len // self.block_size)
-        # eager steps only; never --batch-invariant (the drafts' arithmetic does not reach the output)
+        # eager steps only; --batch-invariant as the target's (the model was loaded with it)
         self.attention = AttentionBackend(self.device, self.block_size, width,
-                                          seqs_per_group(layer.num_heads, layer.num_kv_heads), False)
+                                          seqs_per_group(layer.num_heads, layer.num_kv_heads), config.batch_invariant)
         self.kv_cache: torch.Tensor | None = None
         self._states: WeakKeyDictionary[Sequence, _DraftState] = WeakKeyDictionary()
         self._catch_up: list[tuple[Sequence, int]] = []  # (sequence, tokens) the next fill processes without drafting

@@ -60,6 +60,19 @@ def kv_bytes_per_block(runner: Runner) -> int:
     return 2 * len(runner.attn_layers) * runner.block_size * layer.num_kv_heads * layer.head_dim * elem
 
 
+def draft_kv_bytes_per_block(config: EngineConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of a draft model's KV cache, kept in `dtype` (the target's compute dtype, whatever
+    --kv-cache-dtype says: engine/draft_model.py)."""
+    from nvcli.models.model_config import load_model_config
+    from nvcli.models.resolve import resolve_model
+
+    model = getattr(config.speculative_config, "model", None)
+    assert model is not None
+    cfg = load_model_config(resolve_model(model, config.load_format))
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
 def kv_dtype(runner: Runner) -> torch.dtype:
     name = runner.config.kv_cache_dtype
     if name.startswith("fp8"):
@@ -76,8 +89,6 @@ def allocate(runner: Runner) -> int:
         # a draft model's cache has as many blocks, in rank 0's process (engine/draft_model.py): both must fit. Its
         # weights are loaded before this runs (used memory on a GPU); its forwards come between the target's and are
         # smaller than the profiled step, so they fit in the activation room that step leaves
-        from nvcli.engine.draft_model import draft_kv_bytes_per_block
-
         per_block += draft_kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
     if runner.config.num_kvcache_blocks is not None:
         num_blocks = runner.config.num_kvcache_blocks
