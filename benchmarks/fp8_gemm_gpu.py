@@ -120,7 +120,7 @@ def main() -> None:
         shapes = [(m, name, tp, n, k) for m in args.model for tp in args.tp for name, n, k in projection_shapes(m, tp)]
         buckets = BUCKETS
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    cublas = cublas_supported(device, dtype)
+    cublas = cublas_supported(device, dtype, 128)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; cuBLASLt block-scaled: "
           f"{cublas}", flush=True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

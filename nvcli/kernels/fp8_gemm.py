@@ -178,35 +178,36 @@ def cublas_eligible(n: int, k: int, scale_rows: int) -> bool:
 
 
 @cache
-def _cublas_works(device_index: int, dtype: torch.dtype) -> bool:
+def _cublas_works(device_index: int, dtype: torch.dtype, scale_rows: int) -> bool:
     from nvcli.kernels.block_fp8 import fp8_linear_ref, quantize_weight
 
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(6, 256, device=device, generator=gen).to(dtype)
-    w = torch.randn(256, 256, device=device, generator=gen) * 0.05
+    x = torch.randn(6, 512, device=device, generator=gen).to(dtype)
+    w = torch.randn(384, 512, device=device, generator=gen) * 0.05
     wq, ws = quantize_weight(w)
+    if scale_rows == 1:  # every row its own scale, so a layout that mixes rows up within a block shows
+        ws = ws.repeat_interleave(BLOCK, 0) * torch.linspace(0.5, 1.5, ws.shape[0] * BLOCK, device=device)[:, None]
     try:
         a, a_s = quantize_activations_triton(x, m_major=True)
-        for rows, s in ((BLOCK, ws), (1, ws.repeat_interleave(BLOCK, 0))):
-            got = _cublas_mm(a, a_s, wq, cublas_weight_scales(s, rows), rows, dtype)[: x.shape[0]].float()
-            want = fp8_linear_ref(x, wq, s, None, rows).float()
-            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
-                return False
+        got = _cublas_mm(a, a_s, wq, cublas_weight_scales(ws, scale_rows), scale_rows, dtype)[: x.shape[0]].float()
+        want = fp8_linear_ref(x, wq, ws, None, scale_rows).float()
         torch.cuda.synchronize(device)
     except RuntimeError:  # this torch / CUDA build has no block-scaled cuBLASLt GEMM
         return False
-    return True
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item()))
 
 
-def cublas_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether cuBLASLt's block-scaled FP8 GEMM runs, and right, on `device` with `dtype` output (probed once, before
-    any graph capture: at load)."""
+def cublas_supported(device: torch.device, dtype: torch.dtype, scale_rows: int = BLOCK) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM runs, and right, on `device` with `dtype` output and weight scales
+    per `scale_rows` rows: probed once per format against the torch reference, before any graph capture (at load);
+    a format it gets wrong runs the Triton kernel."""
     if device.type != "cuda":
         return False
-    return _cublas_works(device.index if device.index is not None else torch.cuda.current_device(), dtype)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cublas_works(index, dtype, scale_rows)
 
 
 def fp8_linear_gpu(

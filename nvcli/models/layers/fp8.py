@@ -206,7 +206,8 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
             from nvcli.kernels.fp8_gemm import cublas_eligible, cublas_supported, cublas_weight_scales
 
             weight = module.weight
-            if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype):
+            if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype,
+                                                                                          state.scale_rows):
                 state.scale_mm = cublas_weight_scales(module.weight_scale, state.scale_rows)
             continue
         w = dequantize_weight(module.weight.data, module.weight_scale, dtype, state.scale_rows)
