@@ -127,6 +127,8 @@ class DraftProposer(Proposer):
             self.model = startup.load_model(draft_config, self.model_config, model_dir, self.device, self.dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         layer = self.attn_layers[0]
+        log.info("draft model %s: %d layers, hidden %d, k=%d", spec.model, len(self.attn_layers),
+                 self.model_config.hidden_size, spec.k)
         width = -(-max_model_len // self.block_size)
         # eager steps only; --batch-invariant as the target's (the model was loaded with it)
         self.attention = AttentionBackend(self.device, self.block_size, width,

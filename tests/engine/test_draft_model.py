@@ -157,9 +157,11 @@ def test_unseeded_sampling_keeps_the_target_distribution(small_vocab_model: str)
 
 
 def test_tp2_over_gloo_gives_tp1_tokens(drafts: dict[str, str]) -> None:
-    """The draft runs whole in rank 0's process while the target is split over two ranks."""
+    """The draft runs whole in rank 0's process while the target is split over two ranks (pipelined steps between
+    the verify steps)."""
     ref, _ = run(drafts["target"], REPEATS, GREEDY, None)
-    out, stats = run(drafts["target"], REPEATS, GREEDY, spec(drafts["same"]), tensor_parallel_size=2)
+    out, stats = run(drafts["target"], REPEATS, GREEDY, spec(drafts["same"]), tensor_parallel_size=2,
+                     async_scheduling=True)
     assert tokens(out) == tokens(ref) and stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
 
 
