@@ -176,8 +176,9 @@ class TensorParallelExecutor:
         _check_divisible(model_config, world)
         from nvcli.models.layers.fp8 import check_tp_split
 
-        row_parallel = {"o_proj": model_config.num_attention_heads * model_config.head_dim,
-                        "down_proj": model_config.intermediate_size}
+        row_parallel = {"o_proj": model_config.num_attention_heads * model_config.head_dim}
+        if _has_dense_mlp(model_config):
+            row_parallel["down_proj"] = model_config.intermediate_size
         if model_config.num_experts:  # each expert's gate / up rows and down columns split alike
             row_parallel["the experts' down_proj"] = model_config.moe_intermediate_size
         check_tp_split(model_config.quantization, row_parallel, world)
@@ -309,13 +310,20 @@ class TensorParallelExecutor:
             t.join(timeout=15)
 
 
+def _has_dense_mlp(model_config: ModelConfig) -> bool:
+    """Whether some layer has a dense MLP of intermediate_size (a mixture-of-experts model may have none: its
+    intermediate_size then sizes nothing, and need not split across the ranks)."""
+    return any(not model_config.is_moe_layer(i) for i in range(model_config.num_hidden_layers))
+
+
 def _check_divisible(model_config: ModelConfig, world: int) -> None:
     from nvcli.config import ConfigError
 
     heads = model_config.num_attention_heads
     kv_heads = model_config.num_key_value_heads
-    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-             ("intermediate_size", model_config.intermediate_size)]
+    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv_heads)]
+    if _has_dense_mlp(model_config):
+        sizes.append(("intermediate_size", model_config.intermediate_size))
     if model_config.num_experts:  # each expert's intermediate dimension is split across the ranks (layers/moe.py)
         sizes.append(("moe_intermediate_size", model_config.moe_intermediate_size))
     for name, value in sizes:

@@ -157,3 +157,17 @@ def test_tp4_matches_tp1(tmp_path: Path) -> None:
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_a_moe_model_without_dense_layers_need_not_split_intermediate_size() -> None:
+    """Every layer a mixture of experts: intermediate_size sizes no weight, so it need not divide --tp; with one
+    dense layer it must."""
+    from nvcli.engine.tp_executor import _check_divisible
+    from nvcli.models.model_config import ModelConfig
+    from nvcli.testing.tiny_models import tiny_config
+
+    all_moe = ModelConfig.from_dict(tiny_config("qwen3_moe", intermediate_size=99, mlp_only_layers=[]))
+    _check_divisible(all_moe, 2)
+    one_dense = ModelConfig.from_dict(tiny_config("qwen3_moe", intermediate_size=99, mlp_only_layers=[1]))
+    with pytest.raises(ConfigError, match="intermediate_size=99"):
+        _check_divisible(one_dense, 2)
