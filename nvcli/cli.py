@@ -294,6 +294,7 @@ def bench(
     debug: Annotated[bool, typer.Option("--debug", help="Print the engine settings and nv's environment settings first.", rich_help_panel=JOB)] = False,
 ) -> None:
     """Throughput on Nano-vLLM's benchmark workload (vLLM's summary lines), or one request's latency."""
+    import dataclasses
     import tempfile
 
     from nvcli.bench import parse_range, run_bench
@@ -317,6 +318,10 @@ def bench(
             kvcache_block_size=block_size, num_kvcache_blocks=num_kvcache_blocks, device=device, seed=seed,
             cpu_kvcache_space_gib=cpu_kvcache_space, cpu_threads=cpu_threads,
         )
+        spec = config.speculative_config
+        if load_format == "dummy" and spec is not None and spec.model in PRESETS:  # a draft model of a preset's shape
+            draft = str(preset_dir(spec.model, tempfile.mkdtemp(prefix="nv-preset-")))
+            config.speculative_config = dataclasses.replace(spec, model=draft)  # type: ignore[arg-type]
         if debug:
             from nvcli import env
 

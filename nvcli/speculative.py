@@ -49,15 +49,16 @@ class SpeculativeConfig:
         need(_pos_int(self.num_speculative_tokens) and self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
              f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS} "
              f"(got {self.num_speculative_tokens!r})")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            need(v is None or _pos_int(v), f"{name} must be a positive integer (got {v!r})")
-        if lo is None and hi is None:
-            lo = hi = 5
-        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-        need(lo <= hi, f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")  # type: ignore[operator]
-        object.__setattr__(self, "prompt_lookup_min", lo)
-        object.__setattr__(self, "prompt_lookup_max", hi)
+        if self.method == "ngram":  # resolved here; a draft model keeps both None
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                need(v is None or _pos_int(v), f"{name} must be a positive integer (got {v!r})")
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+            need(lo <= hi, f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")  # type: ignore[operator]
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
         need(_pos_int(self.disable_by_batch_size),
              f"disable_by_batch_size must be a positive integer (got {self.disable_by_batch_size!r})")
 

@@ -181,5 +181,7 @@ def test_draft_model_errors_name_the_flag(drafts: dict[str, str], small_vocab_mo
     with pytest.raises(ConfigError, match="--speculative-config: the draft model .* vocabulary of 64 tokens, the "
                                           "target 151936"):
         LLMEngine(EngineConfig(drafts["target"], device="cpu", speculative_config=spec(small_vocab_model)))
+    config = EngineConfig(speculative_config=spec("some-dir")).speculative_config
+    assert (config.method, config.prompt_lookup_min) == ("draft_model", None) and dataclasses.replace(config) == config
     with pytest.raises(ConfigError, match="--speculative-config: .*method ngram takes no model"):
         EngineConfig(speculative_config={**spec(drafts["other"]), "method": "ngram"})
