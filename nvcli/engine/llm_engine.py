@@ -241,7 +241,7 @@ class LLMEngine(TextSide):
                 row += hi - lo
         logprobs = result.logprobs
         logprob_at = {row: j for j, row in enumerate(result.logprob_rows)}  # batch row -> its position in `logprobs`
-        rows = {s.seq_id: i for i, s in enumerate(batch.seqs)} if logprob_at else {}
+        rows = batch.sample_rows() if logprob_at else {}  # seq_id -> where its tokens were sampled
         produced = self.scheduler.postprocess(batch, result.tokens)
         compiler = self.admission.compiler
         if self._num_constrained and compiler is not None:  # the constrained rows' matchers: their tokens
@@ -252,7 +252,9 @@ class LLMEngine(TextSide):
                 continue  # a verify row's tokens after the one that stopped it (already cut)
             self.generation_tokens += 1
             if logprob_at:
-                j = logprob_at.get(rows[seq.seq_id])
+                own, first, extra, k = rows[seq.seq_id]
+                m = index - first  # a verify row's sample m: m < k at its extra rows, m == k at its own row
+                j = logprob_at.get(own if m >= k else extra + m)
                 if j is not None:
                     seq.logprobs.append_from(logprobs, j)  # type: ignore[union-attr, arg-type]
             if index == seq.num_prompt_tokens and seq.completion_index == 0:

@@ -58,7 +58,9 @@ class SamplingInputs:
                   if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
         # A verify sequence's rows before its last (speculative decoding): after every sequence's own row, each with
         # its parameters and its own output position (its last row samples the position after them). Such sequences
-        # have no bans, logprobs or penalties (spec_decode.can_speculate), so only their params and positions repeat.
+        # have no bans or penalties (spec_decode.can_speculate), so only their params and positions repeat; a row
+        # asking for logprobs gets them at every one of its rows (logprob_rows below), each from that position's
+        # logits, and the engine files each kept token's under its position (ScheduledBatch.sample_rows).
         for s, index, k in zip(batch.seqs, batch.sample_index, batch.num_drafts):
             if k:
                 params.extend([s.sampling_params] * k)

@@ -57,6 +57,19 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def sample_rows(self) -> dict[int, tuple[int, int, int, int]]:
+        """seq_id -> (own row, first sampled token index, first extra row, k): where the step sampled each token
+        index of a sequence. Index first + m (m < k: a verify sequence's drafted positions) was sampled at row
+        extra + m, every later index (the last, or a plain row's only one, k = 0) at the sequence's own row. The rows
+        are SamplingInputs.of's; sample_index stays as scheduled (postprocess never rewrites it)."""
+        out: dict[int, tuple[int, int, int, int]] = {}
+        extra = len(self.seqs)
+        for row, (seq, index) in enumerate(zip(self.seqs, self.sample_index)):
+            k = self.num_drafts[row] if self.num_drafts else 0
+            out[seq.seq_id] = (row, index - k, extra, k)
+            extra += k
+        return out
+
     def __len__(self) -> int:
         return len(self.seqs)
 

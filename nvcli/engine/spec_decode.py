@@ -21,11 +21,26 @@ output position depends on its seed and that position only (engine/sampler.py), 
 A draft model's greedy drafts (engine/draft_model.py) are a deterministic function of the context as well, so all
 of this holds for them unchanged.
 
-Which rows speculate: only where this is exact and cheap. No structured-output grammar (its mask needs the token
-before), no penalties (their counts would need the drafts), no min_tokens ban in force, no logprobs or
-prompt_logprobs; and only in steps with at most `disable_by_batch_size` running sequences (a full batch keeps the
-device busy without them). A verify step needs its sequences' last tokens known, so the engine first collects the
-step in flight, and collects a verify step at once (engine/llm_engine.py): no async overlap for those steps. The
+Logprobs. Every sample s_i comes from the target's logits at its own position, so a row with `logprobs` gets, for
+each appended token, the logprob, rank and top alternatives of that token at that position from the row that
+sampled it (the verify row's extra rows, then its own: ScheduledBatch.sample_rows): the values plain decoding reports
+there, up to float rounding (the verify forward computes 1 + k query tokens per sequence, so its matmuls and
+attention may round otherwise than a one-token step's).
+
+Which rows speculate: only where this is exact and cheap.
+- Logprobs: yes (above); every row, the verify row's extra ones included, reports them from the raw logits.
+- No structured-output grammar: the mask at draft position i needs the matcher advanced over d1..di, which it would
+  have to do tentatively and roll back on a rejection.
+- No penalties: the counts at draft position i would have to include d1..di, but PenaltySlots (engine/penalties.py)
+  keeps one token history per sequence, recorded once per step, and applies it to the sequence's own row only.
+- No min_tokens ban in force: the ban would have to hold at each extra row by that row's own output position, and
+  SamplingInputs.of bans at own rows only; once min_tokens tokens are out the row speculates.
+- No prompt_logprobs: kept out by caution, not need. Such a sequence could only draft once its prompt spans are
+  done, but nothing tests verify rows after a prompt_logprobs prefill (recomputed after preemption included), and
+  the usual request (scoring, max_tokens=1) never has room to draft anyway.
+And only in steps with at most `disable_by_batch_size` running sequences (a full batch keeps the device busy without
+them). A verify step needs its sequences' last tokens known, so the engine first collects the step in flight, and
+collects a verify step at once (engine/llm_engine.py): no async overlap for those steps. The
 rejected positions' KV slots hold garbage until later steps overwrite them; only blocks whose tokens are all
 accepted are registered in the prefix cache (Scheduler.postprocess).
 """
@@ -46,7 +61,7 @@ WINDOW = 4096  # the tokens a proposal searches: the sequence's last ones (host 
 def can_speculate(seq: Sequence) -> bool:
     """Whether drafts keep `seq`'s tokens exact at no extra cost (see the module docstring)."""
     sp = seq.sampling_params
-    return (seq.grammar is None and not sp.has_penalties and sp.logprobs is None and sp.prompt_logprobs is None
+    return (seq.grammar is None and not sp.has_penalties and sp.prompt_logprobs is None
             and seq.num_completion_tokens >= sp.min_tokens)
 
 

@@ -22,6 +22,7 @@ from test_spec_decode import (  # the n-gram tests' prompts, settings and helper
     REPEATS,
     SMALL_PROMPTS,
     _two_sample_chi2_p,
+    assert_same_logprobs,
     tokens,
 )
 
@@ -129,6 +130,18 @@ def test_greedy_tokens_are_those_of_plain_decoding(drafts: dict[str, str], draft
         assert stats.prefix_cache_hit_tokens > 0
     if draft != "same":
         assert_drafts_are_greedy_continuations(drafts[draft], record[:: max(1, len(record) // 40)])
+
+
+def test_rows_with_logprobs_report_plain_decodings_logprobs(drafts: dict[str, str]) -> None:
+    """A draft that mostly agrees (accepted and rejected drafts both happen), under preemption: each appended token's
+    logprobs are those plain decoding reports at its position."""
+    params = [dataclasses.replace(GREEDY, logprobs=5), dataclasses.replace(GREEDY, logprobs=0), GREEDY]
+    engine = dict(num_kvcache_blocks=12, max_model_len=192)
+    ref, _ = run(drafts["target"], REPEATS, params, None, **engine)
+    out, stats = run(drafts["target"], REPEATS, params, spec(drafts["near"], disable_by_batch_size=16), **engine)
+    assert tokens(out) == tokens(ref) and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.num_preemptions > 0
+    assert_same_logprobs(out, ref)
 
 
 def test_seeded_sampled_requests_get_the_same_tokens(small_vocab_model: str) -> None:

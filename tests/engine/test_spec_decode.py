@@ -182,13 +182,68 @@ def test_seeded_sampled_requests_get_the_same_tokens(small_vocab_model: str) -> 
     assert tokens(out) == tokens(ref) and stats.spec_accepted_tokens > 0
 
 
+def test_seeded_sampled_requests_get_the_same_logprobs(small_vocab_model: str) -> None:
+    """Logprobs are the model's own (untempered) at each position, whichever row of a verify step sampled it."""
+    params = [SamplingParams(temperature=0.3, seed=s, max_tokens=40, ignore_eos=True, logprobs=n)
+              for s, n in ((1, 5), (2, 0), (3, 2))]
+    ref, _ = run(small_vocab_model, SMALL_PROMPTS, params, None)
+    out, stats = run(small_vocab_model, SMALL_PROMPTS, params, SPEC)
+    assert tokens(out) == tokens(ref) and stats.spec_accepted_tokens > 0
+    assert_same_logprobs(out, ref)
+
+
 def test_rows_that_cannot_speculate_decode_beside_those_that_do(tiny_model_dir) -> None:
     model = str(tiny_model_dir("qwen3"))
-    params = [GREEDY, dataclasses.replace(GREEDY, logprobs=2), dataclasses.replace(GREEDY, repetition_penalty=1.3)]
+    params = [GREEDY, dataclasses.replace(GREEDY, prompt_logprobs=2), dataclasses.replace(GREEDY, repetition_penalty=1.3)]
     ref, _ = run(model, REPEATS, params, None)
     out, stats = run(model, REPEATS, params, SPEC)
     assert tokens(out) == tokens(ref) and stats.spec_accepted_tokens > 0
-    assert [len(o.outputs[0].logprobs or ()) for o in out] == [0, 40, 0]
+    assert [len(o.prompt_logprobs or ()) for o in out] == [0, len(REPEATS[1]), 0]
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+LOGPROB_TOL = 1e-5  # float32 on the CPU: a verify row's forward has 1 + k query rows, so it rounds otherwise
+
+
+def assert_same_logprobs(out, ref) -> None:
+    """Each completion's logprobs are those of `ref`: per position the same entries in the same order (the sampled
+    token first, then the top alternatives), the same ranks and texts, and logprobs within LOGPROB_TOL. Not
+    bitwise: a verify step computes a position's logits in a forward of more query rows than a plain decode step
+    (observed differences ~2e-6)."""
+    for o, r in zip(out, ref, strict=True):
+        for c, d in zip(o.outputs, r.outputs, strict=True):
+            assert (c.logprobs is None) == (d.logprobs is None)
+            if d.logprobs is None:
+                continue
+            assert len(c.logprobs) == len(d.logprobs) == len(d.token_ids)
+            for token, p, q in zip(d.token_ids, c.logprobs, d.logprobs):
+                assert p is not None and q is not None and next(iter(p)) == token
+                assert [(t, v.rank, v.decoded_token) for t, v in p.items()] == \
+                    [(t, v.rank, v.decoded_token) for t, v in q.items()]
+                assert max(abs(v.logprob - q[t].logprob) for t, v in p.items()) <= LOGPROB_TOL
+            assert c.cumulative_logprob == pytest.approx(d.cumulative_logprob, abs=LOGPROB_TOL * len(d.token_ids))
+
+
+@pytest.mark.parametrize("case", ["mixed", "prefix_caching_preemption"])
+def test_rows_with_logprobs_speculate_and_report_plain_decodings_logprobs(tiny_model_dir, case: str) -> None:
+    """Every token a verify step appends carries the logprobs of its position: the chosen token's logprob and rank
+    and the top alternatives, as plain decoding reports them."""
+    model = str(tiny_model_dir("qwen3"))
+    # beside each other: top 5 alternatives, the chosen token only, no logprobs (rows of one verify step interleave)
+    prompts, engine = REPEATS, {}
+    params: list[SamplingParams] | SamplingParams = [dataclasses.replace(GREEDY, logprobs=5),
+                                                     dataclasses.replace(GREEDY, logprobs=0), GREEDY]
+    if case == "prefix_caching_preemption":  # a prompt twice, two completions each, in 12 blocks of 16 tokens
+        prompts, params = REPEATS + REPEATS[:1], dataclasses.replace(GREEDY, logprobs=3, n=2)
+        engine = dict(num_kvcache_blocks=12, max_model_len=192)
+    ref, _ = run(model, prompts, params, None, **engine)
+    out, stats = run(model, prompts, params, {**SPEC, "disable_by_batch_size": 16}, **engine)
+    assert tokens(out) == tokens(ref) and stats.spec_accepted_tokens > 0
+    assert_same_logprobs(out, ref)
+    if case == "mixed":
+        assert [[len(p) for p in o.outputs[0].logprobs or ()][:1] for o in out] == [[5], [1], []]  # greedy: top-1 is the token
+    else:
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
 
 
 def test_no_speculation_above_disable_by_batch_size(tiny_model_dir) -> None:
