@@ -173,6 +173,16 @@ def largest_prefill(runner: Runner) -> tuple[StepInput, int]:
     return step, blocks
 
 
+def most_sampled_rows(config: EngineConfig) -> int:
+    """The most rows a step samples: one per running sequence, or with speculative decoding 1 + k per sequence of a
+    verify step, which runs only while at most disable_by_batch_size sequences are running."""
+    rows = config.max_num_seqs
+    spec = config.speculative_config
+    if spec is not None:
+        rows = max(rows, min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + spec.k))
+    return rows
+
+
 @torch.inference_mode()
 def run_largest_prefill(runner: Runner, step: StepInput, worst_case: bool = False) -> None:
     """`worst_case` (the KV-sizing profile run): rank 0 holds the penalty pool at the size that max_num_seqs
@@ -180,7 +190,8 @@ def run_largest_prefill(runner: Runner, step: StepInput, worst_case: bool = Fals
     logits still alive as in a step, every rank runs a scoring chunk (prompt_logprobs) of the step's rows."""
     pool = largest_penalty_pool(runner) if worst_case and runner.rank == 0 else None
     hidden, residual = runner.forward(step)
-    rows = slice(0, runner.config.max_num_seqs)
+    # the step's few sequence rows repeated to the most rows a step samples: their logits and sampling scratch
+    rows = torch.arange(most_sampled_rows(runner.config), device=hidden.device) % hidden.shape[0]
     logits = runner.model.compute_logits(hidden[rows], residual[rows] if residual is not None else None)
     if pool is not None:
         sample_worst_case(runner, logits, counts=pool[0], seen=pool[1])
@@ -223,8 +234,9 @@ def sample_worst_case(runner: Runner, logits: torch.Tensor, counts: torch.Tensor
     rows, vocab = logits.shape
     index = torch.arange(rows, device=runner.device)
     ones = torch.ones(rows, dtype=torch.float32, device=runner.device)
-    penalties = PenaltyBatch(rows=index, slots=index, presence=ones, frequency=ones, repetition=ones * 1.1,
-                             counts=counts, seen=seen)
+    # more rows than the pool has slots (a verify step's): penalized rows never speculate, so they share slots here
+    penalties = PenaltyBatch(rows=index, slots=index % counts.shape[0], presence=ones, frequency=ones,
+                             repetition=ones * 1.1, counts=counts, seen=seen)
     params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05, logit_bias={0: 1.0},
                              logprobs=MAX_LOGPROBS)] * rows
     batch = SamplingBatch.build(params, [0] * rows, vocab, runner.device, random.Random(0), penalties=penalties)

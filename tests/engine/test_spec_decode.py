@@ -293,3 +293,21 @@ def test_dashboard_shows_acceptance() -> None:
     stats = dataclasses.replace(stats, spec_draft_tokens=40, spec_accepted_tokens=30, spec_verify_rows=10)
     assert spec_decode(stats) == "accepted 30 / 40 drafts (75%), 4.00 tokens per verify"
     assert math.isclose(1 + stats.spec_accepted_tokens / stats.spec_verify_rows, 4.0)
+
+
+@pytest.mark.parametrize("spec, want", [(None, 3), ({"method": "ngram", "num_speculative_tokens": 4}, 15)])
+def test_kv_sizing_samples_as_many_rows_as_a_step_can(tiny_model_dir, monkeypatch, spec, want: int) -> None:
+    """The KV-sizing profile samples with every feature on as many rows as a step samples (max_num_seqs, or a
+    verify step's 1 + k rows for each of disable_by_batch_size sequences), not just its prefill's few sequences:
+    their logits and sampling scratch must fit beside the KV cache."""
+    from nvcli.engine import kv_sizing
+
+    llm = LLM(str(tiny_model_dir("qwen3")), speculative_config=spec, **{**ENGINE, "max_num_seqs": 3})
+    runner = llm.engine.executor.runner
+    assert kv_sizing.most_sampled_rows(runner.config) == want
+    sampled = []
+    real = kv_sizing.sample_worst_case
+    monkeypatch.setattr(kv_sizing, "sample_worst_case",
+                        lambda r, logits, **kw: (sampled.append(logits.shape[0]), real(r, logits, **kw)))
+    kv_sizing.profile_run(runner, worst_case=True)  # its largest prefill is one sequence of 256 tokens
+    assert sampled == [want]
