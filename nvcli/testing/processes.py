@@ -14,7 +14,7 @@ def running(pid: int) -> bool:
     """The process exists and has not ended (a zombie waiting for its parent's wait has ended)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between the open and the read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
