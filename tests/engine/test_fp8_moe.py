@@ -12,38 +12,26 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_fp8_weights import ENGINE, GREEDY, MAX_TOKENS, PROMPTS, greedy, hf_greedy
+from test_fp8_weights import ENGINE, GREEDY, MAX_TOKENS, PROMPTS, checkpoint_factory, greedy, hf_greedy
 from typer.testing import CliRunner
 
 from nvcli import LLM
 from nvcli.cli import app
 from nvcli.config import ConfigError
 from nvcli.kernels.block_fp8 import FP8_DTYPE, dequantize_weight
-from nvcli.testing.fp8_checkpoint import write_dequantized_checkpoint, write_fp8_checkpoint
-from nvcli.testing.tiny_models import make_tiny_model
 
 EXPERT = "model.layers.0.mlp.experts.{}.{}_proj.weight"
 # at --tp 2 every rank's part of o_proj's input (256), the dense down_proj's (256) and each expert's intermediate
 # dimension (256) is one whole 128-column block
 ALIGNED = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256,
                moe_intermediate_size=256)
-SHAPES = {"tiny": {}, "aligned": ALIGNED}
+SHAPES = {"tiny": ("qwen3_moe", {}), "aligned": ("qwen3_moe", ALIGNED)}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """shape -> (float qwen3_moe checkpoint, its FP8 checkpoint, the FP8 weights dequantized as float32)."""
-    root = tmp_path_factory.mktemp("fp8_moe")
-    cache: dict[str, tuple[Path, Path, Path]] = {}
-
-    def make(shape: str) -> tuple[Path, Path, Path]:
-        if shape not in cache:
-            plain = make_tiny_model(root / shape / "plain", "qwen3_moe", **SHAPES[shape])
-            fp8 = write_fp8_checkpoint(plain, root / shape / "fp8")
-            cache[shape] = plain, fp8, write_dequantized_checkpoint(fp8, root / shape / "dequantized")
-        return cache[shape]
-
-    return make
+    return checkpoint_factory(tmp_path_factory.mktemp("fp8_moe"), SHAPES)
 
 
 def _experts(llm: LLM):

@@ -32,21 +32,25 @@ ALIGNED = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, interm
 SHAPES = {"qwen3": ("qwen3", {}), "llama": ("llama", {}), "qwen3_aligned": ("qwen3", ALIGNED)}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory):
-    """shape -> (float checkpoint, its FP8 checkpoint, the FP8 weights dequantized as a float32 checkpoint)."""
-    root = tmp_path_factory.mktemp("fp8")
+def checkpoint_factory(root: Path, shapes: dict[str, tuple[str, dict]]):
+    """shape -> (float checkpoint, its FP8 checkpoint, the FP8 weights dequantized as a float32 checkpoint), each
+    shape's (arch, config overrides) in `shapes`, made under `root` once."""
     cache: dict[str, tuple[Path, Path, Path]] = {}
 
     def make(shape: str) -> tuple[Path, Path, Path]:
         if shape not in cache:
-            arch, overrides = SHAPES[shape]
+            arch, overrides = shapes[shape]
             plain = make_tiny_model(root / shape / "plain", arch, **overrides)
             fp8 = write_fp8_checkpoint(plain, root / shape / "fp8")
             cache[shape] = plain, fp8, write_dequantized_checkpoint(fp8, root / shape / "dequantized")
         return cache[shape]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    return checkpoint_factory(tmp_path_factory.mktemp("fp8"), SHAPES)
 
 
 _hf: dict[str, list[list[int]]] = {}
