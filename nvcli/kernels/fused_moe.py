@@ -54,6 +54,35 @@ def moe_align(
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
+@triton.jit
+def expert_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_rows, BLOCK_M: tl.constexpr):
+    """Program pid_m's rows (its block of the expert-sorted row ids; num_rows pads), which of them are real, and
+    their expert."""
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return rows, rows < num_rows, tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
+def silu_mul_rounded(acc_gate, acc_up, dtype: tl.constexpr):
+    """SiLU(gate) * up in `dtype` from float32 accumulators, rounded where torch's path in the model dtype rounds
+    (gate, up, F.silu's output, the product)."""
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
+def store_weighted_rows(acc, out_ptr, weights_ptr, rows64, row_ok, offs_n, n_ok, stride_out):
+    """A down projection's tile: acc rounded to the output dtype, times each row's routing weight (in the model
+    dtype), stored at the rows' own places."""
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    y = acc.to(dtype).to(tl.float32) * weight[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], y.to(dtype),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_rows, H, N,
                     stride_x, stride_we, stride_wn, stride_act, TOP_K: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -62,10 +91,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_p
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pid_n = tl.program_id(1)
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]; num_rows pads
-    row_ok = rows < num_rows
+    rows, row_ok, expert = expert_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_rows, BLOCK_M)
     tokens = (rows // TOP_K).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -82,12 +109,8 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_p
         wu = tl.load(w_up + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_gate = tl.dot(a, wg, acc_gate, input_precision=DOT_PREC)
         acc_up = tl.dot(a, wu, acc_up, input_precision=DOT_PREC)
-    dtype = act_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    up = acc_up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # rounded like torch's F.silu in the model dtype
-    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_n[None, :], (act * up).to(dtype),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_act + offs_n[None, :],
+             silu_mul_rounded(acc_gate, acc_up, act_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -98,10 +121,8 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_id
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pid_n = tl.program_id(1)
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < num_rows
+    rows, row_ok, expert = expert_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_rows, BLOCK_M)
     rows64 = rows.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,11 +135,7 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_id
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-    dtype = out_ptr.dtype.element_ty
-    weight = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M], in the model dtype
-    y = acc.to(dtype).to(tl.float32) * weight[:, None]
-    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], y.to(dtype),
-             mask=row_ok[:, None] & n_ok[None, :])
+    store_weighted_rows(acc, out_ptr, weights_ptr, rows64, row_ok, offs_n, n_ok, stride_out)
 
 
 def fused_moe_triton(

@@ -35,7 +35,13 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
 from nvcli.kernels.fp8_gemm import quantize_activations_triton
-from nvcli.kernels.fused_moe import block_m_for, moe_align
+from nvcli.kernels.fused_moe import (
+    block_m_for,
+    expert_block,
+    moe_align,
+    silu_mul_rounded,
+    store_weighted_rows,
+)
 
 
 @triton.jit
@@ -60,10 +66,8 @@ def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, act_s_ptr, sorte
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pid_n = tl.program_id(1)  # one 128-column group of act: one weight scale row of each half, one act scale
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]; num_rows pads
-    row_ok = rows < num_rows
+    rows, row_ok, expert = expert_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_rows, BLOCK_M)
     tokens = (rows // TOP_K).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -84,10 +88,7 @@ def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, act_s_ptr, sorte
         wu = tl.load(w_up + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc_gate += tl.dot(a, wg) * a_s[:, None] * tl.load(s_gate + kb)
         acc_up += tl.dot(a, wu) * a_s[:, None] * tl.load(s_up + kb)
-    gate = acc_gate.to(OUT_DTYPE).to(tl.float32)
-    up = acc_up.to(OUT_DTYPE).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32)  # rounded like torch's F.silu in the model dtype
-    h = (act * up).to(OUT_DTYPE).to(tl.float32)  # [BLOCK_M, BLOCK_N]; masked columns and rows are 0
+    h = silu_mul_rounded(acc_gate, acc_up, OUT_DTYPE).to(tl.float32)  # [BLOCK_M, BLOCK_N]; masked ones are 0
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), eps), FP8_MAX)  # [BLOCK_M]
     q = _round_e4m3(tl.clamp(tl.math.div_rn(h, scale[:, None]), -FP8_MAX, FP8_MAX))
     rows64 = rows.to(tl.int64)
@@ -104,10 +105,8 @@ def _fp8_down_kernel(act_ptr, act_s_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, so
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     pid_n = tl.program_id(1)
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < num_rows
+    rows, row_ok, expert = expert_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_rows, BLOCK_M)
     rows64 = rows.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -123,11 +122,7 @@ def _fp8_down_kernel(act_ptr, act_s_ptr, w_ptr, ws_ptr, out_ptr, weights_ptr, so
         a_s = tl.load(a_scales + kb, mask=row_ok, other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(a, w) * a_s[:, None] * tl.load(w_scales + kb)
-    dtype = out_ptr.dtype.element_ty
-    weight = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M], in the model dtype
-    y = acc.to(dtype).to(tl.float32) * weight[:, None]
-    tl.store(out_ptr + rows64[:, None] * stride_out + offs_n[None, :], y.to(dtype),
-             mask=row_ok[:, None] & n_ok[None, :])
+    store_weighted_rows(acc, out_ptr, weights_ptr, rows64, row_ok, offs_n, n_ok, stride_out)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
