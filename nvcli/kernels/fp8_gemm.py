@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
+from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, fp8_linear_ref, quantize_weight
 
 M_ALIGN = 4  # cuBLASLt's block-scaled GEMM wants the activation rows (and their scale rows) in multiples of 4
 
@@ -179,8 +179,6 @@ def cublas_eligible(n: int, k: int, scale_rows: int) -> bool:
 
 @cache
 def _cublas_works(device_index: int, dtype: torch.dtype, scale_rows: int) -> bool:
-    from nvcli.kernels.block_fp8 import fp8_linear_ref, quantize_weight
-
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     device = torch.device("cuda", device_index)

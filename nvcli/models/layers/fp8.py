@@ -195,6 +195,8 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
     """After loading: every FP8 projection checked to have its scales, then kept in FP8 (`keep`: the GPU runs
     kernels/fp8_gemm.py, with the scales also in cuBLASLt's layout where its GEMM works) or dequantized to `dtype`
     (the layer then runs as any other). -> the number of FP8 layers."""
+    if keep:
+        from nvcli.kernels.fp8_gemm import cublas_eligible, cublas_supported, cublas_weight_scales
     count = 0
     for name, module in model.named_modules():
         state: Optional[Fp8Weights] = getattr(module, "fp8", None)
@@ -203,8 +205,6 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
         state.check_loaded(name)
         count += 1
         if keep:
-            from nvcli.kernels.fp8_gemm import cublas_eligible, cublas_supported, cublas_weight_scales
-
             weight = module.weight
             if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype,
                                                                                           state.scale_rows):
