@@ -31,19 +31,7 @@ from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.fp8 import active_fp8
 from nvcli.models.layers.linear import ReplicatedLinear, linear
 from nvcli.models.layers.moe_fp8 import Fp8Experts, fused_experts_fp8
-
-
-def route(
-    logits: torch.Tensor,  # [num_tokens, num_experts] router logits
-    top_k: int,
-    renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k] in logits' dtype, expert ids int64)
-    """The top-k experts of each token and their routing weights (softmax in float32, renormalized if asked)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
+from nvcli.models.layers.moe_routing import route, routed_tokens
 
 
 def fused_experts_ref(
@@ -56,9 +44,7 @@ def fused_experts_ref(
     """The experts in torch, exactly as transformers' Qwen3MoeExperts computes them (the same ops in the same
     order): expert by expert in increasing id, its tokens gathered, the result times the routing weight added back."""
     out = torch.zeros_like(x)
-    mask = F.one_hot(topk_ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # [experts, top_k, tokens]
-    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
-        k_pos, tokens = torch.where(mask[e])
+    for e, k_pos, tokens in routed_tokens(topk_ids, w13.shape[0]):
         gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[tokens, k_pos, None]
         out.index_add_(0, tokens, h.to(out.dtype))

@@ -38,6 +38,7 @@ from nvcli.kernels.block_fp8 import (
 )
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.fp8 import Fp8Spec, _tp_cut
+from nvcli.models.layers.moe_routing import routed_tokens
 
 _PROJ = {0: "gate_proj", 1: "up_proj", None: "down_proj"}
 
@@ -173,9 +174,7 @@ def fused_experts_fp8_ref(
     nb = _cdiv(inter, BLOCK)
     xq, xs = quantize_activations_ref(x)
     out = torch.zeros_like(x)
-    mask = F.one_hot(topk_ids, num_classes=w13.shape[0]).permute(2, 1, 0)  # [experts, top_k, tokens]
-    for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
-        k_pos, tokens = torch.where(mask[e])
+    for e, k_pos, tokens in routed_tokens(topk_ids, w13.shape[0]):
         a, a_s = xq[tokens], xs[tokens]
         gate = block_fp8_matmul_ref(a, a_s, w13[e, :inter], w13_scale[e, :nb]).to(x.dtype)
         up = block_fp8_matmul_ref(a, a_s, w13[e, inter:], w13_scale[e, nb:]).to(x.dtype)
