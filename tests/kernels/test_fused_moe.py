@@ -16,12 +16,19 @@ def _inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed
     x = torch.randn(tokens, hidden, generator=gen)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    weights, ids = routing(tokens, experts, top_k, dtype, skew, gen)
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+def routing(tokens: int, experts: int, top_k: int, dtype: torch.dtype, skew: bool, gen: torch.Generator
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random router logits routed (weights, ids); `skew`: expert 1 is nearly everyone's first choice and the last
+    expert nobody's."""
     logits = torch.randn(tokens, experts, generator=gen)
-    if skew:  # uneven: expert 1 is nearly everyone's first choice, the last expert nobody's
+    if skew:
         logits[:, 1] += 3.0
         logits[:, -1] = -30.0
-    weights, ids = route(logits.to(dtype), top_k, renormalize=True)
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+    return route(logits.to(dtype), top_k, renormalize=True)
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, block_m", [

@@ -16,10 +16,10 @@ import triton
 import triton.language as tl
 from kernel_device import DEVICE, on_device
 from test_fp8_gemm import INTERPRETED, _representable, needs_fp8_gpu
+from test_fused_moe import routing
 
 from nvcli.kernels.block_fp8 import FP8_DTYPE, FP8_MAX, quantize_weight
 from nvcli.kernels.fused_moe_fp8 import _round_e4m3, fused_moe_fp8_triton
-from nvcli.models.layers.moe import route
 from nvcli.models.layers.moe_fp8 import fused_experts_fp8_ref
 
 
@@ -41,11 +41,7 @@ def _inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, seed
     x = _representable(tokens, hidden, seed) * 2.0**-7 if INTERPRETED else torch.randn(tokens, hidden, generator=gen)
     w13, s13 = _quantize_experts(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5, 2)
     w2, s2 = _quantize_experts(torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5, 1)
-    logits = torch.randn(tokens, experts, generator=gen)
-    if skew:  # uneven: expert 1 is nearly everyone's first choice, the last expert nobody's
-        logits[:, 1] += 3.0
-        logits[:, -1] = -30.0
-    weights, ids = route(logits.to(dtype), top_k, renormalize=True)
+    weights, ids = routing(tokens, experts, top_k, dtype, skew, gen)
     return x.to(dtype), w13, s13, w2, s2, weights, ids
 
 
