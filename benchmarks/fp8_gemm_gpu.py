@@ -2,7 +2,6 @@
 behind kernels/fp8_gemm.py's choice of cuBLASLt's block-scaled GEMM wherever it runs.
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm_gpu.py --model qwen3-8b qwen3-30b-a3b --tp 1 2   # H100: ~2 minutes
-    PYTHONPATH=. python3 benchmarks/fp8_gemm_gpu.py --model qwen3-8b --no-tiles               # the library GEMMs only
     PYTHONPATH=. python3 benchmarks/fp8_gemm_gpu.py --smoke                                    # CPU: TRITON_INTERPRET=1
 
 For each projection of the preset (qkv, o, gate_up, down; a mixture-of-experts model's attention projections only: its
@@ -10,8 +9,6 @@ experts run kernels/fused_moe.py) at each tensor-parallel size, and each row buc
 bucket's largest M), times with L2 flushed between calls (triton.testing.do_bench):
 - the Triton kernel in every candidate tile (BLOCK_M, BLOCK_N, warps, stages) that fits the bucket,
 - cuBLASLt's block-scaled FP8 GEMM (torch scaled_mm) where this torch / CUDA build has it,
-- the per-channel GEMM (`--quantization fp8`'s format: per-token x per-channel scales, torch _scaled_mm row-wise) with
-  and without fast accumulation, and its per-token activation quantization,
 - for scale, bf16 cuBLAS (F.linear) and the Triton kernel's own tile (choose_config), and the activation quantization kernel
   that precedes either GEMM.
 Prints a table last: microseconds per call, and the fastest per (shape, bucket).
@@ -31,14 +28,12 @@ sys.path.insert(0, str(ROOT))
 from nvcli.kernels.fp8_gemm import (  # noqa: E402
     Fp8GemmConfig,
     _cublas_mm,
-    _cublas_rowwise_mm,
     choose_config,
     cublas_eligible,
     cublas_supported,
     cublas_weight_scales,
     fp8_matmul_triton,
     quantize_activations_triton,
-    quantize_rows_triton,
 )
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -80,8 +75,8 @@ def triton_call(a, a_s, wq, ws, out, m: int, cfg: Fp8GemmConfig):
 
 
 def measure(model: str, name: str, tp: int, wq: torch.Tensor, ws: torch.Tensor, w16: torch.Tensor,
-            scale_mm: torch.Tensor | None, row_mm: tuple | None, bucket: int, sms: int, gen: torch.Generator,
-            smoke: bool, tiles: bool) -> tuple:
+            scale_mm: torch.Tensor | None, bucket: int, sms: int, gen: torch.Generator, smoke: bool
+            ) -> tuple:
     """The table row of `bucket` rows against the weight: every GEMM's time and the fastest."""
     (n, k), m, dtype = wq.shape, bucket, w16.dtype
     x = torch.randn(m, k, device=wq.device, generator=gen).to(dtype)
@@ -91,7 +86,7 @@ def measure(model: str, name: str, tp: int, wq: torch.Tensor, ws: torch.Tensor, 
     bf16 = time_us(lambda: torch.nn.functional.linear(x, w16), smoke)
     heur = choose_config(m, n, sms)
     results: dict[Fp8GemmConfig, float] = {}
-    for cfg in candidates(bucket)[: 2 if smoke else None] if tiles else [heur]:
+    for cfg in candidates(bucket)[: 2 if smoke else None]:
         try:
             results[cfg] = time_us(triton_call(a, a_s, wq, ws, out, m, cfg), smoke)
         except Exception as e:  # a tile that does not fit this GPU's shared memory
@@ -105,18 +100,9 @@ def measure(model: str, name: str, tp: int, wq: torch.Tensor, ws: torch.Tensor, 
         cub = time_us(lambda: _cublas_mm(a, a_s, wq, scale_mm, 128, dtype), smoke)
         if cub < best:
             best, choice = cub, "cublas"
-    row = row_fast = row_quant = float("nan")
-    if row_mm is not None:  # per-channel weights, per-token activations
-        wq_c, scale_c = row_mm
-        ar, ar_s = quantize_rows_triton(x)
-        row_quant = time_us(lambda: quantize_rows_triton(x), smoke)
-        row = time_us(lambda: _cublas_rowwise_mm(ar, ar_s, wq_c, scale_c, dtype), smoke)
-        row_fast = time_us(lambda: torch._scaled_mm(ar, wq_c.t(), scale_a=ar_s, scale_b=scale_c, out_dtype=dtype,
-                                                    use_fast_accum=True), smoke)
     print(f"{model} tp{tp} {name} [{n}x{k}] M={bucket}: bf16 {bf16:.1f} heuristic {heur_t:.1f} best {best:.1f} "
-          f"({choice}) cublas {cub:.1f} quant {quant:.1f} rowwise {row:.1f} (fast accum {row_fast:.1f}) "
-          f"row quant {row_quant:.1f} us", flush=True)
-    return (f"{model}/tp{tp}", name, n, k, bucket, bf16, heur_t, best, cub, quant, choice, row, row_fast, row_quant)
+          f"({choice}) cublas {cub:.1f} quant {quant:.1f} us", flush=True)
+    return (f"{model}/tp{tp}", name, n, k, bucket, bf16, heur_t, best, cub, quant, choice)
 
 
 def main() -> None:
@@ -124,7 +110,6 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["qwen3-8b"])
     ap.add_argument("--tp", type=int, nargs="+", default=[1])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two buckets, no timing (CPU)")
-    ap.add_argument("--no-tiles", action="store_true", help="the Triton kernel in its own tile only, no tile sweep")
     args = ap.parse_args()
 
     device = torch.device("cpu" if args.smoke else "cuda")
@@ -136,9 +121,8 @@ def main() -> None:
         buckets = BUCKETS
     dtype = torch.float32 if args.smoke else torch.bfloat16
     cublas = cublas_supported(device, dtype, 128)
-    rowwise = cublas_supported(device, dtype, 1, per_channel=True)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; cuBLASLt block-scaled: "
-          f"{cublas}; row-wise: {rowwise}", flush=True)
+          f"{cublas}", flush=True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
     rows = []
@@ -149,27 +133,20 @@ def main() -> None:
         done.add((n, k))
         gen = torch.Generator(device=device).manual_seed(0)
         w = torch.randn(n, k, device=device, generator=gen) * 0.02
-        from nvcli.kernels.block_fp8 import quantize_weight, quantize_weight_per_channel
+        from nvcli.kernels.block_fp8 import quantize_weight
 
         wq, ws = quantize_weight(w)
         scale_mm = cublas_weight_scales(ws, 128) if cublas and cublas_eligible(n, k, 128) else None
-        row_mm = None
-        if rowwise and cublas_eligible(n, k, 1, per_channel=True):
-            wq_c, ws_c = quantize_weight_per_channel(w)
-            row_mm = (wq_c, cublas_weight_scales(ws_c, 1, per_channel=True))
         w16 = w.to(dtype)
         for bucket in buckets:
-            rows.append(measure(model, name, tp, wq, ws, w16, scale_mm, row_mm, bucket, sms, gen, args.smoke,
-                                not args.no_tiles))
+            rows.append(measure(model, name, tp, wq, ws, w16, scale_mm, bucket, sms, gen, args.smoke))
 
-    print("\n| model | proj | N x K | M | bf16 us | fp8 Triton (own tile) | fp8 fastest | cuBLAS block | act quant "
-          "| block/bf16 | choice | row-wise | row-wise fast accum | token quant | row-wise/bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model, proj, n, k, m, bf16, heur_t, best, cub, quant, choice, row, row_fast, row_quant in rows:
+    print("\n| model | proj | N x K | M | bf16 us | fp8 Triton (own tile) | fp8 fastest | cuBLAS fp8 | act quant | best/bf16 | choice |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model, proj, n, k, m, bf16, heur_t, best, cub, quant, choice in rows:
         ratio = (best + quant) / bf16 if bf16 else float("nan")
-        row_ratio = (row + row_quant) / bf16 if bf16 else float("nan")
         print(f"| {model} | {proj} | {n}x{k} | {m} | {bf16:.1f} | {heur_t:.1f} | {best:.1f} | {cub:.1f} | {quant:.1f} "
-              f"| {ratio:.2f} | {choice} | {row:.1f} | {row_fast:.1f} | {row_quant:.1f} | {row_ratio:.2f} |")
+              f"| {ratio:.2f} | {choice} |")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,7 @@ and y = sum over K blocks kb of (A[:, kb] @ B[:, kb].T) * a_scale[:, kb] * b_sca
 
 A layer's scales may be kept per output row instead of per 128 rows (`scale_rows` 1, not 128): a fused layer whose
 shards are not multiples of 128 rows (the k / v projections of a small model) stacks its shards' block scales row by
-row, so every row keeps its own shard's scale. Weights quantized at load (--quantization fp8) are per channel: one
-scale per output row over all of K (`quantize_weight_per_channel`, stored in the per-row format), with activations
-quantized per token, the pair cuBLASLt and CUTLASS scale in a GEMM's epilogue (kernels/fp8_gemm.py). Nothing here imports Triton: the CPU runs it.
+row, so every row keeps its own shard's scale. Nothing here imports Triton: the CPU runs it.
 """
 
 from __future__ import annotations
@@ -42,16 +40,6 @@ def quantize_weight(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=WEIGHT_EPS)  # [nb, kb]
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
-
-
-def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (fp8 [N, K], scales float32 [N, ceil(K / 128)]): one scale per output row (channel), amax / 448
-    over the whole row, stored once per 128-column block (all equal) so that the per-row format reads it."""
-    n, k = w.shape
-    w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=WEIGHT_EPS)  # [N, 1]
-    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.contiguous(), scale.expand(n, _cdiv(k, BLOCK)).contiguous()
 
 
 def expand_scale(scale: torch.Tensor, n: int, k: int, scale_rows: int = BLOCK) -> torch.Tensor:
@@ -94,13 +82,11 @@ def block_fp8_matmul_ref(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                   scale_rows: int = BLOCK, per_token: bool = False) -> torch.Tensor:
-    """What kernels/fp8_gemm.fp8_linear_gpu computes: x [..., K] quantized per token per 128 columns (or per token,
-    `per_token`), times the fp8 weight [N, K] with its block scales, plus bias, in x's dtype -> [..., N]."""
+                   scale_rows: int = BLOCK) -> torch.Tensor:
+    """What kernels/fp8_gemm.fp8_linear_gpu computes: x [..., K] quantized per token per 128 columns, times the
+    fp8 weight [N, K] with its block scales, plus bias, in x's dtype -> [..., N]."""
     k = x.shape[-1]
-    a, a_scale = quantize_activations_ref(x.reshape(-1, k), group=max(k, 1) if per_token else BLOCK)
-    if per_token:  # one scale a row, read for each 128-column block
-        a_scale = a_scale.expand(-1, _cdiv(k, BLOCK))
+    a, a_scale = quantize_activations_ref(x.reshape(-1, k))
     y = block_fp8_matmul_ref(a, a_scale, weight, scale, scale_rows)
     if bias is not None:
         y = y + bias.float()

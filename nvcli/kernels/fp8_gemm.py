@@ -34,15 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.block_fp8 import (
-    ACT_EPS,
-    BLOCK,
-    FP8_DTYPE,
-    FP8_MAX,
-    fp8_linear_ref,
-    quantize_weight,
-    quantize_weight_per_channel,
-)
+from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, fp8_linear_ref, quantize_weight
 
 M_ALIGN = 4  # cuBLASLt's block-scaled GEMM wants the activation rows (and their scale rows) in multiples of 4
 
@@ -61,25 +53,6 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
-
-
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, eps, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one program per row: the row's amax over all of K (a first pass), then the row quantized with it (a second
-    # pass, whose loads hit the cache the first warmed)
-    row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), FP8_MAX)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
-    tl.store(s_ptr + row, scale)
 
 
 @triton.jit
@@ -178,26 +151,9 @@ def quantize_activations_triton(x: torch.Tensor, m_major: bool = False) -> tuple
     return q, scale
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], float32 scales [M, 1]): one scale per row (amax / 448), the per-token activations of
-    per-channel weights (`Fp8Weights.per_channel`)."""
-    m, k = x.shape
-    assert x.stride(-1) == 1
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and k:
-        block_k = min(2048, triton.next_power_of_2(k))
-        _quant_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), ACT_EPS, FP8_MAX=FP8_MAX, BLOCK_K=block_k,
-                                 num_warps=4 if block_k >= 1024 else 1)
-    return q, scale
-
-
-def cublas_weight_scales(scale: torch.Tensor, scale_rows: int, per_channel: bool = False) -> torch.Tensor:
+def cublas_weight_scales(scale: torch.Tensor, scale_rows: int) -> torch.Tensor:
     """A layer's weight scales ([ceil(N / scale_rows), ceil(K / 128)]) as cuBLASLt reads those of the [K, N] operand:
-    128 x 128 blocks as [K blocks rounded up to 4, N / 128] with stride (1, that), per-row as [N, K / 128] N-major,
-    per channel (every column block of a row the same scale) as one contiguous [1, N] row."""
-    if per_channel:
-        return scale[:, 0].contiguous()[None, :]
+    128 x 128 blocks as [K blocks rounded up to 4, N / 128] with stride (1, that), per-row as [N, K / 128] N-major."""
     if scale_rows == BLOCK:
         nb, kb = scale.shape
         padded = torch.zeros((nb, triton.cdiv(kb, 4) * 4), dtype=torch.float32, device=scale.device)
@@ -216,56 +172,40 @@ def _cublas_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, sca
     return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale_mm, out_dtype=out_dtype)  # by the shapes
 
 
-def _cublas_rowwise_mm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_mm: torch.Tensor,
-                       out_dtype: torch.dtype) -> torch.Tensor:
-    # per-token x per-channel scales, applied in the GEMM's epilogue; FP8 products accumulate in float32 with the
-    # periodic promotion on (use_fast_accum off): fast accumulation keeps ~14 bits over K, 1-2% off at K = 4096
-    return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale_mm, out_dtype=out_dtype,
-                            use_fast_accum=False)
-
-
-def cublas_eligible(n: int, k: int, scale_rows: int, per_channel: bool = False) -> bool:
-    """cuBLASLt's block-scaled GEMM takes whole 128-column blocks (and whole 128-row weight blocks for 128 x 128);
-    the per-channel one rows of 16-byte multiples."""
-    if per_channel:
-        return k % 16 == 0 and n % 16 == 0
+def cublas_eligible(n: int, k: int, scale_rows: int) -> bool:
+    """cuBLASLt's block-scaled GEMM takes whole 128-column blocks (and whole 128-row weight blocks for 128 x 128)."""
     return k % BLOCK == 0 and (scale_rows == 1 or n % BLOCK == 0)
 
 
 @cache
-def _cublas_works(device_index: int, dtype: torch.dtype, scale_rows: int, per_channel: bool) -> bool:
+def _cublas_works(device_index: int, dtype: torch.dtype, scale_rows: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(6, 512, device=device, generator=gen).to(dtype)
     w = torch.randn(384, 512, device=device, generator=gen) * 0.05
-    wq, ws = quantize_weight_per_channel(w) if per_channel else quantize_weight(w)
-    if scale_rows == 1 and not per_channel:  # every row its own scale: a layout mixing rows within a block shows
+    wq, ws = quantize_weight(w)
+    if scale_rows == 1:  # every row its own scale, so a layout that mixes rows up within a block shows
         ws = ws.repeat_interleave(BLOCK, 0) * torch.linspace(0.5, 1.5, ws.shape[0] * BLOCK, device=device)[:, None]
     try:
-        if per_channel:
-            a, a_s = quantize_rows_triton(x)
-            got = _cublas_rowwise_mm(a, a_s, wq, cublas_weight_scales(ws, 1, True), dtype).float()
-        else:
-            a, a_s = quantize_activations_triton(x, m_major=True)
-            got = _cublas_mm(a, a_s, wq, cublas_weight_scales(ws, scale_rows), scale_rows, dtype)[: x.shape[0]].float()
-        want = fp8_linear_ref(x, wq, ws, None, scale_rows, per_token=per_channel).float()
+        a, a_s = quantize_activations_triton(x, m_major=True)
+        got = _cublas_mm(a, a_s, wq, cublas_weight_scales(ws, scale_rows), scale_rows, dtype)[: x.shape[0]].float()
+        want = fp8_linear_ref(x, wq, ws, None, scale_rows).float()
         torch.cuda.synchronize(device)
     except RuntimeError:  # this torch / CUDA build has no block-scaled cuBLASLt GEMM
         return False
     return bool(torch.allclose(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item()))
 
 
-def cublas_supported(device: torch.device, dtype: torch.dtype, scale_rows: int = BLOCK,
-                     per_channel: bool = False) -> bool:
-    """Whether cuBLASLt's FP8 GEMM runs, and right, on `device` with `dtype` output and weight scales per
-    `scale_rows` rows (or per channel, activations per token): probed once per format against the torch reference,
-    before any graph capture (at load); a format it gets wrong runs the Triton kernel."""
+def cublas_supported(device: torch.device, dtype: torch.dtype, scale_rows: int = BLOCK) -> bool:
+    """Whether cuBLASLt's block-scaled FP8 GEMM runs, and right, on `device` with `dtype` output and weight scales
+    per `scale_rows` rows: probed once per format against the torch reference, before any graph capture (at load);
+    a format it gets wrong runs the Triton kernel."""
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cublas_works(index, dtype, 1 if per_channel else scale_rows, per_channel)
+    return _cublas_works(index, dtype, scale_rows)
 
 
 def fp8_linear_gpu(
@@ -276,10 +216,8 @@ def fp8_linear_gpu(
     scale_rows: int = BLOCK,
     scale_mm: Optional[torch.Tensor] = None,  # cublas_weight_scales(scale): the product runs in cuBLASLt; None: Triton
     config: Optional[Fp8GemmConfig] = None,  # the Triton tile, overriding choose_config (tests, benchmarks)
-    per_token: bool = False,  # per-channel weights: x quantized per token, not per 128 columns
 ) -> torch.Tensor:
-    """x @ dequant(weight).T (+ bias) -> [..., N] in x's dtype, x quantized per token per 128 columns (or per
-    token, `per_token`)."""
+    """x @ dequant(weight).T (+ bias) -> [..., N] in x's dtype, x quantized per token per 128 columns."""
     k = x.shape[-1]
     n = weight.shape[0]
     assert weight.dtype == FP8_DTYPE and weight.shape[1] == k and weight.stride(1) == 1, (weight.dtype, weight.shape)
@@ -291,16 +229,6 @@ def fp8_linear_gpu(
     m = x2.shape[0]
     if m == 0 or n == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if per_token:
-        a, a_scale = quantize_rows_triton(x2)
-        if scale_mm is not None:
-            out = _cublas_rowwise_mm(a, a_scale, weight, scale_mm, x.dtype)
-            if bias is not None:
-                out += bias
-        else:  # the Triton kernel reads the one scale of a row for each of its 128-column blocks (stride 0)
-            out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-            fp8_matmul_triton(a, a_scale.expand(m, scale.shape[1]), weight, scale, out, bias, scale_rows, config)
-        return out.view(*x.shape[:-1], n)
     a, a_scale = quantize_activations_triton(x2, m_major=True)
     if scale_mm is not None:
         out = _cublas_mm(a, a_scale, weight, scale_mm, scale_rows, x.dtype)[:m]

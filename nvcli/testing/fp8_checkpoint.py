@@ -5,9 +5,8 @@ mixture-of-experts model, as Qwen publishes Qwen3-MoE FP8) of a safetensors chec
 `<name>.weight_scale_inv` beside it (one float32 scale per 128 x 128 block, kernels/block_fp8.py) and adds
 `quantization_config` to config.json; embeddings, norms, the LM head and a MoE router keep their dtype.
 `write_dequantized_checkpoint` writes the weights such a checkpoint holds (fp8 times scale) as a plain float32
-checkpoint: the reference a float run of transformers gives for the FP8 model. `write_quantized_at_load_checkpoint`
-writes the weights `--quantization fp8` makes of a plain checkpoint as it loads (at --tp 1): projections per output
-channel, each expert tensor in 128 x 128 blocks as the FP8 checkpoint stores it, all dequantized to float32.
+checkpoint: the reference a float run of transformers gives for the FP8 model. `--quantization fp8` quantizes each
+checkpoint tensor the same way as it loads, so both checkpoints also describe that run.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nvcli.kernels.block_fp8 import FP8_DTYPE, dequantize_weight, quantize_weight, quantize_weight_per_channel
+from nvcli.kernels.block_fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [128, 128]}
@@ -75,28 +74,6 @@ def write_dequantized_checkpoint(fp8_dir: Path, dst: Path) -> Path:
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8_dir / "config.json").read_text())
     config.pop("quantization_config", None)
-    config["torch_dtype"] = "float32"
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
-
-
-def write_quantized_at_load_checkpoint(src: Path, dst: Path) -> Path:
-    """`src`'s weights as `--quantization fp8` holds them at --tp 1, dequantized to float32, as a plain checkpoint in
-    `dst`: each projection per output channel (layers/fp8.py), each expert tensor per 128 x 128 block
-    (layers/moe_fp8.py)."""
-    src, dst = Path(src), Path(dst)
-    _copy_other_files(src, dst)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in _tensors(src).items():
-        match = PROJECTION.search(name)
-        if match is None:
-            out[name] = t.contiguous()
-            continue
-        expert = match.group(1).startswith("mlp.experts")
-        q, scale = quantize_weight(t) if expert else quantize_weight_per_channel(t)
-        out[name] = dequantize_weight(q, scale, torch.float32, 128 if expert else 1)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = "float32"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst

@@ -56,10 +56,8 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(checkpoints) -> No
 
 
 def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints) -> None:
-    """Each expert tensor quantized as it loads, as the FP8 checkpoint stores it (the attention projections per
-    channel), then dequantized once on the CPU."""
-    plain, _, _ = checkpoints("tiny")
-    dequantized = checkpoints.at_load("tiny")
+    """Each expert tensor quantized as it loads, as the FP8 checkpoint stores it, then dequantized once on the CPU."""
+    plain, _, dequantized = checkpoints("tiny")
     llm = LLM(str(plain), quantization="fp8", **ENGINE)
     try:
         experts = _experts(llm)

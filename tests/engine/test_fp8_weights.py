@@ -19,7 +19,6 @@ from nvcli.testing.fp8_checkpoint import (
     QUANTIZATION_CONFIG,
     write_dequantized_checkpoint,
     write_fp8_checkpoint,
-    write_quantized_at_load_checkpoint,
 )
 from nvcli.testing.tiny_models import make_tiny_model, tiny_config
 
@@ -35,10 +34,8 @@ SHAPES = {"qwen3": ("qwen3", {}), "llama": ("llama", {}), "qwen3_aligned": ("qwe
 
 def checkpoint_factory(root: Path, shapes: dict[str, tuple[str, dict]]):
     """shape -> (float checkpoint, its FP8 checkpoint, the FP8 weights dequantized as a float32 checkpoint), each
-    shape's (arch, config overrides) in `shapes`, made under `root` once; `.at_load(shape)`: the float checkpoint's
-    weights as --quantization fp8 quantizes them, dequantized."""
+    shape's (arch, config overrides) in `shapes`, made under `root` once."""
     cache: dict[str, tuple[Path, Path, Path]] = {}
-    at_load: dict[str, Path] = {}
 
     def make(shape: str) -> tuple[Path, Path, Path]:
         if shape not in cache:
@@ -48,12 +45,6 @@ def checkpoint_factory(root: Path, shapes: dict[str, tuple[str, dict]]):
             cache[shape] = plain, fp8, write_dequantized_checkpoint(fp8, root / shape / "dequantized")
         return cache[shape]
 
-    def quantized_at_load(shape: str) -> Path:
-        if shape not in at_load:
-            at_load[shape] = write_quantized_at_load_checkpoint(make(shape)[0], root / shape / "at_load")
-        return at_load[shape]
-
-    make.at_load = quantized_at_load  # type: ignore[attr-defined]
     return make
 
 
@@ -105,13 +96,12 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(checkpoints, shape
 
 
 def test_quantization_flag_matches_hf_on_quantized_then_dequantized_weights(checkpoints) -> None:
-    plain, _, _ = checkpoints("qwen3")
-    assert greedy(plain, quantization="fp8") == hf_greedy(checkpoints.at_load("qwen3"))
+    plain, _, dequantized = checkpoints("qwen3")
+    assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
 
 
-def test_quantization_flag_quantizes_per_channel_at_load_and_dequantizes_on_the_cpu(checkpoints) -> None:
-    plain, _, _ = checkpoints("qwen3")
-    dequantized = checkpoints.at_load("qwen3")
+def test_quantization_flag_quantizes_at_load_and_dequantizes_on_the_cpu(checkpoints) -> None:
+    plain, _, dequantized = checkpoints("qwen3")
     llm = LLM(str(plain), quantization="fp8", **ENGINE)
     from safetensors import safe_open
 
@@ -146,32 +136,24 @@ def test_dummy_weights_quantize(checkpoints) -> None:
     assert all(len(tokens) == MAX_TOKENS for tokens in out)
 
 
-@pytest.mark.parametrize("source", ["checkpoint", "flag"])
-def test_the_fp8_gemm_path_runs_on_the_cpu_through_its_reference(checkpoints, monkeypatch, source: str) -> None:
+def test_the_fp8_gemm_path_runs_on_the_cpu_through_its_reference(checkpoints, monkeypatch) -> None:
     """Where FP8 GEMMs run (a GPU of compute capability 8.9+), the projections stay FP8 and the norms stay unfolded;
-    on the CPU the same path runs kernels/block_fp8.fp8_linear_ref (activations quantized too: per 128 columns for
-    a checkpoint's block scales, per token for the per-channel weights --quantization fp8 makes)."""
+    on the CPU the same path runs kernels/block_fp8.fp8_linear_ref (activations quantized too)."""
     import nvcli.kernels.block_fp8 as block_fp8
 
-    plain, fp8, dequantized = checkpoints("qwen3")
+    _, fp8, dequantized = checkpoints("qwen3")
     monkeypatch.setattr(block_fp8, "fp8_gemm_supported", lambda device: True)
-    if source == "flag":
-        llm = LLM(str(plain), quantization="fp8", **ENGINE)
-        dequantized = checkpoints.at_load("qwen3")
-    else:
-        llm = LLM(str(fp8), **ENGINE)
+    llm = LLM(str(fp8), **ENGINE)
     model = llm.engine.executor.runner.model
     layer = model.model.layers[0]
-    qkv = layer.self_attn.qkv_proj
-    assert qkv.weight.dtype == FP8_DTYPE and qkv.fp8.scale_rows == 1 and qkv.fp8.per_channel == (source == "flag")
+    assert layer.self_attn.qkv_proj.weight.dtype == FP8_DTYPE and layer.self_attn.qkv_proj.fp8.scale_rows == 1
     assert not model.model.can_defer_norm and not torch.equal(layer.input_layernorm.weight,
                                                               torch.ones_like(layer.input_layernorm.weight))
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     llm.shutdown()
     ref = hf_greedy(dequantized)
-    # activations in FP8 move the logits a little, and a tiny random model's greedy path splits at its first near
-    # tie (3-16 tokens in here): the first two tokens agree
-    assert all(a[:2] == b[:2] for a, b in zip(out, ref)), (out, ref)
+    # activations in FP8 move the logits a little: the first tokens agree
+    assert all(a[:4] == b[:4] for a, b in zip(out, ref)), (out, ref)
 
 
 def test_bad_settings_name_their_flag(tmp_path: Path) -> None:

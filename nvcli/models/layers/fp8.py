@@ -6,9 +6,7 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
 * an FP8 checkpoint (config.json `quantization_config` with quant_method fp8, as Qwen and DeepSeek publish them):
   each projection's weight is fp8 and `<name>.weight_scale_inv` holds its block scales;
 * `--quantization fp8` on a bf16 / fp32 checkpoint (or dummy weights): each tensor is quantized as it loads, on the
-  layer's device, per output channel (one scale a row, `per_channel`), the format whose GEMM scales in its epilogue:
-  measured faster than 128 x 128 blocks on an H100 (benchmarks/RESULTS.md), and no coarser where it counts, since
-  activations are then quantized per token.
+  layer's device, per checkpoint tensor (a q, k or v projection apart), exactly as a checkpoint would store it.
 
 The layers to quantize are the model's tensor-parallel projections (q/k/v, o, gate/up, down), built inside
 `fp8_projections(spec)`, and a mixture-of-experts block's experts (layers/moe_fp8.py, per expert tensor);
@@ -34,14 +32,7 @@ import torch
 from torch import nn
 
 from nvcli.config import ConfigError
-from nvcli.kernels.block_fp8 import (
-    BLOCK,
-    FP8_DTYPE,
-    dequantize_weight,
-    fp8_linear_ref,
-    quantize_weight,
-    quantize_weight_per_channel,
-)
+from nvcli.kernels.block_fp8 import BLOCK, FP8_DTYPE, dequantize_weight, fp8_linear_ref, quantize_weight
 from nvcli.kernels.ops import use_triton
 
 
@@ -97,15 +88,14 @@ def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-               scale_rows: int, scale_mm: Optional[torch.Tensor] = None, per_token: bool = False) -> torch.Tensor:
-    """x @ dequant(weight).T (+ bias), activations quantized per token per 128 columns (per token: `per_token`):
-    kernels/fp8_gemm.py on a GPU (`scale_mm`: the scales in cuBLASLt's layout, where its GEMM may run), its torch
-    reference elsewhere."""
+               scale_rows: int, scale_mm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ dequant(weight).T (+ bias), activations quantized per token per 128 columns: kernels/fp8_gemm.py on a GPU
+    (`scale_mm`: the scales in cuBLASLt's layout, where its GEMM may run), its torch reference elsewhere."""
     if use_triton(x):
         from nvcli.kernels.fp8_gemm import fp8_linear_gpu
 
-        return fp8_linear_gpu(x, weight, scale, bias, scale_rows, scale_mm, per_token=per_token)
-    return fp8_linear_ref(x, weight, scale, bias, scale_rows, per_token)
+        return fp8_linear_gpu(x, weight, scale, bias, scale_rows, scale_mm)
+    return fp8_linear_ref(x, weight, scale, bias, scale_rows)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -119,8 +109,7 @@ class Fp8Weights:
     `shards`: shard id -> (first row in the layer, rows) of this rank; `column`: this rank's rows are rows
     [rank * rows, (rank + 1) * rows) of each checkpoint tensor (column-parallel and fused layers), else all of them;
     `row_split`: the input features are split across ranks (row-parallel), this rank holding columns
-    [rank * in, (rank + 1) * in); `per_channel`: quantized here (not from a checkpoint), one scale per row, read with
-    activations quantized per token."""
+    [rank * in, (rank + 1) * in)."""
 
     def __init__(self, layer: nn.Module, spec: Fp8Spec, shards: dict[Any, tuple[int, int]], column: bool,
                  row_split: bool, what: str) -> None:
@@ -129,11 +118,10 @@ class Fp8Weights:
         self.shards, self.column, self.row_split = shards, column, row_split
         if spec.checkpoint and row_split and self.tp_size > 1 and in_features % BLOCK:
             raise _tp_cut(self.tp_size, what, in_features * self.tp_size)
-        self.per_channel = not spec.checkpoint
         last = max(offset for offset, _ in shards.values())
         aligned = all(offset % BLOCK == 0 and (rows % BLOCK == 0 or (offset == last and (self.tp_size == 1 or not column)))
                       for offset, rows in shards.values())
-        self.scale_rows = BLOCK if aligned and not self.per_channel else 1
+        self.scale_rows = BLOCK if aligned else 1
         layer.register_buffer("weight_scale", torch.ones(_cdiv(out_features, self.scale_rows),
                                                          _cdiv(in_features, BLOCK), dtype=torch.float32),
                               persistent=False)
@@ -142,17 +130,6 @@ class Fp8Weights:
         self.scaled: set[Any] = set()  # shards whose scales are set (from the checkpoint or by quantizing)
         # the scales in cuBLASLt's layout, set after loading where its block-scaled GEMM runs (finish_fp8_layers)
         self.scale_mm: Optional[torch.Tensor] = None
-
-    def _quantize(self, w: torch.Tensor, offset: int) -> torch.Tensor:
-        """w [rows, in] quantized (per channel, or in 128 x 128 blocks from a checkpoint's layer) with its scales
-        written from row `offset` -> the fp8 rows."""
-        if self.per_channel:
-            q, scale = quantize_weight_per_channel(w)
-            self.layer.weight_scale[offset : offset + w.shape[0]].copy_(scale)
-            return q
-        q, scale = quantize_weight(w)
-        self._write_scale(scale, offset, w.shape[0])
-        return q
 
     def _write_scale(self, block_scale: torch.Tensor, offset: int, rows: int) -> None:
         """Scales of `rows` rows from `offset`, given per 128 rows from the first ([ceil(rows / 128), kb])."""
@@ -171,7 +148,9 @@ class Fp8Weights:
             dst.copy_(loaded)
             self.fp8_weights.add(shard)
             return
-        dst.copy_(self._quantize(loaded.to(weight.device), offset))
+        q, scale = quantize_weight(loaded.to(weight.device))
+        dst.copy_(q)
+        self._write_scale(scale, offset, loaded.shape[0])
         self.scaled.add(shard)
 
     def load_scale(self, scale: torch.Tensor, shard: Any, name: str) -> None:
@@ -200,7 +179,9 @@ class Fp8Weights:
         """Random weights of the real shape (std 0.02, as loader.load_dummy_weights), quantized."""
         weight = self.layer.weight
         w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, 0.02, generator=generator)
-        weight.data.copy_(self._quantize(w, 0))
+        q, scale = quantize_weight(w)
+        weight.data.copy_(q)
+        self._write_scale(scale, 0, weight.shape[0])
         self.scaled.update(self.shards)
 
     def check_loaded(self, name: str) -> None:
@@ -224,10 +205,10 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
         state.check_loaded(name)
         count += 1
         if keep:
-            weight, rows, per_channel = module.weight, state.scale_rows, state.per_channel
-            if (cublas_eligible(*weight.shape, rows, per_channel)
-                    and cublas_supported(weight.device, dtype, rows, per_channel)):
-                state.scale_mm = cublas_weight_scales(module.weight_scale, rows, per_channel)
+            weight = module.weight
+            if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype,
+                                                                                          state.scale_rows):
+                state.scale_mm = cublas_weight_scales(module.weight_scale, state.scale_rows)
             continue
         w = dequantize_weight(module.weight.data, module.weight_scale, dtype, state.scale_rows)
         module.weight = nn.Parameter(w, requires_grad=False)

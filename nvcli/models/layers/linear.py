@@ -84,8 +84,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
-            fp8 = self.fp8
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, fp8.scale_rows, fp8.scale_mm, fp8.per_channel)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows, self.fp8.scale_mm)
         return linear(x, self.weight, self.bias)
 
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
