@@ -16,12 +16,14 @@ from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, D, rs_n, rs_eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr, RS_BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, D, rs_n, rs_eps, rows, s_ptr,
+                         stride_sg, BLOCK: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr,
+                         RS_BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr = 448.0,
+                         ACT_EPS: tl.constexpr = 1e-10):
     pdl_start(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = col < D
+    mask = (col < D) & (row < rows)  # QUANT's padding rows (row >= rows) quantize zeros
     gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
     if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
@@ -29,8 +31,17 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
         gate = (gate * rstd).to(up.dtype).to(tl.float32)
         up = (up.to(tl.float32) * rstd).to(up.dtype)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
-    tl.store(out_ptr + row.to(tl.int64) * stride_o + col, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
-             mask=mask)
+    h = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    if QUANT:  # what quantize_activations_triton makes of h, bit for bit (BLOCK is a multiple of 128)
+        g = tl.reshape(h.to(tl.float32), (BLOCK // 128, 128))
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(g), axis=1), ACT_EPS), FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(g, scale[:, None]), -FP8_MAX, FP8_MAX)
+        cols = tl.reshape(col, (BLOCK // 128, 128))
+        tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=cols < D)
+        groups = tl.program_id(1) * (BLOCK // 128) + tl.arange(0, BLOCK // 128)
+        tl.store(s_ptr + row + groups.to(tl.int64) * stride_sg, scale, mask=groups * 128 < D)
+    else:
+        tl.store(out_ptr + row.to(tl.int64) * stride_o + col, h, mask=mask)
 
 
 def silu_and_mul_triton(
@@ -49,6 +60,27 @@ def silu_and_mul_triton(
     block = min(1024, triton.next_power_of_2(d))
     pdl = use_pdl(x, n)
     _silu_and_mul_kernel[(n, triton.cdiv(d, block))](
-        x, out, rs_ptr, x.stride(0), out.stride(0), rs_stride, d, rs_n, scale_eps, BLOCK=block, PDL=pdl,
-        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, num_warps=4, **launch_kwargs(pdl))
+        x, out, rs_ptr, x.stride(0), out.stride(0), rs_stride, d, rs_n, scale_eps, n, out, 0, BLOCK=block, PDL=pdl,
+        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, QUANT=False, num_warps=4, **launch_kwargs(pdl))
     return out
+
+
+def silu_and_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(gate) * up of x [num_tokens, 2 * d] quantized per row per 128 columns as an FP8 projection takes it
+    (kernels/fp8_gemm.fp8_gemm_quantized): (fp8 [padded rows, d], scales [padded rows, ceil(d / 128)] M-major), bit
+    for bit what quantize_activations_triton(m_major=True) makes of silu_and_mul_triton's output, in one kernel."""
+    from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
+
+    n, two_d = x.shape
+    d = two_d // 2
+    assert x.stride(-1) == 1
+    padded = triton.cdiv(n, M_ALIGN) * M_ALIGN
+    q = torch.empty((padded, d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((triton.cdiv(d, BLOCK), padded), dtype=torch.float32, device=x.device).t()
+    if n == 0:
+        return q, scale
+    block = min(1024, max(BLOCK, triton.next_power_of_2(d)))
+    _silu_and_mul_kernel[(padded, triton.cdiv(d, block))](
+        x, q, x, x.stride(0), q.stride(0), 0, d, 0, 0.0, n, scale, scale.stride(1), BLOCK=block, PDL=False,
+        ROW_SCALE=False, RS_BLOCK=1, QUANT=True, FP8_MAX=FP8_MAX, ACT_EPS=ACT_EPS, num_warps=4)
+    return q, scale

@@ -23,6 +23,9 @@ BLOCK = 128  # rows and columns of a weight block; columns of an activation grou
 ACT_EPS = 1e-10
 # floor of a weight block's scale (an all-zero block stores zeros with this scale)
 WEIGHT_EPS = 1e-12
+# rows of quantized activations as the GPU GEMMs take them: padded to a multiple of this (cuBLASLt's block-scaled
+# GEMM needs it), the padding rows zeros
+M_ALIGN = 4
 
 
 def _cdiv(a: int, b: int) -> int:

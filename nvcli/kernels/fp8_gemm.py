@@ -34,9 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, fp8_linear_ref, quantize_weight
-
-M_ALIGN = 4  # cuBLASLt's block-scaled GEMM wants the activation rows (and their scale rows) in multiples of 4
+from nvcli.kernels.block_fp8 import (
+    ACT_EPS,
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    M_ALIGN,
+    fp8_linear_ref,
+    quantize_weight,
+)
 
 
 @triton.jit
@@ -230,14 +236,32 @@ def fp8_linear_gpu(
     if m == 0 or n == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     a, a_scale = quantize_activations_triton(x2, m_major=True)
+    out = fp8_gemm_quantized(a, a_scale, m, weight, scale, bias, scale_rows, scale_mm, x.dtype, config)
+    return out.view(*x.shape[:-1], n)
+
+
+def fp8_gemm_quantized(
+    a: torch.Tensor,  # [rows, K] float8_e4m3fn: activations quantized in the GEMMs' layout (rows padded to 4)
+    a_scale: torch.Tensor,  # [rows, ceil(K / 128)] float32, M-major
+    m: int,  # the real rows: the first m of `a`
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    scale_rows: int,
+    scale_mm: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    config: Optional[Fp8GemmConfig] = None,
+) -> torch.Tensor:
+    """The product of activations already quantized (quantize_activations_triton(m_major=True), or a norm or
+    activation kernel that quantizes as it writes) and the FP8 weight -> [m, N] in out_dtype."""
+    n = weight.shape[0]
     if scale_mm is not None:
-        out = _cublas_mm(a, a_scale, weight, scale_mm, scale_rows, x.dtype)[:m]
+        out = _cublas_mm(a, a_scale, weight, scale_mm, scale_rows, out_dtype)[:m]
         if bias is not None:
             out += bias
-    else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        fp8_matmul_triton(a[:m], a_scale[:m], weight, scale, out, bias, scale_rows, config)
-    return out.view(*x.shape[:-1], n)
+        return out
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    return fp8_matmul_triton(a[:m], a_scale[:m], weight, scale, out, bias, scale_rows, config)
 
 
 def fp8_matmul_triton(

@@ -90,15 +90,26 @@ class LinearBase(nn.Module):
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(RMSNorm(x + residual)), x + residual) on the GPU: for a few rows one skinny-GEMM kernel with the norm
-        in its prologue (kernels/skinny_gemm.norm_linear); an FP8 layer runs the add+RMSNorm kernel, then its GEMM."""
+        in its prologue (kernels/skinny_gemm.norm_linear); an FP8 layer runs the add+RMSNorm kernel, which writes its
+        output quantized as the FP8 GEMM takes it, then the GEMM."""
         if self.fp8 is None:
             from nvcli.kernels.skinny_gemm import norm_linear
 
             return norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
-        from nvcli.kernels.rms_norm import rms_norm_triton
+        from nvcli.kernels.rms_norm import rms_norm_quant_triton
 
-        normed, residual = rms_norm_triton(x, norm_weight, eps, residual)
-        return self.forward(normed), residual
+        x2 = x.reshape(-1, x.shape[-1])
+        q, q_scale, residual = rms_norm_quant_triton(x2, norm_weight, eps,
+                                                     None if residual is None else residual.reshape(x2.shape))
+        return self._fp8_quantized(q, q_scale, x2.shape[0], x.dtype).view(*x.shape[:-1], -1), residual.view(x.shape)
+
+    def _fp8_quantized(self, q: torch.Tensor, q_scale: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """This FP8 layer on activations its input kernel quantized (GPU only) -> [rows, out_features]."""
+        from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
+
+        assert self.fp8 is not None
+        return fp8_gemm_quantized(q, q_scale, rows, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows,
+                                  self.fp8.scale_mm, dtype)
 
 
 class ReplicatedLinear(LinearBase):
@@ -161,14 +172,15 @@ class RowParallelLinear(LinearBase):
 
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
-        for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (not for FP8
-        weights: the SiLU-and-mul kernel, then the FP8 GEMM)."""
-        if self.fp8 is not None:
-            from nvcli.kernels.activation import silu_and_mul_triton
+        for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (FP8 weights:
+        the SiLU-and-mul kernel, writing its output quantized, then the FP8 GEMM)."""
+        if self.fp8 is not None:  # SiLU-and-mul writes the FP8 GEMM's quantized input
+            from nvcli.kernels.activation import silu_and_mul_quant_triton
 
-            k = gate_up.shape[-1] // 2
-            act = silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k)
-            return self.forward(act)
+            rows = gate_up.reshape(-1, gate_up.shape[-1])
+            q, q_scale = silu_and_mul_quant_triton(rows)
+            return all_reduce(self._fp8_quantized(q, q_scale, rows.shape[0], gate_up.dtype)
+                              .view(*gate_up.shape[:-1], -1))
         from nvcli.kernels.skinny_gemm import silu_mul_linear
 
         return all_reduce(silu_mul_linear(gate_up, self.weight, self.bias))
