@@ -32,23 +32,17 @@ def _rms_norm_kernel(
     stride_x1,
     stride_r0,
     stride_r1,
-    rows,  # rows of x; the grid may run more (QUANT's padding rows, which quantize zeros)
-    s_ptr,  # QUANT: the scales, M-major ([ceil(N / 128), padded rows])
-    stride_sg,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
-    QUANT: tl.constexpr,  # write the output quantized to fp8 per 128 columns (kernels/fp8_gemm.py's layout)
-    FP8_MAX: tl.constexpr = 448.0,
-    ACT_EPS: tl.constexpr = 1e-10,
 ):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     outer = row // inner
     sub = row % inner
     offs = tl.arange(0, BLOCK)
-    mask = (offs < N) & (row < rows)
+    mask = offs < N
     x = tl.load(x_ptr + outer * stride_x0 + sub * stride_x1 + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + outer * stride_r0 + sub * stride_r1 + offs, mask=mask, other=0.0)
@@ -57,18 +51,8 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-    y = (normed * w).to(x_ptr.dtype.element_ty)
-    if QUANT:  # what quantize_activations_triton makes of the rounded output, bit for bit
-        g = tl.reshape(y.to(tl.float32), (BLOCK // 128, 128))
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(g), axis=1), ACT_EPS), FP8_MAX)
-        q = tl.clamp(tl.math.div_rn(g, scale[:, None]), -FP8_MAX, FP8_MAX)
-        cols = tl.reshape(offs, (BLOCK // 128, 128))
-        tl.store(out_ptr + row * N + cols, q.to(out_ptr.dtype.element_ty), mask=cols < N)
-        groups = tl.arange(0, BLOCK // 128)
-        tl.store(s_ptr + row + groups * stride_sg, scale, mask=groups * 128 < N)
-    else:
-        tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output). A
@@ -175,49 +159,11 @@ def rms_norm_triton(
         sx1,
         sr0,
         sr1,
-        rows,
-        out,
-        0,
         N=n,
         BLOCK=block,
         HAS_RES=residual is not None,
         PDL=pdl,
-        QUANT=False,
         num_warps=num_warps,
         **launch_kwargs(pdl),
     )
     return out, new_res
-
-
-def rms_norm_quant_triton(
-    x: torch.Tensor,  # [rows, hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: Optional[torch.Tensor] = None,  # [rows, hidden]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp8 [padded rows, hidden], scales [padded rows, ceil(hidden / 128)] M-major, x + residual): RMSNorm's
-    output quantized per row per 128 columns as an FP8 projection takes it (kernels/fp8_gemm.fp8_gemm_quantized),
-    bit for bit what quantize_activations_triton(m_major=True) makes of rms_norm_triton's output, in one kernel."""
-    from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
-
-    rows, n = x.shape
-    assert weight.shape == (n,) and weight.is_contiguous() and x.stride(-1) == 1
-    if residual is not None:
-        assert residual.shape == x.shape
-        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-    padded = triton.cdiv(rows, M_ALIGN) * M_ALIGN
-    groups = triton.cdiv(n, BLOCK)
-    q = torch.empty((padded, n), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((groups, padded), dtype=torch.float32, device=x.device).t()
-    new_res = torch.empty_like(x) if residual is not None else x
-    if rows == 0:
-        return q, scale, new_res
-    block = max(BLOCK, triton.next_power_of_2(n))
-    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
-    _rms_norm_kernel[(padded,)](
-        x, residual if residual is not None else x, weight, q, new_res, eps, 1, x.stride(0), 0,
-        residual.stride(0) if residual is not None else 0, 0, rows, scale, scale.stride(1),
-        N=n, BLOCK=block, HAS_RES=residual is not None, PDL=False, QUANT=True, FP8_MAX=FP8_MAX, ACT_EPS=ACT_EPS,
-        num_warps=num_warps,
-    )
-    return q, scale, new_res

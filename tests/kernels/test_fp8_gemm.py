@@ -180,32 +180,6 @@ def test_cublas_block_scaled_gemm_matches_the_reference(m: int, scale_rows: int)
     assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=tol), (got.float() - want.float()).abs().max()
 
 
-def _norm_then_quantize(x, w, r):
-    from nvcli.kernels.fp8_gemm import quantize_activations_triton
-    from nvcli.kernels.rms_norm import rms_norm_quant_triton, rms_norm_triton
-
-    normed, res = rms_norm_triton(x, w, 1e-6, r)
-    want = quantize_activations_triton(normed, m_major=True)
-    q, s, fused_res = rms_norm_quant_triton(x, w, 1e-6, r)
-    return (q, s, fused_res), (*want, res)
-
-
-@needs_fp8_gpu
-@pytest.mark.parametrize("rows, n, residual", [(1, 128, True), (5, 200, False), (6, 576, True)])
-def test_rms_norm_writes_the_fp8_gemm_input_as_quantizing_its_output_would(rows: int, n: int, residual: bool) -> None:
-    """The FP8 layers' fused add+RMSNorm: its fp8 output, scales (rows padded to 4, M-major) and new residual equal
-    the unfused norm's output quantized, bit for bit."""
-    gen = torch.Generator().manual_seed(rows + n)
-    dtype = torch.float32 if INTERPRETED else torch.bfloat16
-    x = torch.randn(rows, n, generator=gen).to(dtype)
-    r = torch.randn(rows, n, generator=gen).to(dtype) if residual else None
-    w = (torch.rand(n, generator=gen) + 0.5).to(dtype)
-    (q, s, res), (q_ref, s_ref, res_ref) = on_device(_norm_then_quantize)(x, w, r)
-    assert q.shape == q_ref.shape and s.stride() == s_ref.stride() == (1, q.shape[0])
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-    assert torch.equal(res, res_ref)
-
-
 def _silu_then_quantize(x):
     from nvcli.kernels.activation import silu_and_mul_quant_triton, silu_and_mul_triton
     from nvcli.kernels.fp8_gemm import quantize_activations_triton
