@@ -252,8 +252,8 @@ def fp8_gemm_quantized(
     out_dtype: torch.dtype,
     config: Optional[Fp8GemmConfig] = None,
 ) -> torch.Tensor:
-    """The product of activations already quantized (quantize_activations_triton(m_major=True), or a norm or
-    activation kernel that quantizes as it writes) and the FP8 weight -> [m, N] in out_dtype."""
+    """The product of activations already quantized (quantize_activations_triton(m_major=True), or the SiLU-and-mul
+    kernel that quantizes as it writes: kernels/activation.py) and the FP8 weight -> [m, N] in out_dtype."""
     n = weight.shape[0]
     if scale_mm is not None:
         out = _cublas_mm(a, a_scale, weight, scale_mm, scale_rows, out_dtype)[:m]
