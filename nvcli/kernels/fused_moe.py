@@ -6,7 +6,9 @@ padded to a multiple of BLOCK_M with the sentinel num_rows, so every block of BL
 expert (`expert_ids`, one per block). The buffers have their worst-case size, num_rows + num_experts * (BLOCK_M - 1)
 rounded up to whole blocks, whatever the routing, and the count of rows in use (`num_padded`) stays on the device:
 no host sync and no data-dependent shape, so a decode step captures into a CUDA graph. The blocks past
-`num_padded` return at once.
+`num_padded` return at once. The alignment is one kernel, `_moe_align_kernel` (one program per expert: a histogram
+of all rows, then its own rows placed with a running count), in place of torch's ~25 small ops and stable sort,
+which `moe_align_ref` keeps as the reference; the two agree in every entry, the tail past `num_padded` included.
 
 Then `_gate_up_kernel`: per block, its expert's gate and up rows times the tokens' hidden states, accumulated in
 float32, SiLU(gate) * up fused (rounded like the torch path: gate and up in the model dtype, SiLU's output too),
@@ -20,6 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from nvcli.kernels.ops import use_triton
 
 
 def block_m_for(num_rows: int, num_experts: int, invariant: bool = False) -> int:
@@ -28,14 +33,13 @@ def block_m_for(num_rows: int, num_experts: int, invariant: bool = False) -> int
     return 16 if invariant or num_rows <= num_experts else 64
 
 
-def moe_align(
+def moe_align_ref(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] expert ids
     num_experts: int,
     block_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids [num_blocks * block_m] int32: rows grouped by expert, each group padded to block_m with
-    num_rows; expert_ids [num_blocks] int32: each block's expert; num_padded [1] int32: rows in use, a multiple of
-    block_m). torch ops of fixed shapes only (no host sync); num_blocks is the worst case's."""
+    """`moe_align` in torch ops of fixed shapes (no host sync): the reference, run on CPU tensors outside the
+    interpreter."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)  # [num_rows]
     num_rows = flat.numel()
@@ -46,12 +50,118 @@ def moe_align(
     by_expert = flat[order]
     first = torch.cumsum(counts, 0) - counts  # each expert's first position among the sorted rows
     rank = torch.arange(num_rows, device=device) - first[by_expert]
-    num_blocks = triton.cdiv(num_rows + num_experts * (block_m - 1), block_m)
+    num_blocks = align_num_blocks(num_rows, num_experts, block_m)
     sorted_ids = torch.full((num_blocks * block_m,), num_rows, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, (ends - padded)[by_expert] + rank, order.to(torch.int32))
     block_starts = torch.arange(num_blocks, device=device) * block_m
     expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def align_num_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
+    """The blocks of the worst case: every expert's group one row past a multiple of block_m."""
+    return triton.cdiv(num_rows + num_experts * (block_m - 1), block_m)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_blocks"])
+def _moe_align_kernel(
+    ids_ptr,  # [num_rows] expert ids in [0, NUM_EXPERTS), any integer dtype
+    sorted_ids_ptr,  # [num_blocks * BLOCK_M] int32
+    expert_ids_ptr,  # [num_blocks] int32
+    num_padded_ptr,  # [1] int32
+    num_rows,
+    num_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    BINS: tl.constexpr,  # a power of two > NUM_EXPERTS: bin NUM_EXPERTS counts the lanes past the last row
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,  # rows read at a time
+):
+    """Program e: every expert's row count (each program counts them all, so no program waits on another), its
+    group's start (the padded counts of the experts below e), then its own rows in increasing row order at
+    start + (its rows before them), its padding, its blocks' expert id, and its share of the tail past the last
+    group. Every position of the outputs is written by exactly one program."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for r0 in range(0, num_rows, CHUNK):
+        r = r0 + offs
+        ids = tl.load(ids_ptr + r, mask=r < num_rows, other=NUM_EXPERTS).to(tl.int32)
+        counts += tl.histogram(ids, BINS)  # every lane in [0, BINS): out-of-range values are undefined on the GPU
+    bins = tl.arange(0, BINS)
+    padded = tl.where(bins < NUM_EXPERTS, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    start = tl.sum(tl.where(bins < e, padded, 0))
+    count = tl.sum(tl.where(bins == e, counts, 0))
+    padded_e = tl.sum(tl.where(bins == e, padded, 0))
+    total = tl.sum(padded)
+
+    # own rows: each at start + (rows of e before it); stops once all `count` are placed (all rows read at worst)
+    seen = count * 0
+    r0 = count * 0
+    while (seen < count) & (r0 < num_rows):
+        r = r0 + offs
+        mine = (tl.load(ids_ptr + r, mask=r < num_rows, other=NUM_EXPERTS) == e).to(tl.int32)
+        tl.store(sorted_ids_ptr + start + seen + tl.cumsum(mine, 0) - 1, r, mask=mine != 0)
+        seen += tl.sum(mine)
+        r0 += CHUNK
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ids_ptr + start + count + pad, num_rows, mask=pad < padded_e - count)  # < BLOCK_M of them
+    blk = tl.arange(0, CHUNK)
+    for b0 in range(0, padded_e // BLOCK_M, CHUNK):
+        tl.store(expert_ids_ptr + start // BLOCK_M + b0 + blk, e, mask=b0 + blk < padded_e // BLOCK_M)
+
+    # the tail [total, num_blocks * BLOCK_M): sentinel rows in blocks of the last expert (the reference's clamp),
+    # a slice of its blocks per program (at most about NUM_EXPERTS + 1 blocks in all: total >= num_rows)
+    tail_first = total // BLOCK_M
+    per = tl.cdiv(num_blocks - tail_first, NUM_EXPERTS)
+    lo = tail_first + e * per
+    hi = tl.minimum(lo + per, num_blocks)
+    for b in range(lo, hi):
+        tl.store(sorted_ids_ptr + b * BLOCK_M + pad, num_rows)
+        tl.store(expert_ids_ptr + b, NUM_EXPERTS - 1)
+    if e == 0:
+        tl.store(num_padded_ptr, total)
+
+
+def align_chunk(num_rows: int) -> tuple[int, int]:
+    """(`_moe_align_kernel`'s rows per chunk, warps): each program reads every row twice, so a decode step's rows
+    (256 tokens x 8 = 2,048) take one chunk of each pass, prefill's few wide ones."""
+    return (1024, 4) if num_rows <= 1024 else (4096, 8)
+
+
+def moe_align_triton(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] expert ids
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_align` in one launch of `_moe_align_kernel` (one program per expert): the same three tensors, every
+    entry equal to `moe_align_ref`'s."""
+    flat = topk_ids.reshape(-1)
+    num_rows = flat.numel()
+    num_blocks = align_num_blocks(num_rows, num_experts, block_m)
+    device = topk_ids.device
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    chunk, warps = align_chunk(num_rows)
+    _moe_align_kernel[(num_experts,)](
+        flat, sorted_ids, expert_ids, num_padded, num_rows, num_blocks, NUM_EXPERTS=num_experts,
+        BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=chunk, num_warps=warps)
+    return sorted_ids, expert_ids, num_padded
+
+
+def moe_align(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] expert ids
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids [num_blocks * block_m] int32: rows grouped by expert in increasing expert id, an expert's rows in
+    increasing row order, each group padded to block_m with num_rows, and num_rows past the last group too;
+    expert_ids [num_blocks] int32: each block's expert, num_experts - 1 past the last group; num_padded [1] int32:
+    rows in use, a multiple of block_m). Fixed shapes, no host sync (CUDA graphs); num_blocks is the worst case's
+    (`align_num_blocks`). `_moe_align_kernel` on CUDA tensors and in the interpreter, the torch reference on CPU."""
+    if use_triton(topk_ids) or not isinstance(_moe_align_kernel, JITFunction):  # not a JITFunction: interpreted
+        return moe_align_triton(topk_ids, num_experts, block_m)
+    return moe_align_ref(topk_ids, num_experts, block_m)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""The row-scale kernels, the structured-output mask and the sampling-filter floor compile for the H100 (sm_90), on any
-machine.
+"""The row-scale kernels, the structured-output mask, the sampling-filter floor and the MoE routing kernels (route,
+align) compile for the H100 (sm_90), on any machine.
 
 The Triton interpreter runs the kernels on the CPU without checking what only the GPU compiler rejects: a jit
 function reading a global that is not a `tl.constexpr`, a type error in a branch the tests' shapes do not take.
@@ -19,20 +19,22 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nvcli.kernels import activation, rms_norm, rotary, sampling_filters, token_bitmask
+    from nvcli.kernels import activation, fused_moe, moe_route, rms_norm, rotary, sampling_filters, token_bitmask
 
-    def compile_for_hopper(kernel, types, constexprs):
+    def compile_for_hopper(kernel, types, constexprs, num_warps=4):
         names = kernel.arg_names
+        # constexpr parameters left out take their defaults (not "i32")
+        constexprs = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | constexprs
         sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
         src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
     for rs_block in (1, 1024):  # precomputed 1 / RMS, and the rows themselves
         rs = "*fp32" if rs_block == 1 else "*bf16"
         compile_for_hopper(
             activation._silu_and_mul_kernel,
             {"x_ptr": "*bf16", "out_ptr": "*bf16", "rs_ptr": rs, "rs_eps": "fp32"},
-            dict(BLOCK=1024, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block))
+            dict(BLOCK=1024, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block, QUANT=False))
         compile_for_hopper(
             rotary._rope_store_kernel,
             {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32",
@@ -54,6 +56,16 @@ SCRIPT = textwrap.dedent("""
                            dict(KEY16=key16, NUM_PROBES=sampling_filters.PROBES, BLOCK_N=sampling_filters.BLOCK,
                                 SCAN_N=sampling_filters.SCAN_BLOCK, CAP=sampling_filters.CAPACITY,
                                 STAGES=sampling_filters.STAGES, NUCLEUS_LANES=sampling_filters.NUCLEUS_LANES))
+    for num_rows, block_m in ((1024, 16), (131072, 64)):  # the alignment kernel's two chunk sizes, 128 experts
+        chunk, warps = fused_moe.align_chunk(num_rows)
+        compile_for_hopper(fused_moe._moe_align_kernel,
+                           {"ids_ptr": "*i64", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                            "num_padded_ptr": "*i32"},
+                           dict(NUM_EXPERTS=128, BINS=256, BLOCK_M=block_m, CHUNK=chunk), num_warps=warps)
+    for logits, experts, top_k in (("*bf16", 128, 8), ("*fp32", 60, 6)):  # Qwen3-MoE's; k and experts off powers of 2
+        compile_for_hopper(moe_route._moe_route_kernel, {"logits_ptr": logits, "weights_ptr": logits, "ids_ptr": "*i64"},
+                           dict(**moe_route.route_constexprs(experts, top_k), ROWS=8, RENORMALIZE=True,
+                                EXACT_EXP=True), num_warps=2)
     print("compiled")
 """)
 

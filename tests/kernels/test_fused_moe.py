@@ -1,5 +1,6 @@
 """kernels/fused_moe.py: the grouped GEMMs against layers/moe.py's torch reference (transformers' expert loop),
-with uneven routing and an expert no token picks; the alignment's buffers are of fixed size whatever the routing."""
+with uneven routing and an expert no token picks; the alignment's buffers are of fixed size whatever the routing,
+and its kernel's outputs are the torch reference's, entry for entry."""
 
 from __future__ import annotations
 
@@ -114,3 +115,42 @@ def test_fused_moe_captures_into_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     expected = fused_experts_ref(x.cpu(), w13.cpu(), w2.cpu(), weights2, ids2)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def _router_ids(tokens: int, top_k: int, experts: int, seed: int, hot: int | None = None) -> torch.Tensor:
+    """[tokens, top_k] int64: distinct experts per token, as a router's top-k picks them; `hot`: only the first
+    `hot` experts are ever picked (skewed routing, the others empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = hot or experts
+    return torch.stack([torch.randperm(pool, generator=gen)[:top_k] for _ in range(tokens)]).reshape(tokens, top_k)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts, block_m, hot", [
+    (256, 8, 128, 16, None),  # a decode step of Qwen3-30B-A3B: groups of ~16 rows
+    (256, 8, 128, 64, None),
+    (512, 8, 128, 16, 8),  # every token to the same 8 experts: groups of 32 blocks, 120 experts empty
+    (3, 2, 64, 16, None),  # fewer rows than experts
+    (1, 8, 128, 64, None),  # one decode token: the tail past the last group is most of the buffers
+    (1200, 4, 16, 64, 13),  # prefill-like: 4,800 rows (two of the kernel's 4,096-row chunks), 3 experts empty
+])
+def test_alignment_kernel_matches_the_reference(tokens: int, top_k: int, experts: int, block_m: int,
+                                                hot: int | None) -> None:
+    """sorted_ids, expert_ids and num_padded equal the torch reference's in every entry, the tail past num_padded
+    included (sentinel rows, the last expert's id)."""
+    from nvcli.kernels.fused_moe import moe_align_ref, moe_align_triton
+
+    ids = _router_ids(tokens, top_k, experts, seed=tokens + experts, hot=hot)
+    want = moe_align_ref(ids, experts, block_m)
+    got = on_device(moe_align_triton)(ids, experts, block_m)
+    for name, g, w in zip(("sorted_ids", "expert_ids", "num_padded"), got, want):
+        assert g.dtype == w.dtype == torch.int32 and torch.equal(g, w), name
+
+
+def test_alignment_kernel_takes_int32_ids_and_no_rows() -> None:
+    from nvcli.kernels.fused_moe import moe_align_ref, moe_align_triton
+
+    ids = _router_ids(40, 2, 8, seed=7)
+    for case in (ids.to(torch.int32), ids[:0]):
+        want = moe_align_ref(case, 8, 16)
+        got = on_device(moe_align_triton)(case, 8, 16)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
