@@ -47,11 +47,11 @@ def test_a_request_is_the_same_alone_in_a_batch_and_chunked(tiny_model_dir, dtyp
     whichever layout its page has (an open page token-major, a sealed one dims-major: kernels/kv_layout.py)."""
     model = str(tiny_model_dir("qwen3"))
     target, others = _prompts()
-    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=24, logprobs=3, prompt_logprobs=2, ignore_eos=True)
-    neighbour = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    neighbour = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     kv = dict(kv_cache_dtype=kv_cache_dtype)
     alone = _run(model, dtype, 8192, [target], [sp], 0, **kv)
-    assert len(alone[0]) == 24 and len(alone[1]) == 24 and len(alone[2]) == len(target)
+    assert len(alone[0]) == 12 and len(alone[1]) == 12 and len(alone[2]) == len(target)
     # beside seven other prompts in the same steps, then among them with a 40-token budget that chunks every prompt
     # (chunk starts off the KV tiles' 64-token grid)
     batch = _run(model, dtype, 8192, [target, *others], [sp] + [neighbour] * 7, 0, **kv)

@@ -69,22 +69,29 @@ def test_top_k_equals_torch_topk_with_ties_broken_by_the_higher_id(k: int, dtype
     logits[3] = float("-inf")  # a constrained row: three tokens allowed, the rest read -inf
     logits[3, [10, _SLICE + 7, vocab - 2]] = torch.tensor([2.0, 3.0, 1.0], dtype=dtype)
     targets = torch.tensor([0, 3, 5, 10])
-    _, chosen, _, values, ids = _columns(logits, targets, k)
+    # the interpreter runs the width-32 variant (k = 20) slowly: there only the rows whose answer depends on the
+    # width (the ties and the constrained row); rows 0 and 1 test the slices, which every width reads alike
+    rows = [2, 3] if k > 8 else [0, 1, 2, 3]
+    _, chosen, _, values, ids = _columns(logits[rows], targets[rows], k)
     ids = ids.long()
-    assert values.shape == ids.shape == (4, k) and values.dtype == torch.float32
+    assert values.shape == ids.shape == (len(rows), k) and values.dtype == torch.float32
+    at = {row: i for i, row in enumerate(rows)}  # row of `logits` -> row of the kernel's output
     ref = torch.log_softmax(logits.double(), dim=-1)  # [rows, vocab]
-    for row in (0, 1):
+    for row in {0, 1} & set(rows):
+        got_ids, got_values = ids[at[row]], values[at[row]]
         want = ref[row].topk(k)
-        assert torch.allclose(values[row].double(), want.values, atol=1e-4, rtol=0), row
-        assert torch.equal(ref[row, ids[row]], ref[row].gather(0, ids[row])) and len(set(ids[row].tolist())) == k
-        assert torch.allclose(ref[row, ids[row]], want.values, atol=1e-6, rtol=0)  # each id holds its value
-        for a, b in zip(ids[row].tolist(), ids[row, 1:].tolist()):  # equal logits (bf16 has many): higher id first
+        assert torch.allclose(got_values.double(), want.values, atol=1e-4, rtol=0), row
+        assert torch.equal(ref[row, got_ids], ref[row].gather(0, got_ids)) and len(set(got_ids.tolist())) == k
+        assert torch.allclose(ref[row, got_ids], want.values, atol=1e-6, rtol=0)  # each id holds its value
+        for a, b in zip(got_ids.tolist(), got_ids[1:].tolist()):  # equal logits (bf16 has many): higher id first
             assert logits[row, a] > logits[row, b] or (logits[row, a] == logits[row, b] and a > b)
-    assert ids[1, 0].item() == vocab - 1 and (k == 1 or ids[1, 1].item() == 3)
-    assert ids[2].tolist() == list(range(vocab - 1, vocab - 1 - k, -1))
+    if 1 in at:
+        assert ids[at[1], 0].item() == vocab - 1 and (k == 1 or ids[at[1], 1].item() == 3)
+    assert ids[at[2]].tolist() == list(range(vocab - 1, vocab - 1 - k, -1))
     allowed = [_SLICE + 7, 10, vocab - 2][:k]
-    assert ids[3, : len(allowed)].tolist() == allowed
-    assert bool((ids[3, 3:] < vocab).all()) and bool(torch.isinf(values[3, 3:]).all())  # real ids, never padding
+    assert ids[at[3], : len(allowed)].tolist() == allowed
+    # real ids, never padding
+    assert bool((ids[at[3], 3:] < vocab).all()) and bool(torch.isinf(values[at[3], 3:]).all())
     assert bool(torch.isfinite(chosen).all())  # row 3's token is one of its three allowed
 
 
