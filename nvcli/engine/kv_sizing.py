@@ -219,11 +219,17 @@ def score_worst_case(runner: Runner, hidden: torch.Tensor, residual: torch.Tenso
 def largest_penalty_pool(runner: Runner) -> list[torch.Tensor]:
     """PenaltySlots' history tensors (counts int32, seen bool: [slots, vocab]) at the size max_num_seqs held
     sequences grow them to, then the half-size pair the last doubling copied them from, which the step that grows
-    the pool holds as well."""
-    slots = runner.sampling.penalty_slots.slots_for(runner.config.max_num_seqs)
+    the pool holds as well; with speculative decoding, then a verify step's step-local history rows (a pair of
+    [verify rows, vocab]: PenaltySlots._verify_batch), which it holds beside the pool."""
+    config = runner.config
+    slots = runner.sampling.penalty_slots.slots_for(config.max_num_seqs)
+    sizes = [slots, slots // 2]
+    if config.speculative_config is not None:
+        spec = config.speculative_config
+        sizes.append(min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + spec.k))
     vocab = runner.model_config.vocab_size
     return [torch.zeros((n, vocab), dtype=dtype, device=runner.device)
-            for n in (slots, slots // 2) for dtype in (torch.int32, torch.bool)]
+            for n in sizes for dtype in (torch.int32, torch.bool)]
 
 
 def sample_worst_case(runner: Runner, logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor) -> None:
@@ -234,7 +240,8 @@ def sample_worst_case(runner: Runner, logits: torch.Tensor, counts: torch.Tensor
     rows, vocab = logits.shape
     index = torch.arange(rows, device=runner.device)
     ones = torch.ones(rows, dtype=torch.float32, device=runner.device)
-    # more rows than the pool has slots (a verify step's): penalized rows never speculate, so they share slots here
+    # a verify step samples more rows than the pool has slots (they read step-local history rows, allocated with
+    # the pool above): here they share the pool's slots, which reads as much memory
     penalties = PenaltyBatch(rows=index, slots=index % counts.shape[0], presence=ones, frequency=ones,
                              repetition=ones * 1.1, counts=counts, seen=seen)
     params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95, min_p=0.05, logit_bias={0: 1.0},

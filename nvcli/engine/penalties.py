@@ -14,6 +14,14 @@ generation_config gives every request, reads one bool row per sequence and no co
 to both on the device, from the sampled tensor itself: with async scheduling the host schedules (and launches) step
 N+1 before it has read step N's tokens, so a history rebuilt from host tokens would miss them, and rebuilding it every
 step would cost a [rows, vocab] upload per step. Nothing is allocated until a row samples with penalties.
+
+Speculative decoding (engine/spec_decode.py). A verify sequence with drafts d1..dk samples at k + 1 rows: the row
+for draft position i samples the token after d1..di, so its counts and seen mask must be the sequence's history plus
+d1..di (its own row: plus all k). A step where some penalized row verifies therefore reads step-local history rows,
+one per penalized sampling row: the slot's row gathered, then its drafts added (`_verify_batch`); the slots
+themselves are left alone until `record`, which adds only the tokens the step keeps (the samples up to and including
+the first that differs from its draft, as Scheduler._accept keeps them), decided on the device from the sampled
+tensor: no host sync, as for a plain step.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from nvcli.uploads import upload
 
 if TYPE_CHECKING:
     from nvcli.engine.sequence import Sequence
+    from nvcli.sampling_params import SamplingParams
 
 
 @dataclass
@@ -48,6 +57,22 @@ class PenaltyBatch:
     all_rows: bool = False  # rows is every row of the batch (0, 1, ...): no gather or scatter of logit rows
     flat_base: torch.Tensor | None = None  # [P] int64: slots * vocab, where `record` adds each row's token
     ones: torch.Tensor | None = None  # [P] int32: what `record` adds
+    # a step with verify rows: counts / seen above are its step-local rows (slots = 0 .. P - 1), and `record` writes
+    # the pool through this instead
+    verify: VerifyRecord | None = None
+
+
+@dataclass
+class VerifyRecord:
+    """Where `record` adds the tokens a verify step keeps. The S samples of the step's penalized sequences, grouped
+    per sequence in the order they follow one another (a verify sequence's extra rows, then its own row)."""
+
+    counts: torch.Tensor  # [slots, vocab] int32: the pool's
+    seen: torch.Tensor | None  # [slots, vocab] bool: the pool's, where the step has rows with repetition_penalty
+    rows: torch.Tensor  # [S] int64: the batch row of each sample
+    next_draft: torch.Tensor  # [S] int64: the draft a sample must equal for the next one to be kept; -1 after the last
+    group_first: torch.Tensor  # [S] int64: the index (in S) of its sequence's first sample, which is always kept
+    flat_base: torch.Tensor  # [S] int64: the sequence's slot * vocab
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
@@ -124,13 +149,16 @@ class PenaltySlots:
     def slot_of(self, seq: Sequence) -> int | None:
         return self._slot_of.get(seq.seq_id)
 
-    def prepare(self, seqs: list[Sequence], sample_index: list[int], vocab_size: int) -> PenaltyBatch | None:
+    def prepare(self, seqs: list[Sequence], sample_index: list[int], vocab_size: int,
+                num_drafts: list[int] | None = None) -> PenaltyBatch | None:
         """The penalized sampling rows of a step about to sample (None if it has none), giving each sequence new
         to the pool a slot and initializing it on the device. Rows with sample_index -1 (a prompt chunk that does not
-        end its prompt) sample nothing the engine keeps, so they neither read nor get a slot."""
+        end its prompt) sample nothing the engine keeps, so they neither read nor get a slot. `num_drafts`: the
+        batch's (ScheduledBatch.num_drafts; empty or None without verify rows)."""
         rows: list[int] = []
         slots: list[int] = []
         new: list[Sequence] = []
+        drafted: list[tuple[int, int]] = []  # per new sequence: where its drafts sit in token_ids (not its history)
         for row, (seq, index) in enumerate(zip(seqs, sample_index)):
             if index < 0 or not seq.sampling_params.has_penalties:
                 continue
@@ -138,12 +166,14 @@ class PenaltySlots:
             if slot is None:
                 slot = self._assign(seq, vocab_size)
                 new.append(seq)
+                k = num_drafts[row] if num_drafts else 0
+                drafted.append((index - k, index) if k else (seq.num_tokens, seq.num_tokens))
             rows.append(row)
             slots.append(slot)
         if not rows:
             return None
         if new:
-            self._initialize(new, vocab_size)
+            self._initialize(new, drafted, vocab_size)
         params = [seqs[row].sampling_params for row in rows]
         presence = [p.presence_penalty for p in params]
         frequency = [p.frequency_penalty for p in params]
@@ -151,6 +181,8 @@ class PenaltySlots:
         uses_rep = any(r != 1 for r in repetition)
         assert self.counts is not None
         seen = self.seen if uses_rep else None
+        if num_drafts and any(num_drafts[row] for row in rows):
+            return self._verify_batch(seqs, sample_index, num_drafts, rows, slots, vocab_size, seen)
         # A decode step usually has the rows, slots and settings of the one before it: its device tensors serve again
         # (no upload; a token's latency pays for each one).
         key = (len(seqs), rows, slots, presence, frequency, repetition)
@@ -174,16 +206,98 @@ class PenaltySlots:
         )
         return self._last
 
+    def _verify_batch(self, seqs: list[Sequence], sample_index: list[int], num_drafts: list[int], rows: list[int],
+                      slots: list[int], vocab_size: int, seen: torch.Tensor | None) -> PenaltyBatch:
+        """A step where some penalized row verifies drafts (module docstring): one step-local history row per
+        penalized sampling row, in ascending batch row order. The row for a verify sequence's draft position i
+        (extra row i, or its own row for i = k) reads its slot's row plus d1..di."""
+        assert self.counts is not None
+        extra = [len(seqs)]  # each sequence's first extra row (SamplingInputs.of's layout)
+        for k in num_drafts:
+            extra.append(extra[-1] + k)
+        local_rows: list[int] = []  # batch row of each local row
+        src: list[int] = []  # the slot each local row starts from
+        added: list[list[int]] = []  # the drafts each local row adds to it
+        params: list[SamplingParams] = []  # each local row's
+        rec_rows: list[int] = []  # VerifyRecord's fields, per sample
+        next_draft: list[int] = []
+        group_first: list[int] = []
+        rec_base: list[int] = []
+        drafts_of: dict[int, list[int]] = {}
+        for row, slot in zip(rows, slots):
+            k, index = num_drafts[row], sample_index[row]
+            drafts = drafts_of[row] = seqs[row].token_ids[index - k : index]
+            local_rows.append(row)
+            src.append(slot)
+            added.append(drafts)
+            params.append(seqs[row].sampling_params)
+            first = len(rec_rows)  # samples in order: the extra rows (draft positions 0 .. k-1), then the own row
+            rec_rows.extend([*range(extra[row], extra[row] + k), row])
+            next_draft.extend([*drafts, -1])
+            group_first.extend([first] * (k + 1))
+            rec_base.extend([slot * vocab_size] * (k + 1))
+        for row, slot in zip(rows, slots):  # the extra rows come after every own row, in batch order
+            drafts = drafts_of[row]
+            for i in range(len(drafts)):
+                local_rows.append(extra[row] + i)
+                src.append(slot)
+                added.append(drafts[:i])
+                params.append(seqs[row].sampling_params)
+        n, s = len(local_rows), len(rec_rows)
+        add_flat = [i * vocab_size + t for i, tokens in enumerate(added) for t in tokens]  # local row * vocab + token
+        a = len(add_flat)
+        ints = np.array(local_rows + src + add_flat + rec_rows + next_draft + group_first + rec_base, dtype=np.int64)
+        floats = np.array([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                           [p.repetition_penalty for p in params]], dtype=np.float32)
+        dev = upload(torch.from_numpy(np.concatenate([ints.view(np.uint8), floats.view(np.uint8).ravel()])),
+                     self.device)  # one copy: int64 [2n + a + 4s], then float32 [3, n]
+        at = [0, n, 2 * n, 2 * n + a, 2 * n + a + s, 2 * n + a + 2 * s, 2 * n + a + 3 * s, 2 * n + a + 4 * s]
+        i64 = dev[: 8 * at[-1]].view(torch.int64)
+        part = [i64[lo:hi] for lo, hi in zip(at, at[1:])]
+        f32 = dev[8 * at[-1] :].view(torch.float32).view(3, n)
+        counts = self.counts.index_select(0, part[1])  # [n, vocab] int32: a copy, the pool stays as it is
+        counts.view(-1).index_add_(0, part[2], torch.ones(a, dtype=torch.int32, device=self.device))
+        local_seen = None
+        if seen is not None:
+            local_seen = seen.index_select(0, part[1])  # [n, vocab] bool
+            local_seen.view(-1).index_fill_(0, part[2], True)
+        return PenaltyBatch(
+            rows=part[0], slots=torch.arange(n, device=self.device),
+            presence=f32[0] if floats[0].any() else None, frequency=f32[1] if floats[1].any() else None,
+            repetition=f32[2] if seen is not None else None, counts=counts, seen=local_seen,
+            all_rows=n == extra[-1],  # local rows ascend: all of them is 0 .. rows - 1
+            verify=VerifyRecord(self.counts, seen, *part[3:]),
+        )
+
     def record(self, penalties: PenaltyBatch, tokens: torch.Tensor) -> None:
         """Count each penalized row's sampled token (tokens [num_seqs] int64, on the device) in its slot, and mark it
         seen where the step has rows with repetition_penalty (a sequence with one is in every step it samples in).
         Enqueued on the device, no host sync: the next step's sampling, also enqueued, reads them after it."""
+        if penalties.verify is not None:
+            self._record_verify(penalties.verify, tokens)
+            return
         base = penalties.flat_base if penalties.flat_base is not None else penalties.slots * penalties.counts.shape[1]
         ones = penalties.ones if penalties.ones is not None else torch.ones_like(base, dtype=torch.int32)
         flat = base + (tokens if penalties.all_rows else tokens.index_select(0, penalties.rows))  # [P]
         penalties.counts.view(-1).index_add_(0, flat, ones)
         if penalties.seen is not None:
             penalties.seen.view(-1).index_fill_(0, flat, True)
+
+    @staticmethod
+    def _record_verify(v: VerifyRecord, tokens: torch.Tensor) -> None:
+        """A verify step's kept tokens into the pool: a sequence keeps its samples up to and including the first
+        that differs from its draft (Scheduler._accept), so sample j is kept where every sample before it in its
+        group equals its draft. Samples past that are added with weight 0 (counts) or redirected to the group's
+        first sample, always kept, so every write of `seen` writes True (index_fill_ of repeated indices is then
+        deterministic)."""
+        sampled = tokens.index_select(0, v.rows)  # [S]
+        miss = (sampled != v.next_draft).to(torch.int64)
+        before = torch.cumsum(miss, 0) - miss  # misses before each sample, over all groups
+        kept = before == before.index_select(0, v.group_first)  # none before it within its group
+        flat = v.flat_base + sampled
+        v.counts.view(-1).index_add_(0, flat, kept.to(torch.int32))
+        if v.seen is not None:
+            v.seen.view(-1).index_fill_(0, torch.where(kept, flat, flat.index_select(0, v.group_first)), True)
 
     # ------------------------------------------------------------------ slots
     def _assign(self, seq: Sequence, vocab_size: int) -> int:
@@ -223,16 +337,17 @@ class PenaltySlots:
         self._holder.extend([None] * (new - old))
         self._free.extend(range(new - 1, old - 1, -1))
 
-    def _initialize(self, seqs: list[Sequence], vocab_size: int) -> None:
+    def _initialize(self, seqs: list[Sequence], drafted: list[tuple[int, int]], vocab_size: int) -> None:
         """Zero the new slots and fill them from what the host knows, in one upload: the completion tokens already
-        read back (none for a sequence new to the engine) and, for repetition_penalty, the prompt's tokens too."""
+        read back (none for a sequence new to the engine), less the drafts a verify row has at token_ids[lo:hi]
+        (`drafted`; lo = hi otherwise), and, for repetition_penalty, the prompt's tokens too."""
         assert self.counts is not None
         slots = [self._slot_of[s.seq_id] for s in seqs]
         counted: list[np.ndarray] = []  # flat indices slot * vocab + token
         seen_ids: list[np.ndarray] = []  # flat indices of prompt and known output tokens
         seen_slots: list[int] = []
-        for seq, slot in zip(seqs, slots):
-            out = np.asarray(seq.completion_token_ids, dtype=np.int64)
+        for seq, slot, (lo, hi) in zip(seqs, slots, drafted):
+            out = np.asarray(seq.token_ids[seq.num_prompt_tokens : lo] + seq.token_ids[hi:], dtype=np.int64)
             out = slot * vocab_size + out[out != PENDING]  # tokens still in flight: recorded when sampled
             if out.size:
                 counted.append(out)

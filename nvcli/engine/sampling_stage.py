@@ -57,14 +57,20 @@ class SamplingInputs:
         banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
                   if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
         # A verify sequence's rows before its last (speculative decoding): after every sequence's own row, each with
-        # its parameters and its own output position (its last row samples the position after them). Such sequences
-        # have no bans or penalties (spec_decode.can_speculate), so only their params and positions repeat; a row
-        # asking for logprobs gets them at every one of its rows (logprob_rows below), each from that position's
-        # logits, and the engine files each kept token's under its position (ScheduledBatch.sample_rows).
+        # its parameters and its own output position (its last row samples the position after them). A min_tokens
+        # ban holds at each of them by that row's own position, as plain decoding would ban there; penalties read
+        # each row's own history, the sequence's plus the drafts before the row (PenaltySlots.prepare). A row asking
+        # for logprobs gets them at every one of its rows (logprob_rows below), each from that position's logits,
+        # and the engine files each kept token's under its position (ScheduledBatch.sample_rows).
         for s, index, k in zip(batch.seqs, batch.sample_index, batch.num_drafts):
             if k:
+                first = len(params)  # this sequence's first extra row
                 params.extend([s.sampling_params] * k)
-                positions.extend(range(index - k - s.num_prompt_tokens, index - s.num_prompt_tokens))
+                drafted = range(index - k - s.num_prompt_tokens, index - s.num_prompt_tokens)  # output positions
+                positions.extend(drafted)
+                if s.min_tokens_banned:
+                    banned.extend((first + m, s.min_tokens_banned) for m, pos in enumerate(drafted)
+                                  if pos < s.sampling_params.min_tokens)
         rows, ks = logprob_rows([p.logprobs for p in params])
         targets: list[int] = []
         span_ks: list[int] = []
@@ -134,7 +140,8 @@ class SamplingStage:
             rows, bitmask = masks
             apply_token_bitmask_(logits, *self._upload_token_mask(rows, bitmask))
         vocab = logits.shape[1]
-        penalties = self.penalty_slots.prepare(inputs.batch.seqs, inputs.batch.sample_index, vocab)
+        batch = inputs.batch
+        penalties = self.penalty_slots.prepare(batch.seqs, batch.sample_index, vocab, batch.num_drafts)
         if (handle.graph_rows and self.sampler_graphs is not None and masks is None and penalties is None
                 and not inputs.banned and not inputs.logit_bias):
             values = RowValues.of(inputs.params, inputs.positions, vocab, self.noise_rng)

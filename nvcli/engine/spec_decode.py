@@ -27,14 +27,17 @@ sampled it (the verify row's extra rows, then its own: ScheduledBatch.sample_row
 there, up to float rounding (the verify forward computes 1 + k query tokens per sequence, so its matmuls and
 attention may round otherwise than a one-token step's).
 
-Which rows speculate: only where this is exact and cheap.
+Which rows speculate: those whose verify rows sample exactly as plain decoding would, with nothing to undo after a
+rejection.
 - Logprobs: yes (above); every row, the verify row's extra ones included, reports them from the raw logits.
+- Penalties (repetition, presence, frequency): yes. The row for draft position i reads the sequence's history plus
+  d1..di (step-local history rows, a [rows, vocab] copy per verify step: engine/penalties.py), which is what plain
+  decoding reads there whenever that row's sample is kept (d1..di were then accepted, so they are its tokens); the
+  history then gains only the kept tokens (PenaltySlots.record).
+- min_tokens: yes. Each row bans EOS and the stop token ids by its own output position (SamplingInputs.of), as plain
+  decoding bans there; a draft that is a banned token at a banned position is never sampled, so it is rejected.
 - No structured-output grammar: the mask at draft position i needs the matcher advanced over d1..di, which it would
   have to do tentatively and roll back on a rejection.
-- No penalties: the counts at draft position i would have to include d1..di, but PenaltySlots (engine/penalties.py)
-  keeps one token history per sequence, recorded once per step, and applies it to the sequence's own row only.
-- No min_tokens ban in force: the ban would have to hold at each extra row by that row's own output position, and
-  SamplingInputs.of bans at own rows only; once min_tokens tokens are out the row speculates.
 - No prompt_logprobs: kept out by caution, not need. Such a sequence could only draft once its prompt spans are
   done, but nothing tests verify rows after a prompt_logprobs prefill (recomputed after preemption included), and
   the usual request (scoring, max_tokens=1) never has room to draft anyway.
@@ -59,10 +62,9 @@ WINDOW = 4096  # the tokens a proposal searches: the sequence's last ones (host 
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Whether drafts keep `seq`'s tokens exact at no extra cost (see the module docstring)."""
-    sp = seq.sampling_params
-    return (seq.grammar is None and not sp.has_penalties and sp.prompt_logprobs is None
-            and seq.num_completion_tokens >= sp.min_tokens)
+    """Whether `seq` may verify drafts: every sampling feature but a grammar and prompt_logprobs (the module
+    docstring says why)."""
+    return seq.grammar is None and seq.sampling_params.prompt_logprobs is None
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

@@ -78,7 +78,9 @@ def test_proposer_stops_drafts_where_the_sequence_ends_and_before_sealed_page_en
     assert NgramProposer(cfg, 256, 16, False).propose([seq]) == {seq.seq_id: [2, 3, 1, 2]}
     # 13 tokens: drafts at positions 13, 14; position 15 is the page's last slot (16-token pages)
     assert NgramProposer(cfg, 256, 16, True).propose([seq]) == {seq.seq_id: [2, 3]}
-    seq.sampling_params = SamplingParams(temperature=0, max_tokens=30, presence_penalty=0.5)
+    seq.sampling_params = SamplingParams(temperature=0, max_tokens=30, presence_penalty=0.5, min_tokens=20)
+    assert NgramProposer(cfg, 256, 16, False).propose([seq]) == {seq.seq_id: [2, 3, 1, 2]}  # penalties, min_tokens
+    seq.sampling_params = SamplingParams(temperature=0, max_tokens=30, prompt_logprobs=1)
     assert NgramProposer(cfg, 256, 16, False).propose([seq]) == {}
 
 

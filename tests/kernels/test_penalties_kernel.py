@@ -53,6 +53,30 @@ def test_kernel_equals_the_torch_form_bit_for_bit(dtype: torch.dtype, which: str
     assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()
 
 
+def test_kernel_reads_a_verify_steps_step_local_history_rows() -> None:
+    """A step with verify rows (speculative decoding) passes the kernel step-local history rows (slots 0 .. P - 1,
+    PenaltySlots._verify_batch) for rows of any order: the same numbers as the torch form."""
+    from nvcli.engine.penalties import PenaltySlots
+    from nvcli.engine.scheduler import PENDING
+    from nvcli.engine.sequence import Sequence
+    from nvcli.sampling_params import SamplingParams
+
+    seqs = [Sequence([1, 2, 3], SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), block_size=16),
+            Sequence([4, 5], SamplingParams(), block_size=16),
+            Sequence([6], SamplingParams(presence_penalty=0.7), block_size=16)]
+    for seq, tail in zip(seqs, ([7, 8, 9, 7], [1, 2], [9])):
+        seq.token_ids += [*tail, PENDING]
+    pb = PenaltySlots(torch.device("cpu")).prepare(seqs, [7, 4, 2], VOCAB, [3, 2, 0])  # 3 + 5 rows; 3 + 2 drafts
+    assert pb is not None and pb.verify is not None and pb.seen is not None and not pb.all_rows
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(2)).bfloat16()
+    want = apply_penalties(logits, pb)
+    out = logits.to(DEVICE).to(torch.float32, copy=True)
+    d = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    apply_penalties_triton(logits.to(DEVICE), out, d(pb.rows), d(pb.slots), d(pb.counts), d(pb.seen),
+                           d(pb.presence), d(pb.frequency), d(pb.repetition))
+    assert torch.equal(out.cpu(), want), (out.cpu() - want).abs().max()
+
+
 SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
