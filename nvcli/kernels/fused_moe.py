@@ -22,9 +22,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
-
-from nvcli.kernels.ops import use_triton
 
 
 def block_m_for(num_rows: int, num_experts: int, invariant: bool = False) -> int:
@@ -38,8 +35,7 @@ def moe_align_ref(
     num_experts: int,
     block_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align` in torch ops of fixed shapes (no host sync): the reference, run on CPU tensors outside the
-    interpreter."""
+    """`moe_align` in torch ops of fixed shapes (no host sync): its reference."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)  # [num_rows]
     num_rows = flat.numel()
@@ -128,13 +124,17 @@ def align_chunk(num_rows: int) -> tuple[int, int]:
     return (1024, 4) if num_rows <= 1024 else (4096, 8)
 
 
-def moe_align_triton(
+def moe_align(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] expert ids
     num_experts: int,
     block_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`moe_align` in one launch of `_moe_align_kernel` (one program per expert): the same three tensors, every
-    entry equal to `moe_align_ref`'s."""
+    """(sorted_ids [num_blocks * block_m] int32: rows grouped by expert in increasing expert id, an expert's rows in
+    increasing row order, each group padded to block_m with num_rows, and num_rows past the last group too;
+    expert_ids [num_blocks] int32: each block's expert, num_experts - 1 past the last group; num_padded [1] int32:
+    rows in use, a multiple of block_m), in one launch of `_moe_align_kernel` (one program per expert): fixed
+    shapes, no host sync (CUDA graphs); num_blocks is the worst case's (`align_num_blocks`). Every entry equals
+    `moe_align_ref`'s."""
     flat = topk_ids.reshape(-1)
     num_rows = flat.numel()
     num_blocks = align_num_blocks(num_rows, num_experts, block_m)
@@ -147,21 +147,6 @@ def moe_align_triton(
         flat, sorted_ids, expert_ids, num_padded, num_rows, num_blocks, NUM_EXPERTS=num_experts,
         BINS=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=chunk, num_warps=warps)
     return sorted_ids, expert_ids, num_padded
-
-
-def moe_align(
-    topk_ids: torch.Tensor,  # [num_tokens, top_k] expert ids
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids [num_blocks * block_m] int32: rows grouped by expert in increasing expert id, an expert's rows in
-    increasing row order, each group padded to block_m with num_rows, and num_rows past the last group too;
-    expert_ids [num_blocks] int32: each block's expert, num_experts - 1 past the last group; num_padded [1] int32:
-    rows in use, a multiple of block_m). Fixed shapes, no host sync (CUDA graphs); num_blocks is the worst case's
-    (`align_num_blocks`). `_moe_align_kernel` on CUDA tensors and in the interpreter, the torch reference on CPU."""
-    if use_triton(topk_ids) or not isinstance(_moe_align_kernel, JITFunction):  # not a JITFunction: interpreted
-        return moe_align_triton(topk_ids, num_experts, block_m)
-    return moe_align_ref(topk_ids, num_experts, block_m)
 
 
 @triton.jit

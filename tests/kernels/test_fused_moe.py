@@ -137,20 +137,20 @@ def test_alignment_kernel_matches_the_reference(tokens: int, top_k: int, experts
                                                 hot: int | None) -> None:
     """sorted_ids, expert_ids and num_padded equal the torch reference's in every entry, the tail past num_padded
     included (sentinel rows, the last expert's id)."""
-    from nvcli.kernels.fused_moe import moe_align_ref, moe_align_triton
+    from nvcli.kernels.fused_moe import moe_align, moe_align_ref
 
     ids = _router_ids(tokens, top_k, experts, seed=tokens + experts, hot=hot)
     want = moe_align_ref(ids, experts, block_m)
-    got = on_device(moe_align_triton)(ids, experts, block_m)
+    got = on_device(moe_align)(ids, experts, block_m)
     for name, g, w in zip(("sorted_ids", "expert_ids", "num_padded"), got, want):
         assert g.dtype == w.dtype == torch.int32 and torch.equal(g, w), name
 
 
 def test_alignment_kernel_takes_int32_ids_and_no_rows() -> None:
-    from nvcli.kernels.fused_moe import moe_align_ref, moe_align_triton
+    from nvcli.kernels.fused_moe import moe_align, moe_align_ref
 
     ids = _router_ids(40, 2, 8, seed=7)
     for case in (ids.to(torch.int32), ids[:0]):
         want = moe_align_ref(case, 8, 16)
-        got = on_device(moe_align_triton)(case, 8, 16)
+        got = on_device(moe_align)(case, 8, 16)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
