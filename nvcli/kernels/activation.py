@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
+from nvcli.kernels.fp8_gemm import quantize_groups
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
 
@@ -34,8 +36,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
     h = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
     if QUANT:  # what quantize_activations_triton makes of h, bit for bit (BLOCK is a multiple of 128)
         g = tl.reshape(h.to(tl.float32), (BLOCK // 128, 128))
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(g), axis=1), ACT_EPS), FP8_MAX)
-        q = tl.clamp(tl.math.div_rn(g, scale[:, None]), -FP8_MAX, FP8_MAX)
+        q, scale = quantize_groups(g, ACT_EPS, FP8_MAX)
         cols = tl.reshape(col, (BLOCK // 128, 128))
         tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=cols < D)
         groups = tl.program_id(1) * (BLOCK // 128) + tl.arange(0, BLOCK // 128)
@@ -69,8 +70,6 @@ def silu_and_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """SiLU(gate) * up of x [num_tokens, 2 * d] quantized per row per 128 columns as an FP8 projection takes it
     (kernels/fp8_gemm.fp8_gemm_quantized): (fp8 [padded rows, d], scales [padded rows, ceil(d / 128)] M-major), bit
     for bit what quantize_activations_triton(m_major=True) makes of silu_and_mul_triton's output, in one kernel."""
-    from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
-
     n, two_d = x.shape
     d = two_d // 2
     assert x.stride(-1) == 1

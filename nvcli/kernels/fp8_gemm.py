@@ -46,6 +46,15 @@ from nvcli.kernels.block_fp8 import (
 
 
 @triton.jit
+def quantize_groups(x, eps, FP8_MAX: tl.constexpr):
+    """x [G, C] float32, each row one activation group -> (q [G, C] float32 in [-448, 448], still to be cast to fp8;
+    scale [G]): scale = max(amax, eps) / 448, q = x / scale, both IEEE-rounded (Triton's `/` is approximate), so
+    every kernel that quantizes activations through this gives quantize_activations_ref's bits."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), FP8_MAX)
+    return tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
 def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg, eps,
                       FP8_MAX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
     # one program: a row's GROUPS consecutive 128-column groups as a [GROUPS, GROUP] tile
@@ -54,9 +63,7 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=ok & (row < M), other=0.0).to(tl.float32)  # padding rows: 0
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, eps), FP8_MAX)  # IEEE-rounded: Triton's `/` is approximate
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    q, scale = quantize_groups(x, eps, FP8_MAX)
     tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * GROUP < K)
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX
-from nvcli.kernels.fp8_gemm import quantize_activations_triton
+from nvcli.kernels.fp8_gemm import quantize_activations_triton, quantize_groups
 from nvcli.kernels.fused_moe import (
     block_m_for,
     expert_block,
@@ -89,8 +89,8 @@ def _fp8_gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, act_ptr, act_s_ptr, sorte
         acc_gate += tl.dot(a, wg) * a_s[:, None] * tl.load(s_gate + kb)
         acc_up += tl.dot(a, wu) * a_s[:, None] * tl.load(s_up + kb)
     h = silu_mul_rounded(acc_gate, acc_up, OUT_DTYPE).to(tl.float32)  # [BLOCK_M, BLOCK_N]; masked ones are 0
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), eps), FP8_MAX)  # [BLOCK_M]
-    q = _round_e4m3(tl.clamp(tl.math.div_rn(h, scale[:, None]), -FP8_MAX, FP8_MAX))
+    q, scale = quantize_groups(h, eps, FP8_MAX)  # scale [BLOCK_M]
+    q = _round_e4m3(q)
     rows64 = rows.to(tl.int64)
     tl.store(act_ptr + rows64[:, None] * stride_act + offs_n[None, :], q.to(act_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])

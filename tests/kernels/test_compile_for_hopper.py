@@ -19,7 +19,16 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nvcli.kernels import activation, fused_moe, moe_route, rms_norm, rotary, sampling_filters, token_bitmask
+    from nvcli.kernels import (
+        activation,
+        fp8_gemm,
+        fused_moe,
+        moe_route,
+        rms_norm,
+        rotary,
+        sampling_filters,
+        token_bitmask,
+    )
 
     def compile_for_hopper(kernel, types, constexprs, num_warps=4):
         names = kernel.arg_names
@@ -43,6 +52,13 @@ SCRIPT = textwrap.dedent("""
              "eps": "fp32", "rs_ptr": rs, "rs_eps": "fp32"},
             dict(GROUP=2, GROUP_PAD=2, HALF=64, PAGE=16, NORM=True, STORE=True, QUANT=False, SCALE_IS_PTR=False,
                  FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block))
+    # FP8 activations, through quantize_groups: the quantization kernel, and SiLU-and-mul writing them
+    compile_for_hopper(fp8_gemm._quant_act_kernel,
+                       {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "eps": "fp32"},
+                       dict(FP8_MAX=448.0, GROUP=128, GROUPS=8))
+    compile_for_hopper(activation._silu_and_mul_kernel,
+                       {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "rs_ptr": "*bf16", "rs_eps": "fp32", "s_ptr": "*fp32"},
+                       dict(BLOCK=1024, PDL=False, ROW_SCALE=False, RS_BLOCK=1, QUANT=True))
     compile_for_hopper(rms_norm._row_rstd_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp32", "eps": "fp32"},
                        dict(ROWS=8, BLOCK=1024))
     for logits in ("*bf16", "*fp32", "*fp16"):  # structured outputs' mask, in the model's dtype
