@@ -102,14 +102,6 @@ class LinearBase(nn.Module):
         normed, residual = rms_norm_triton(x, norm_weight, eps, residual)
         return self.forward(normed), residual
 
-    def _fp8_quantized(self, q: torch.Tensor, q_scale: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """This FP8 layer on activations its input kernel quantized (GPU only) -> [rows, out_features]."""
-        from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
-
-        assert self.fp8 is not None
-        return fp8_gemm_quantized(q, q_scale, rows, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows,
-                                  self.fp8.scale_mm, dtype)
-
 
 class ReplicatedLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -175,11 +167,13 @@ class RowParallelLinear(LinearBase):
         the SiLU-and-mul kernel, writing its output quantized, then the FP8 GEMM)."""
         if self.fp8 is not None:  # SiLU-and-mul writes the FP8 GEMM's quantized input
             from nvcli.kernels.activation import silu_and_mul_quant_triton
+            from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
 
             rows = gate_up.reshape(-1, gate_up.shape[-1])
             q, q_scale = silu_and_mul_quant_triton(rows)
-            return all_reduce(self._fp8_quantized(q, q_scale, rows.shape[0], gate_up.dtype)
-                              .view(*gate_up.shape[:-1], -1))
+            out = fp8_gemm_quantized(q, q_scale, rows.shape[0], self.weight, self.weight_scale, self.bias,
+                                     self.fp8.scale_rows, self.fp8.scale_mm, gate_up.dtype)
+            return all_reduce(out.view(*gate_up.shape[:-1], -1))
         from nvcli.kernels.skinny_gemm import silu_mul_linear
 
         return all_reduce(silu_mul_linear(gate_up, self.weight, self.bias))

@@ -20,8 +20,8 @@ def route(
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k] in logits' dtype, expert ids int64)
     """The top-k experts of each token and their routing weights (softmax in float32, renormalized if asked): one
-    Triton kernel on CUDA tensors (kernels/moe_route.py: torch's CUDA arithmetic op for op, equal probabilities to
-    the lower expert id), else `route_ref`."""
+    Triton kernel on CUDA tensors (kernels/moe_route.py: torch's CUDA arithmetic op for op, its weights within a few
+    ulps of torch's; equal probabilities to the lower expert id), else `route_ref`."""
     if use_triton(logits) and logits.shape[-1] <= _KERNEL_MAX_EXPERTS:
         from nvcli.kernels.moe_route import route_triton
 
