@@ -173,14 +173,16 @@ def largest_prefill(runner: Runner) -> tuple[StepInput, int]:
     return step, blocks
 
 
-def most_sampled_rows(config: EngineConfig) -> int:
-    """The most rows a step samples: one per running sequence, or with speculative decoding 1 + k per sequence of a
-    verify step, which runs only while at most disable_by_batch_size sequences are running."""
-    rows = config.max_num_seqs
+def most_verify_rows(config: EngineConfig) -> int:
+    """The most rows a verify step samples (0 without speculative decoding): 1 + k per sequence, in steps of at most
+    disable_by_batch_size running sequences."""
     spec = config.speculative_config
-    if spec is not None:
-        rows = max(rows, min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + spec.k))
-    return rows
+    return 0 if spec is None else min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + spec.k)
+
+
+def most_sampled_rows(config: EngineConfig) -> int:
+    """The most rows a step samples: one per running sequence, or a verify step's rows."""
+    return max(config.max_num_seqs, most_verify_rows(config))
 
 
 @torch.inference_mode()
@@ -225,8 +227,7 @@ def largest_penalty_pool(runner: Runner) -> list[torch.Tensor]:
     slots = runner.sampling.penalty_slots.slots_for(config.max_num_seqs)
     sizes = [slots, slots // 2]
     if config.speculative_config is not None:
-        spec = config.speculative_config
-        sizes.append(min(spec.disable_by_batch_size, config.max_num_seqs) * (1 + spec.k))
+        sizes.append(most_verify_rows(config))
     vocab = runner.model_config.vocab_size
     return [torch.zeros((n, vocab), dtype=dtype, device=runner.device)
             for n in sizes for dtype in (torch.int32, torch.bool)]

@@ -52,10 +52,8 @@ class SamplingInputs:
 
     @staticmethod
     def of(batch: ScheduledBatch) -> SamplingInputs:
-        params = [s.sampling_params for s in batch.seqs]
+        row_seqs = list(batch.seqs)  # each row's sequence
         positions = [max(0, i - s.num_prompt_tokens) for s, i in zip(batch.seqs, batch.sample_index)]
-        banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(batch.seqs, positions))
-                  if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
         # A verify sequence's rows before its last (speculative decoding): after every sequence's own row, each with
         # its parameters and its own output position (its last row samples the position after them). A min_tokens
         # ban holds at each of them by that row's own position, as plain decoding would ban there; penalties read
@@ -64,13 +62,11 @@ class SamplingInputs:
         # and the engine files each kept token's under its position (ScheduledBatch.sample_rows).
         for s, index, k in zip(batch.seqs, batch.sample_index, batch.num_drafts):
             if k:
-                first = len(params)  # this sequence's first extra row
-                params.extend([s.sampling_params] * k)
-                drafted = range(index - k - s.num_prompt_tokens, index - s.num_prompt_tokens)  # output positions
-                positions.extend(drafted)
-                if s.min_tokens_banned:
-                    banned.extend((first + m, s.min_tokens_banned) for m, pos in enumerate(drafted)
-                                  if pos < s.sampling_params.min_tokens)
+                row_seqs.extend([s] * k)
+                positions.extend(range(index - k - s.num_prompt_tokens, index - s.num_prompt_tokens))
+        params = [s.sampling_params for s in row_seqs]
+        banned = [(row, s.min_tokens_banned) for row, (s, pos) in enumerate(zip(row_seqs, positions))
+                  if s.min_tokens_banned and pos < s.sampling_params.min_tokens]
         rows, ks = logprob_rows([p.logprobs for p in params])
         targets: list[int] = []
         span_ks: list[int] = []
