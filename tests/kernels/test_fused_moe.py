@@ -80,7 +80,7 @@ def test_alignment_groups_rows_by_expert_in_buffers_of_fixed_size() -> None:
     from nvcli.kernels.fused_moe import moe_align
 
     ids = torch.tensor([[1, 3], [1, 0], [3, 1], [1, 3]])  # expert 2: no rows
-    sorted_ids, expert_ids, num_padded = moe_align(ids, 4, 4)
+    sorted_ids, expert_ids, num_padded = on_device(moe_align)(ids, 4, 4)
     rows = ids.numel()
     assert sorted_ids.shape == (-(-(rows + 4 * 3) // 4) * 4,)  # the worst case, whatever the routing
     assert int(num_padded) == 4 + 4 + 4  # expert 0: 1 row, 1: 4 rows, 3: 3 rows; each padded to 4
@@ -92,7 +92,7 @@ def test_alignment_groups_rows_by_expert_in_buffers_of_fixed_size() -> None:
         assert real.tolist() == sorted(real.tolist())  # an expert's rows in token order
     assert sorted(sorted_ids[sorted_ids < rows].tolist()) == list(range(rows))  # every row exactly once
     assert expert_ids[: int(num_padded) // 4].tolist() == [0, 1, 3]
-    same = moe_align(torch.zeros_like(ids), 4, 4)  # every row to one expert: the same shapes
+    same = on_device(moe_align)(torch.zeros_like(ids), 4, 4)  # every row to one expert: the same shapes
     assert same[0].shape == sorted_ids.shape and same[1].shape == expert_ids.shape
 
 
