@@ -8,11 +8,14 @@ Sections (`--sections`, comma-separated):
 - `verify`: the cost of an engine step whose N decoding sequences each verify k drafts (k = 1..4; drafts forced, the
   last token repeated, so nearly all are rejected and the shape stays put) against a plain decode step of the same N,
   on `--models` (presets with dummy weights, or `default` for the default model). Verify steps are collected at once
-  (no async overlap), as the engine runs them.
+  (no async overlap), as the engine runs them. With `--draft PRESET` each model's rows are measured a second time
+  with that draft model proposing the k drafts (its forwards included: the step a draft-model job runs).
 
     PYTHONPATH=. python3 benchmarks/spec_decode.py --device cpu                  # CPU: copy, propose, verify (default)
     PYTHONPATH=. python3 benchmarks/spec_decode.py --device cuda --sections copy,propose,verify \\
         --models qwen3-0.6b,qwen3-8b --batch-sizes 1,8,32                       # GPU
+    PYTHONPATH=. python3 benchmarks/spec_decode.py --device cuda --sections verify --models qwen3-8b \
+        --draft qwen3-0.6b --batch-sizes 1,8,32                                 # a 0.6B-shape draft for the 8B
 
 Prints `## name: value` rows and a table per section.
 """
@@ -20,6 +23,7 @@ Prints `## name: value` rows and a table per section.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -118,24 +122,58 @@ class _ForcedDrafts:
                 if s.status == SequenceStatus.RUNNING and s.num_computed_tokens == s.num_tokens - 1
                 and s.token_ids[-1] != PENDING}
 
+    def fill(self, batch) -> None:
+        """The drafts are written at propose."""
+
+
+def _settle(engine, draft, k: int) -> None:
+    """Steps until the draft model has computed every running sequence's known tokens but the last verify step's (a
+    draft that just took over catches up over a few steps, each bounded by max_num_batched_tokens)."""
+    for _ in range(200):
+        engine.step()
+        if all(draft._state(s).valid >= s.num_tokens - k - 2 for s in engine.scheduler.running):
+            return
+    raise RuntimeError("the draft model did not catch up")
+
+
+def _timed_steps(engine, steps: int) -> float:
+    """Median ms of `steps` engine steps (the first of a new shape untimed)."""
+    engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
 
 def verify_cost(args: argparse.Namespace) -> None:
     from nvcli.models.presets import PRESETS, preset_dir
+
+    def model_path(name: str) -> str:
+        return str(preset_dir(name, Path(tempfile.mkdtemp(prefix="nv-preset-"))))
 
     table = []
     for model in args.models.split(","):
         engine_args: dict = dict(device=args.device, max_model_len=args.prompt_len + 1024, seed=0,
                                  max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False)
         if model in PRESETS:
-            engine_args.update(model=str(preset_dir(model, Path(tempfile.mkdtemp(prefix="nv-preset-")))),
-                               load_format="dummy")
+            engine_args.update(model=model_path(model), load_format="dummy")
+        elif model != "default":
+            engine_args["model"] = model
+        if args.draft:  # the draft speculates in steps of up to the largest batch measured
+            engine_args["speculative_config"] = {"model": model_path(args.draft) if args.draft in PRESETS else args.draft,
+                                                 "num_speculative_tokens": max(args.ks),
+                                                 "disable_by_batch_size": max(args.batch_sizes)}
         llm = LLM(**engine_args)
         engine = llm.engine
+        draft = engine.proposer
         for n in args.batch_sizes:
             rng = np.random.default_rng(n)
             for _ in range(n):
                 engine.add_request(rng.integers(100, 20_000, args.prompt_len).tolist(),
                                    SamplingParams(temperature=0, max_tokens=1_000, ignore_eos=True))
+            engine.proposer = None
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or \
                     engine.scheduler.waiting:
                 engine.step()
@@ -144,20 +182,23 @@ def verify_cost(args: argparse.Namespace) -> None:
             ms = {}
             for k in [0, *args.ks]:
                 engine.proposer = _ForcedDrafts(k) if k else None
-                engine.step()  # the first step of a new shape (a verify step collects the step in flight first)
-                times = []
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - t0)
-                ms[k] = statistics.median(times) * 1e3
+                ms[k] = _timed_steps(engine, args.steps)
                 print(f"## step_ms_{model}_n{n}_k{k}: {ms[k]:.2f}")
+            table.append((model, n, ms))
+            if draft is not None:
+                ms = {0: ms[0]}
+                engine.proposer = draft
+                for k in args.ks:
+                    draft.config = dataclasses.replace(draft.config, num_speculative_tokens=k)
+                    _settle(engine, draft, k)
+                    ms[k] = _timed_steps(engine, args.steps)
+                    print(f"## step_ms_{model}_n{n}_draft_k{k}: {ms[k]:.2f}")
+                table.append((f"{model} + {args.draft} draft", n, ms))
             engine.proposer = None
             for seq in list(engine.scheduler.running):
                 engine.abort(seq.request_id)
             while engine.has_unfinished():
                 engine.step()
-            table.append((model, n, ms))
         llm.shutdown()
     print("\n| model | sequences | plain decode step ms (median) | " + " | ".join(f"verify k={k} ms (x plain)" for k in args.ks)
           + " |")
@@ -173,9 +214,11 @@ def main() -> None:
     p.add_argument("--sections", default="copy,propose,verify")
     p.add_argument("--repeats", type=int, default=3, help="copy: timed runs per setting (median)")
     p.add_argument("--copy-tokens", type=int, default=400, help="copy: max_tokens")
-    p.add_argument("--models", default="default", help="verify: presets (qwen3-0.6b, qwen3-8b, ...) or default")
+    p.add_argument("--models", default="default",
+                   help="verify: presets (qwen3-0.6b, qwen3-8b, ...), model directories, or default")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     p.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4])
+    p.add_argument("--draft", default=None, help="verify: also measure with this draft model (a preset or a directory)")
     p.add_argument("--steps", type=int, default=20, help="verify: timed steps per setting (median)")
     p.add_argument("--prompt-len", type=int, default=512, help="verify: prompt tokens per sequence")
     args = p.parse_args()

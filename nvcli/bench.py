@@ -202,7 +202,11 @@ def run_bench(config, *, num_prompts: int, input_len: tuple[int, int], output_le
                     reporter.stop()
             lines = summary_lines(result)
         result["startup_s"] = startup
-        result["kv_blocks"] = engine.stats().kv_blocks_total
+        stats = engine.stats()
+        result["kv_blocks"] = stats.kv_blocks_total
+        if config.speculative_config is not None:  # the engine's totals, its warm-up included
+            result.update(spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
+                          spec_verify_steps=stats.spec_verify_steps)
         for line in lines:
             print(line, flush=True)
         if output_json:

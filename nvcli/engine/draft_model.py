@@ -5,7 +5,11 @@ verifies n-gram drafts (engine/spec_decode.py). Greedy drafts are a deterministi
 acceptance rule there keeps the output exactly the target's: greedy tokens identical, seeded draws unchanged.
 
 Where it runs. In the engine's process, on rank 0's device and in the target's dtype, whole at any --tp (built and
-run inside distributed.single_rank()). Eager forwards only: no CUDA graphs for the draft yet.
+run inside distributed.single_rank()). On a GPU its forwards replay CUDA graphs of its own (engine/cuda_graphs.py,
+its own pool): decode graphs of up to disable_by_batch_size rows for the one-token forwards, and mixed graphs of up to
+GRAPH_TOKENS tokens for the first forward of a step (1 or 2 unseen tokens a row after a verify step); a larger first
+forward (a sequence catching up) runs eagerly. Eagerly a draft step of a small model is the host's launch time
+(k of them before every verify step), which is what the graphs remove.
 
 Its KV cache. Its own paged cache with as many blocks as the target's and the target's block size, read and written
 through the TARGET's block tables: the draft's KV of block b lives at index b of its own cache, so no second block
@@ -42,6 +46,7 @@ import torch
 from nvcli.config import ConfigError, EngineConfig
 from nvcli.distributed import single_rank
 from nvcli.engine import startup
+from nvcli.engine.cuda_graphs import CudaGraphs
 from nvcli.engine.model_runner import eager_inputs, upload_ints
 from nvcli.engine.scheduler import ScheduledBatch
 from nvcli.engine.sequence import Sequence, SequenceStatus
@@ -56,6 +61,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nvcli")
 PLACEHOLDER = 0  # a draft's token id between propose and fill (a valid id: nothing reads it before fill writes it)
+# The largest first forward (tokens) replayed from a graph: a verify step's rows bring 1 or 2 unseen tokens each
+GRAPH_TOKENS = 128
 
 
 def resolve_draft(config: EngineConfig, target: ModelConfig) -> tuple[Path, ModelConfig]:
@@ -120,6 +127,9 @@ class DraftProposer(Proposer):
         self.device = torch.device("cpu") if config.resolved_device() == "cpu" else torch.device("cuda", 0)
         self.dtype = startup.pick_dtype(config, self.device.type)
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # rows of a draft forward: the running sequences of a step that speculates
+        self.max_rows = min(config.max_num_seqs, spec.disable_by_batch_size)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.max_positions = self.model_config.max_position_embeddings
         # the draft's own weights as its checkpoint stores them: --quantization applies to the target
         draft_config = dataclasses.replace(config, quantization=None)
@@ -130,15 +140,17 @@ class DraftProposer(Proposer):
         log.info("draft model %s: %d layers, hidden %d, k=%d", spec.model, len(self.attn_layers),
                  self.model_config.hidden_size, spec.k)
         width = -(-max_model_len // self.block_size)
-        # eager steps only; --batch-invariant as the target's (the model was loaded with it)
+        # --batch-invariant as the target's (the model was loaded with it)
         self.attention = AttentionBackend(self.device, self.block_size, width,
                                           seqs_per_group(layer.num_heads, layer.num_kv_heads), config.batch_invariant)
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: CudaGraphs | None = None
         self._states: WeakKeyDictionary[Sequence, _DraftState] = WeakKeyDictionary()
         self._catch_up: list[tuple[Sequence, int]] = []  # (sequence, tokens) the next fill processes without drafting
 
     def allocate_cache(self, num_blocks: int) -> None:
-        """The draft's paged KV cache: `num_blocks` blocks (the target's count), bound to its attention layers."""
+        """The draft's paged KV cache: `num_blocks` blocks (the target's count), bound to its attention layers; on a
+        GPU its CUDA graphs are captured then (they read the cache's bindings)."""
         from nvcli.kernels.kv_layout import allocate_kv_cache
 
         layer = self.attn_layers[0]
@@ -146,6 +158,11 @@ class DraftProposer(Proposer):
                                                   layer.num_kv_heads, layer.head_dim, self.dtype, self.device)
         for attn, kv in zip(self.attn_layers, caches):
             attn.kv = kv
+        if self.use_graphs:
+            with single_rank():
+                self.graphs = CudaGraphs(self.model, self.attention, self.device, self.max_rows,
+                                         min(GRAPH_TOKENS, self.max_num_batched_tokens), False, 0)
+                self.graphs.capture_all(None)
 
     def _state(self, seq: Sequence) -> _DraftState:
         state = self._states.get(seq)
@@ -219,14 +236,23 @@ class DraftProposer(Proposer):
                                start=[chunks[i][1] for i in order])
         batch.is_decode_only = all(c[2] == 1 for c in chunks)
         step = build_step_input(batch, self.block_size)
-        input_ids, positions, meta = eager_inputs(self.attention, self.device, step)
-        hidden, residual = self.model(input_ids, positions, meta)
+        where = {i: r for r, i in enumerate(order)}
+        key = self.graphs.key_for(step) if self.graphs is not None else None
+        if key is not None:  # the graph's final rows: each sequence's last token, in step order
+            hidden, residual = self.graphs.replay(step, key, _no_pending).final  # type: ignore[union-attr]
+            last = [where[i] for i in range(num_sampled)]
+        else:
+            input_ids, positions, meta = eager_inputs(self.attention, self.device, step)
+            hidden, residual = self.model(input_ids, positions, meta)
+            last = [step.query_start_loc[where[i] + 1] - 1 for i in range(num_sampled)]
         if not num_sampled:
             return []
-        where = {i: r for r, i in enumerate(order)}
-        last = [step.query_start_loc[where[i] + 1] - 1 for i in range(num_sampled)]
         index = upload_ints(last, np.int64, self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            None if residual is None else residual.index_select(0, index))
         return logits.argmax(dim=-1).tolist()
 
+
+
+def _no_pending(input_ids: torch.Tensor) -> None:
+    """A draft forward's inputs are all known tokens: nothing to write from a step in flight."""

@@ -456,3 +456,30 @@ def test_the_dry_pass_over_two_layers_records_every_variant(tmp_path) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         outside[layers] = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outside[2] == outside[5]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_with_graphs_matches_cpu(tiny_model_dir, tmp_path, method: str) -> None:
+    """Verify steps replay the target's mixed graphs, and a draft model's forwards its own decode and mixed graphs
+    (engine/draft_model.py): float32 greedy tokens on the GPU are the CPU's plain decoding's, with drafts accepted."""
+    from test_draft_model import noisy_copy  # tests/engine is on sys.path
+    from test_spec_decode import GREEDY, PLAIN, REPEATS, SPEC
+
+    model_dir = tiny_model_dir("qwen3")
+    prompts = REPEATS + PLAIN
+    want = _cpu_tokens(model_dir, prompts, [GREEDY] * len(prompts))
+    spec = SPEC if method == "ngram" else {"model": str(noisy_copy(model_dir, tmp_path / "near", 0.1)),
+                                           "num_speculative_tokens": 4}
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_model_len=512, num_kvcache_blocks=256,
+              speculative_config=spec)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        stats = llm.stats()
+        assert llm.engine.executor.runner.cuda_graphs.replays["mixed"] > 0  # the verify steps
+        if method == "draft":
+            replays = llm.engine.proposer.graphs.replays
+            assert replays["decode"] > 0 and replays["mixed"] > 0
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
