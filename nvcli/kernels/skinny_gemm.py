@@ -68,8 +68,11 @@ from nvcli.kernels.pdl import launch_kwargs, prefetch_l2, use_pdl
 MAX_M = 16
 FMA_MAX_M = 2  # M above this uses the tensor-core (DOT) inner product
 TILE_BYTES = 16384  # weight bytes per program per loop iteration
-# A few rows, weights that fit in L2 (decoder layers, not an LM head): the whole K in one step (_one_pass_config);
-# also the bound under which the tensor-core tiles take 64 x 256 weight tiles and the weight is prefetched into L2
+# use_skinny's bound on the weight: every decoder layer of a small model (Qwen3-0.6B's largest, gate_up, is 12 MiB).
+# Larger weights (an 8B's layers, every LM head) go to cuBLAS, which streams them at 1.2-2.8 TB/s from 1 to 16 rows
+# on the H100 where these tiles made 0.04-1.5 (Qwen3-8B's gate_up at 1 row: 5.4 ms against 83 us,
+# benchmarks/RESULTS.md). Up to it a few rows take the whole K in one step (_one_pass_config), the tensor-core tiles
+# 64 x 256 weight tiles, and the weight is prefetched into L2.
 ONE_PASS_MAX_BYTES = 24 << 20
 # rows up to which the one-pass tiles replace the tensor-core ones: each further row costs its own cross-warp
 # reduction, and at 8 rows the tensor-core tiles win
@@ -432,6 +435,7 @@ def skinny_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     m = x.numel() // k if k else 0
     return (
         1 <= m <= MAX_M
+        and weight.numel() * weight.element_size() <= ONE_PASS_MAX_BYTES
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and k % 16 == 0

@@ -9,7 +9,14 @@ from kernel_device import DEVICE, on_device
 from kernel_device import linear_inputs as _inputs
 
 from nvcli.kernels import skinny_gemm
-from nvcli.kernels.skinny_gemm import SkinnyConfig, block_m_for, choose_config, skinny_supported, use_skinny
+from nvcli.kernels.skinny_gemm import (
+    ONE_PASS_MAX_BYTES,
+    SkinnyConfig,
+    block_m_for,
+    choose_config,
+    skinny_supported,
+    use_skinny,
+)
 
 skinny_linear = on_device(skinny_gemm.skinny_linear_triton)
 
@@ -86,6 +93,9 @@ def test_use_skinny_conditions() -> None:
     assert skinny_supported(torch.empty(2, 8, 64, dtype=bf16), w)  # 16 rows in all
     assert skinny_supported(torch.empty(4, 64, dtype=torch.float16), w.half())
     assert not skinny_supported(torch.empty(17, 64, dtype=bf16), w)  # past MAX_M rows: cuBLAS
+    big = torch.empty(ONE_PASS_MAX_BYTES // (2 * 1024) + 16, 1024, dtype=bf16)  # an LM head's size: cuBLAS
+    assert skinny_supported(torch.empty(1, 1024, dtype=bf16), big[:-16]) and not skinny_supported(
+        torch.empty(1, 1024, dtype=bf16), big)
     assert not skinny_supported(torch.empty(0, 64, dtype=bf16), w)
     assert not skinny_supported(torch.empty(4, 64), w.float())  # fp32
     assert not skinny_supported(torch.empty(4, 64, dtype=bf16), w.half())  # dtype mismatch
