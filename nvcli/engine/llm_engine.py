@@ -214,7 +214,7 @@ class LLMEngine(TextSide):
                     self._in_flight = None
                 compiler = self.admission.compiler
                 assert compiler is not None
-                masks = compiler.step_mask(batch.seqs, batch.sample_index)
+                masks = compiler.step_mask(batch.seqs, batch.sample_index, batch.num_drafts)
             self.executor.sample(handle, masks)
         verifies = any(batch.num_drafts)
         self.num_verify_steps += verifies
@@ -244,12 +244,11 @@ class LLMEngine(TextSide):
         rows = batch.sample_rows() if logprob_at else {}  # seq_id -> where its tokens were sampled
         produced = self.scheduler.postprocess(batch, result.tokens)
         compiler = self.admission.compiler
-        if self._num_constrained and compiler is not None:  # the constrained rows' matchers: their tokens
-            compiler.consume([(seq.grammar, seq.token_ids[index]) for seq, index in produced
-                                            if seq.grammar is not None])
         for seq, index in produced:
             if seq.is_finished:
                 continue  # a verify row's tokens after the one that stopped it (already cut)
+            if seq.grammar is not None:  # its matcher takes each kept token, before the stops below read is_done
+                compiler.consume(seq.grammar, seq.token_ids[index])  # type: ignore[union-attr]
             self.generation_tokens += 1
             if logprob_at:
                 own, first, extra, k = rows[seq.seq_id]

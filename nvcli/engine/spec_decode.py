@@ -27,23 +27,31 @@ sampled it (the verify row's extra rows, then its own: ScheduledBatch.sample_row
 there, up to float rounding (the verify forward computes 1 + k query tokens per sequence, so its matmuls and
 attention may round otherwise than a one-token step's).
 
-Which rows speculate: those whose verify rows sample exactly as plain decoding would, with nothing to undo after a
-rejection.
-- Logprobs: yes (above); every row, the verify row's extra ones included, reports them from the raw logits.
-- Penalties (repetition, presence, frequency): yes. The row for draft position i reads the sequence's history plus
+Every row may speculate: each sampling feature makes a verify row sample at draft position i exactly as plain
+decoding would sample there once d1..di are its tokens, and keeps nothing a rejection has to undo.
+- Logprobs: every row, the verify row's extra ones included, reports them from its own position's logits (above).
+- Penalties (repetition, presence, frequency): the row for draft position i reads the sequence's history plus
   d1..di (step-local history rows, a [rows, vocab] copy per verify step: engine/penalties.py), which is what plain
   decoding reads there whenever that row's sample is kept (d1..di were then accepted, so they are its tokens); the
   history then gains only the kept tokens (PenaltySlots.record).
-- min_tokens: yes. Each row bans EOS and the stop token ids by its own output position (SamplingInputs.of), as plain
+- min_tokens: each row bans EOS and the stop token ids by its own output position (SamplingInputs.of), as plain
   decoding bans there; a draft that is a banned token at a banned position is never sampled, so it is rejected.
-- No structured-output grammar: the mask at draft position i needs the matcher advanced over d1..di, which it would
-  have to do tentatively and roll back on a rejection.
-- No prompt_logprobs: kept out by caution, not need. Such a sequence could only draft once its prompt spans are
-  done, but nothing tests verify rows after a prompt_logprobs prefill (recomputed after preemption included), and
-  the usual request (scoring, max_tokens=1) never has room to draft anyway.
-And only in steps with at most `disable_by_batch_size` running sequences (a full batch keeps the device busy without
-them). A verify step needs its sequences' last tokens known, so the engine first collects the step in flight, and
-collects a verify step at once (engine/llm_engine.py): no async overlap for those steps. The
+- Structured-output grammars: the row for draft position i is masked with the matcher's mask after d1..di
+  (GrammarCompiler.step_mask: llguidance consumes the drafts tentatively and rolls them back), the mask plain
+  decoding applies there once d1..di are kept. A draft the grammar refuses is masked out at the position that
+  would accept it, so it is rejected, and the positions after it (or after an EOS draft, which ends the sequence
+  where it is kept) get an all-ones mask: nothing sampled there is kept. A draft that completes the grammar ends
+  the sequence where it is kept, as that token does in plain decoding. The matcher itself takes only kept tokens,
+  each once and in order, and none past the token that ended the sequence (LLMEngine._collect). n-gram drafts are
+  cut before the first refused one when proposed (GrammarState.allowed_prefix), since rows after it would be
+  computed for nothing; a draft model's drafts are written after scheduling (engine/draft_model.py), so theirs are
+  only masked.
+- prompt_logprobs: a sequence drafts only while decoding (`room`), after every prompt position is computed, so all
+  of its prompt_logit_spans are scheduled before its first verify row, and a recompute after preemption schedules
+  none again (Sequence.needs_prompt_logits): verify rows and prompt logits never meet in one sequence's step.
+Speculation runs only in steps with at most `disable_by_batch_size` running sequences (a full batch keeps the device
+busy without them). A verify step needs its sequences' last tokens known, so the engine first collects the step in
+flight, and collects a verify step at once (engine/llm_engine.py): no async overlap for those steps. The
 rejected positions' KV slots hold garbage until later steps overwrite them; only blocks whose tokens are all
 accepted are registered in the prefix cache (Scheduler.postprocess).
 """
@@ -59,12 +67,6 @@ from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.speculative import SpeculativeConfig
 
 WINDOW = 4096  # the tokens a proposal searches: the sequence's last ones (host cost is linear in it)
-
-
-def can_speculate(seq: Sequence) -> bool:
-    """Whether `seq` may verify drafts: every sampling feature but a grammar and prompt_logprobs (the module
-    docstring says why)."""
-    return seq.grammar is None and seq.sampling_params.prompt_logprobs is None
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -130,13 +132,13 @@ class Proposer:
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step may speculate (then the engine collects the step in flight first)."""
-        return 0 < len(running) <= self.config.disable_by_batch_size and any(map(can_speculate, running))
+        return 0 < len(running) <= self.config.disable_by_batch_size
 
     def room(self, seq: Sequence) -> int:
-        """How many drafts `seq` may verify in the next step: 0 unless it is decoding with its last token known and
-        may speculate; drafts stop where max_tokens or max_model_len would end the sequence anyway."""
+        """How many drafts `seq` may verify in the next step: 0 unless it is decoding with its last token known;
+        drafts stop where max_tokens or max_model_len would end the sequence anyway."""
         if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1
-                or seq.token_ids[-1] == PENDING or not can_speculate(seq)):
+                or seq.token_ids[-1] == PENDING):
             return 0
         num_tokens = seq.num_tokens
         room = min(self.config.k, self.max_model_len - num_tokens - 1)  # the last sampled index stays < max_model_len
@@ -164,7 +166,8 @@ class NgramProposer(Proposer):
 
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
         """seq_id -> drafts, for the decoding sequences whose last token is known; those without a match are left out.
-        Drafts stop where max_tokens or max_model_len would end the sequence anyway."""
+        Drafts stop where max_tokens or max_model_len would end the sequence anyway, and before the first one a
+        constrained sequence's grammar refuses."""
         cfg = self.config
         out: dict[int, list[int]] = {}
         for seq in running:
@@ -176,6 +179,8 @@ class NgramProposer(Proposer):
                 array = self._arrays[seq] = _TokenArray()
             tokens = array.sync(seq.token_ids)
             drafts = propose_ngram(tokens[-WINDOW:], room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)  # type: ignore[arg-type]
+            if drafts and seq.grammar is not None:  # a draft the constraint refuses (and all after it) is never kept
+                drafts = drafts[: seq.grammar.allowed_prefix(drafts)]
             if drafts:
                 out[seq.seq_id] = drafts
         return out

@@ -7,9 +7,13 @@ come next: one bit per token, 32 tokens per int32 word, filled on llguidance's t
 the mask to those rows' logits (-inf where the bit is 0) before sampling, so every draw keeps the output a prefix of
 something the constraint accepts.
 
+A verify step of speculative decoding (engine/spec_decode.py) samples a constrained sequence at each drafted position
+too: each position's mask is the matcher's after the drafts before it (`GrammarCompiler.step_mask`), and the matcher
+takes only the tokens the step keeps.
+
 With async scheduling the next step is launched before this one's tokens are read, and a mask needs the token before
 it. So the engine launches the step's forward first, reads the previous step's tokens while the device runs it, then
-fills the masks and launches the sampling (`LLMEngine._constrained_step_hook`). The forward still overlaps the host.
+fills the masks and launches the sampling (`LLMEngine.step`). The forward still overlaps the host.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ConstrainedRow(Protocol):
 
     grammar: GrammarState | None
     num_prompt_tokens: int
+    token_ids: list[int]
 
     @property
     def is_finished(self) -> bool: ...
@@ -64,6 +69,19 @@ class GrammarState:
     def is_done(self) -> bool:
         """Nothing may follow: the constraint is complete (or the matcher failed). The sequence ends here."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, the sequence's next ones, the constraint allows (a verify row's drafts: every draft
+        after the first refused one would be rejected anyway). The matcher is left as it was. Tokens up to the
+        reasoning end, while reasoning, are free."""
+        if self.is_done:
+            return 0
+        free = 0
+        if self.reasoning_end is not None:
+            if self.reasoning_end not in tokens:
+                return len(tokens)
+            free = tokens.index(self.reasoning_end) + 1
+        return free + self.matcher.validate_tokens(tokens[free:])
 
 
 class GrammarCompiler:
@@ -111,17 +129,17 @@ class GrammarCompiler:
             self._grammars.popitem(last=False)
         return compiled
 
-    def consume(self, tokens: list[tuple[GrammarState, int]]) -> None:
-        """Each state's matcher takes its sequence's new token. In this thread: 2-5 us a token, where llguidance's
-        thread pool (`consume_token_par`) cost more than it saved at 8-256 rows on the CPU machine. A refused token
-        leaves that matcher in its error state (`is_done`)."""
+    def consume(self, state: GrammarState, token: int) -> None:
+        """The state's matcher takes its sequence's next kept token (each kept token once, in order; the engine never
+        feeds a token sampled past the one that ended its sequence). In this thread: 2-5 us a token, where
+        llguidance's thread pool (`consume_token_par`) cost more than it saved at 8-256 rows on the CPU machine. A
+        refused token leaves the matcher in its error state (`is_done`)."""
         t0 = time.perf_counter()
-        for state, token in tokens:
-            state.consumed += 1
-            if state.reasoning_end is not None:
-                if token == state.reasoning_end:
-                    state.reasoning_end = None  # the constraint starts with the next token
-                continue
+        state.consumed += 1
+        if state.reasoning_end is not None:
+            if token == state.reasoning_end:
+                state.reasoning_end = None  # the constraint starts with the next token
+        else:
             state.matcher.consume_token(token)
             state.fed += 1
         self.consume_s += time.perf_counter() - t0
@@ -130,37 +148,60 @@ class GrammarCompiler:
         return GrammarState(self._llguidance.LLMatcher(self._tokenizer, grammar.text, log_level=0), grammar,
                             reasoning_end)
 
-    def step_mask(self, seqs: Sequence[ConstrainedRow], sample_index: Sequence[int]
+    def step_mask(self, seqs: Sequence[ConstrainedRow], sample_index: Sequence[int], num_drafts: Sequence[int] = ()
                   ) -> tuple[list[int], torch.Tensor] | None:
-        """(rows, bitmask [len(rows), mask_words] int32) for the rows of a step (its sequences, and the index of the
-        token each samples, -1 for none) that sample a constrained token now;
-        None if there are none. Every token a row's matcher needs must have been consumed (the engine collects the
+        """(rows, bitmask [len(rows), mask_words] int32) for the logits rows of a step (its sequences, the index of
+        the token each samples, -1 for none, and the drafts each verifies) that sample a constrained token now; None
+        if there are none. Every token a row's matcher needs must have been consumed (the engine collects the
         previous step first). Rows that sample nothing (a prompt chunk), or whose sequence ended while this step was
-        in flight, are left out: their token is dropped anyway."""
-        targets: list[tuple[Any, int]] = []
+        in flight, are left out: their token is dropped anyway.
+
+        A verify row (k drafts d1..dk, engine/spec_decode.py) samples k + 1 positions: position m at its m-th extra
+        row (the extra rows follow every sequence's own row, in batch order: ScheduledBatch.sample_rows), position k
+        at its own row. Position m's mask is the matcher's after d1..dm: llguidance consumes the drafts tentatively
+        and rolls them back (the matcher is left as it was). Positions after a draft the constraint refuses, or after
+        an EOS draft, keep an all-ones mask: the refused draft is rejected, and a kept EOS ends the sequence, so
+        nothing sampled there is kept."""
+        entries: list[tuple[Any, int, list[int]]] = []  # (matcher, mask row of its first position, its drafts)
         firsts: list[tuple[int, torch.Tensor]] = []  # (mask row, the grammar's first mask)
+        verify_rows: list[int] = []  # mask rows past an entry's first: unwritten past a refused draft or EOS
         rows: list[int] = []
+        extra = len(seqs)
         for row, (seq, index) in enumerate(zip(seqs, sample_index)):
+            k = num_drafts[row] if num_drafts else 0
+            logits_rows = [*range(extra, extra + k), row]  # position m's row
+            extra += k
             state: GrammarState | None = seq.grammar
             if state is None or index < 0 or seq.is_finished or state.is_done:
                 continue
-            assert state.consumed == index - seq.num_prompt_tokens, "a constrained row's previous token is unread"
+            first = index - k  # the first position's token index
+            assert state.consumed == first - seq.num_prompt_tokens, "a constrained row's previous token is unread"
+            drafts = seq.token_ids[first:index]
+            free = 0  # leading positions still reasoning: unconstrained
             if state.reasoning_end is not None:
-                continue  # still reasoning: unconstrained
-            if state.fed:
-                targets.append((state.matcher, len(rows)))
-            else:
+                if state.reasoning_end not in drafts:
+                    continue
+                free = drafts.index(state.reasoning_end) + 1  # the positions after it sample the constraint's tokens
+            if free == k and not state.fed:
                 firsts.append((len(rows), state.grammar.first_mask))
-            rows.append(row)
+            else:
+                entries.append((state.matcher, len(rows), drafts[free:]))
+                verify_rows.extend(range(len(rows) + 1, len(rows) + 1 + k - free))
+            rows.extend(logits_rows[free:])
         if not rows:
             return None
         t0 = time.perf_counter()
         mask = torch.empty((len(rows), self.mask_words), dtype=torch.int32,
                            pin_memory=torch.cuda.is_available())  # the caching host allocator reuses it
-        for i, first in firsts:
-            mask[i] = first
-        if targets:
-            self._executor.unsafe_compute_mask_ptr(targets, mask.data_ptr(), self.mask_words * 4, len(rows))
+        for i, first_mask in firsts:
+            mask[i] = first_mask
+        plain = [(matcher, i) for matcher, i, drafts in entries if not drafts]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.mask_words * 4, len(rows))
+        if verify_rows:
+            mask[verify_rows] = -1
+            self._executor.unsafe_compute_mask_ptr_with_draft_token([e for e in entries if e[2]], mask.data_ptr(),
+                                                                    self.mask_words * 4, len(rows))
         self.mask_s += time.perf_counter() - t0
         self.num_masked_steps += 1
         return rows, mask

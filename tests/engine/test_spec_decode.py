@@ -81,7 +81,7 @@ def test_proposer_stops_drafts_where_the_sequence_ends_and_before_sealed_page_en
     seq.sampling_params = SamplingParams(temperature=0, max_tokens=30, presence_penalty=0.5, min_tokens=20)
     assert NgramProposer(cfg, 256, 16, False).propose([seq]) == {seq.seq_id: [2, 3, 1, 2]}  # penalties, min_tokens
     seq.sampling_params = SamplingParams(temperature=0, max_tokens=30, prompt_logprobs=1)
-    assert NgramProposer(cfg, 256, 16, False).propose([seq]) == {}
+    assert NgramProposer(cfg, 256, 16, False).propose([seq]) == {seq.seq_id: [2, 3, 1, 2]}  # its prompt is scored
 
 
 # ---------------------------------------------------------------------------------------------- the flag
@@ -194,7 +194,7 @@ def test_seeded_sampled_requests_get_the_same_logprobs(small_vocab_model: str) -
     assert_same_logprobs(out, ref)
 
 
-def test_rows_that_cannot_speculate_decode_beside_those_that_do(tiny_model_dir) -> None:
+def test_prompt_logprobs_and_penalized_rows_decode_beside_plain_ones(tiny_model_dir) -> None:
     model = str(tiny_model_dir("qwen3"))
     params = [GREEDY, dataclasses.replace(GREEDY, prompt_logprobs=2), dataclasses.replace(GREEDY, repetition_penalty=1.3)]
     ref, _ = run(model, REPEATS, params, None)
