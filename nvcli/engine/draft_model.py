@@ -227,6 +227,7 @@ class DraftProposer(Proposer):
                     seq.token_ids[n + j] = d
         for seq, k, n in rows:
             self._state(seq).tentative = tuple(seq.token_ids[n : n + k - 1])
+            self.backoff.proposed(seq, n, seq.token_ids[n : n + k])
 
     def _forward(self, chunks: list[tuple[Sequence, int, int]], num_sampled: int) -> list[int]:
         """One forward of the draft over `chunks` (sequence, first position, tokens): each computes its tokens'

@@ -50,8 +50,10 @@ decoding would sample there once d1..di are its tokens, and keeps nothing a reje
   of its prompt_logit_spans are scheduled before its first verify row, and a recompute after preemption schedules
   none again (Sequence.needs_prompt_logits): verify rows and prompt logits never meet in one sequence's step.
 Speculation runs only in steps with at most `disable_by_batch_size` running sequences (a full batch keeps the device
-busy without them). A verify step needs its sequences' last tokens known, so the engine first collects the step in
-flight, and collects a verify step at once (engine/llm_engine.py): no async overlap for those steps. The
+busy without them), and only for sequences whose recent drafts held: one whose last verify kept no draft pauses
+drafting for 2, 4, ... 64 tokens (engine/spec_backoff.py). A verify step needs its sequences' last tokens known, so
+the engine first collects the step in flight, and collects a verify step at once (engine/llm_engine.py): no async
+overlap for those steps. The
 rejected positions' KV slots hold garbage until later steps overwrite them; only blocks whose tokens are all
 accepted are registered in the prefix cache (Scheduler.postprocess).
 """
@@ -64,6 +66,7 @@ import numpy as np
 
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
 from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.engine.spec_backoff import Backoff
 from nvcli.speculative import SpeculativeConfig
 
 WINDOW = 4096  # the tokens a proposal searches: the sequence's last ones (host cost is linear in it)
@@ -129,16 +132,18 @@ class Proposer:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.no_draft_at_page_end = no_draft_at_page_end
+        self.backoff = Backoff()
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step may speculate (then the engine collects the step in flight first)."""
-        return 0 < len(running) <= self.config.disable_by_batch_size
+        return (0 < len(running) <= self.config.disable_by_batch_size
+                and not all(self.backoff.paused(seq) for seq in running))
 
     def room(self, seq: Sequence) -> int:
         """How many drafts `seq` may verify in the next step: 0 unless it is decoding with its last token known;
         drafts stop where max_tokens or max_model_len would end the sequence anyway."""
         if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != seq.num_tokens - 1
-                or seq.token_ids[-1] == PENDING):
+                or seq.token_ids[-1] == PENDING or self.backoff.paused(seq)):
             return 0
         num_tokens = seq.num_tokens
         room = min(self.config.k, self.max_model_len - num_tokens - 1)  # the last sampled index stays < max_model_len
@@ -183,4 +188,5 @@ class NgramProposer(Proposer):
                 drafts = drafts[: seq.grammar.allowed_prefix(drafts)]
             if drafts:
                 out[seq.seq_id] = drafts
+                self.backoff.proposed(seq, seq.num_tokens, drafts)
         return out

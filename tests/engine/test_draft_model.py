@@ -198,3 +198,20 @@ def test_draft_model_errors_name_the_flag(drafts: dict[str, str], small_vocab_mo
     assert (config.method, config.prompt_lookup_min) == ("draft_model", None) and dataclasses.replace(config) == config
     with pytest.raises(ConfigError, match="--speculative-config: .*method ngram takes no model"):
         EngineConfig(speculative_config={**spec(drafts["other"]), "method": "ngram"})
+
+
+def test_a_draft_that_never_holds_verifies_a_few_times_and_one_that_holds_never_pauses(drafts: dict[str, str]
+                                                                                       ) -> None:
+    """Backoff (engine/spec_backoff.py): an unrelated draft model (its drafts rejected) verifies each sequence at tokens 1, 3, 7, 15,
+    31 of its 40, not at every step; the target as its own draft (every draft kept) verifies at every step. The
+    tokens are plain decoding's either way."""
+    ref, _ = run(drafts["target"], PLAIN, GREEDY, None)
+    out, stats = run(drafts["target"], PLAIN, GREEDY, spec(drafts["other"]))
+    assert tokens(out) == tokens(ref)
+    assert stats.spec_accepted_tokens == 0  # the premise: nothing held
+    assert len(PLAIN) <= stats.spec_verify_rows <= 6 * len(PLAIN)
+    out, stats = run(drafts["target"], PLAIN, GREEDY, spec(drafts["same"]))
+    assert tokens(out) == tokens(ref)
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    # one verify per K + 1 tokens after the first, each sequence (drafts stop short of max_tokens at the end)
+    assert stats.spec_verify_rows >= len(PLAIN) * (GREEDY.max_tokens - 1) // (K + 1)
