@@ -51,7 +51,7 @@ from nvcli.engine.model_runner import eager_inputs, upload_ints
 from nvcli.engine.scheduler import ScheduledBatch
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.engine.spec_decode import Proposer
-from nvcli.engine.step_input import build_step_input
+from nvcli.engine.step_input import StepInput, build_step_input
 from nvcli.speculative import FLAG
 
 if TYPE_CHECKING:
@@ -158,11 +158,29 @@ class DraftProposer(Proposer):
                                                   layer.num_kv_heads, layer.head_dim, self.dtype, self.device)
         for attn, kv in zip(self.attn_layers, caches):
             attn.kv = kv
-        if self.use_graphs:
-            with single_rank():
+        if self.device.type != "cuda":
+            return
+        with single_rank():
+            if self.use_graphs:
                 self.graphs = CudaGraphs(self.model, self.attention, self.device, self.max_rows,
                                          min(GRAPH_TOKENS, self.max_num_batched_tokens), False, 0)
                 self.graphs.capture_all(None)
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile at start-up the Triton variants of the draft's eager forwards (a sequence catching up, a first
+        forward too big for the graphs) and of its final norm at every row count it samples, which a job's first
+        speculating steps would otherwise compile mid-run (~1.4 s in an 8B job's tail, benchmarks/RESULTS.md)."""
+        def forward(step: StepInput) -> None:
+            self.model(*eager_inputs(self.attention, self.device, step))
+
+        width = self.attention.max_blocks
+        if startup.warm_up_forwards(forward, self.attn_layers[0].kv, self.block_size, width, self.max_model_len):
+            for rows in range(1, self.max_rows + 1):
+                hidden = torch.zeros(rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+                for residual in (hidden, None):  # None: rows of a deferred-norm forward (the residual stream itself)
+                    self.model.compute_logits(hidden, residual).argmax(dim=-1)
 
     def _state(self, seq: Sequence) -> _DraftState:
         state = self._states.get(seq)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +31,7 @@ from nvcli.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nvcli.kernels.compile_ahead import CompileWorkers, StartupMarker
+    from nvcli.kernels.kv_layout import PagedKV
     from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
@@ -185,26 +186,19 @@ def compile_ahead(runner: kv_sizing.Runner, workers: CompileWorkers | None) -> t
 
 
 @torch.inference_mode()
-def warm_up_kernels(runner: kv_sizing.Runner, dry_run: bool = False) -> None:
-    """Compile, at start-up, the Triton variants a job would otherwise compile mid-run.
-
-    Triton specializes integer arguments (== 1, multiples of 16) and our kernels pick configs by
-    row count, so the first prefill of an odd length, or the LM head and sampler at 1, 2 or a few
-    rows once a job's batch drains, each cost a compile (up to a second) in the middle of the
-    job. Every step here writes nothing to the KV cache (slot -1) and its outputs are dropped.
-    `dry_run` (the compile-ahead pass, whose kernels leave outputs unwritten): no sampling, and no
-    eager decode steps where decode graphs are to be captured (the real pass replays those).
-    """
-    kv = runner.attn_layers[0].kv
+def warm_up_forwards(forward: Callable[[StepInput], object], kv: PagedKV | None, block_size: int,
+                     max_table_width: int, max_model_len: int | None) -> bool:
+    """The prompt and eager-step shapes of warm_up_kernels through `forward` (a runner's, or a draft model's eager
+    forward): prefill of odd and multiple-of-16 token counts, one-token rows, and one-token rows beside a prompt
+    chunk over short and long tables. Writes no KV (slot -1). False where the cache is too small to try them."""
     assert kv is not None, "warm-up reads the bound KV cache"
-    cache_tokens = kv.num_blocks * runner.block_size
-    if cache_tokens < 32 or (runner.config.max_model_len or 32) < 32:
-        return  # the shapes below need 32 tokens of cache to read from
-    blocks = [list(range(-(-32 // runner.block_size)))]
+    if kv.num_blocks * block_size < 32 or (max_model_len or 32) < 32:
+        return False  # the shapes below need 32 tokens of cache to read from
+    blocks = [list(range(-(-32 // block_size)))]
     # As wide a table as max_model_len allows (block 0 over and over; the lengths stay short, so only the first
     # tokens are read): decode attention splits the KV as it does for long sequences, which is its other variant
     # (the split-KV merge). Without it a job's first long eager step compiled that variant mid-run.
-    wide = [[0] * runner.max_table_width]
+    wide = [[0] * max_table_width]
     # prefill: odd / multiple-of-16 token counts; eager decode; decode rows beside a prompt chunk (split
     # attention: the decode kernel at one and at 17 rows, over short and long tables) where a step too large for
     # the mixed graphs runs them
@@ -215,7 +209,26 @@ def warm_up_kernels(runner: kv_sizing.Runner, dry_run: bool = False) -> None:
             qsl.append(qsl[-1] + n)
         step = StepInput([0] * qsl[-1], [p for n in lens for p in range(n)], [-1] * qsl[-1], qsl, lens,
                          table * len(lens), False, num_decode_rows=lens.count(1) if len(lens) > 1 else 0)
-        runner.forward(step)
+        forward(step)
+    return True
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner: kv_sizing.Runner, dry_run: bool = False) -> None:
+    """Compile, at start-up, the Triton variants a job would otherwise compile mid-run.
+
+    Triton specializes integer arguments (== 1, multiples of 16) and our kernels pick configs by
+    row count, so the first prefill of an odd length, or the LM head and sampler at 1, 2 or a few
+    rows once a job's batch drains, each cost a compile (up to a second) in the middle of the
+    job. Every step here writes nothing to the KV cache (slot -1) and its outputs are dropped.
+    `dry_run` (the compile-ahead pass, whose kernels leave outputs unwritten): no sampling, and no
+    eager decode steps where decode graphs are to be captured (the real pass replays those).
+    """
+    if not warm_up_forwards(runner.forward, runner.attn_layers[0].kv, runner.block_size, runner.max_table_width,
+                            runner.config.max_model_len):
+        return
+    blocks = [list(range(-(-32 // runner.block_size)))]
+    wide = [[0] * runner.max_table_width]
     # imported here, not with this module: the CPU tests switch Triton to its interpreter after importing the engine
     from nvcli.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 

@@ -215,3 +215,21 @@ def test_a_draft_that_never_holds_verifies_a_few_times_and_one_that_holds_never_
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     # one verify per K + 1 tokens after the first, each sequence (drafts stop short of max_tokens at the end)
     assert stats.spec_verify_rows >= len(PLAIN) * (GREEDY.max_tokens - 1) // (K + 1)
+
+
+def test_the_start_up_warm_up_runs_the_drafts_shapes(drafts: dict[str, str]) -> None:
+    """DraftProposer.warm_up (run at start-up on a GPU, to compile the draft's eager variants; here called on the
+    CPU) runs every shape it warms through the draft's own attention backend and table width, and a job after it
+    is unchanged: the target as its own draft still has every draft accepted."""
+    ref, _ = run(drafts["target"], REPEATS, GREEDY, None)
+    llm = LLM(drafts["target"], speculative_config=spec(drafts["same"]), **{**ENGINE, "max_num_seqs": 3})
+    try:
+        proposer = llm.engine.proposer
+        assert proposer.max_rows == 3  # the row counts whose final norm it warms
+        proposer.warm_up()
+        out = llm.generate(REPEATS, GREEDY)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert tokens(out) == tokens(ref)
+    assert 0 < stats.spec_accepted_tokens == stats.spec_draft_tokens
