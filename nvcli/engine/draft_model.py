@@ -171,7 +171,8 @@ class DraftProposer(Proposer):
     def warm_up(self) -> None:
         """Compile at start-up the Triton variants of the draft's eager forwards (a sequence catching up, a first
         forward too big for the graphs) and of its final norm at every row count it samples, which a job's first
-        speculating steps would otherwise compile mid-run (~1.4 s in an 8B job's tail, benchmarks/RESULTS.md)."""
+        speculating steps would otherwise compile mid-run (the likely cause of a first 8B job with a draft losing
+        8.2% where the next lost 0.6%, benchmarks/RESULTS.md)."""
         def forward(step: StepInput) -> None:
             self.model(*eager_inputs(self.attention, self.device, step))
 
@@ -270,7 +271,6 @@ class DraftProposer(Proposer):
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            None if residual is None else residual.index_select(0, index))
         return logits.argmax(dim=-1).tolist()
-
 
 
 def _no_pending(input_ids: torch.Tensor) -> None:
