@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nvcli.engine.scheduler import PENDING
+from nvcli.engine.scheduler import PENDING, first_extra_rows
 from nvcli.kernels.ops import use_triton
 from nvcli.uploads import upload
 
@@ -212,9 +212,7 @@ class PenaltySlots:
         penalized sampling row, in ascending batch row order. The row for a verify sequence's draft position i
         (extra row i, or its own row for i = k) reads its slot's row plus d1..di."""
         assert self.counts is not None
-        extra = [len(seqs)]  # each sequence's first extra row (SamplingInputs.of's layout)
-        for k in num_drafts:
-            extra.append(extra[-1] + k)
+        extra = first_extra_rows(len(seqs), num_drafts)  # sequence i's extra rows: extra[i] .. extra[i + 1] - 1
         local_rows: list[int] = []  # batch row of each local row
         src: list[int] = []  # the slot each local row starts from
         added: list[list[int]] = []  # the drafts each local row adds to it

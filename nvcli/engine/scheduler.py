@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from operator import attrgetter
 
 from nvcli.engine.block_manager import BlockManager
@@ -25,6 +26,14 @@ from nvcli.engine.waiting_queue import PriorityQueue, waiting_queue
 PENDING = -1  # placeholder for a token the device has sampled but the host has not read yet
 # --scheduling-policy priority: a sequence's urgency, lowest first (seq_id grows with arrival, so it breaks ties)
 urgency = attrgetter("priority", "seq_id")
+
+
+def first_extra_rows(num_seqs: int, num_drafts: list[int] | None) -> list[int]:
+    """The sampling rows of a step of `num_seqs` sequences, `num_drafts` drafts each (speculative decoding; empty or
+    None: none). Row i < num_seqs is sequence i's own row; every sequence's k_i extra rows (its drafted positions)
+    follow all the own rows, in batch order. Returns num_seqs + 1 offsets: sequence i's extra rows are
+    out[i] .. out[i + 1] - 1 (out[i] = num_seqs + k_0 + ... + k_(i-1)), and out[-1] is the step's row count."""
+    return list(accumulate(num_drafts or [0] * num_seqs, initial=num_seqs))
 
 
 @dataclass
@@ -42,7 +51,8 @@ class ScheduledBatch:
     prompt_logit_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # Speculative decoding (engine/spec_decode.py): drafts verified per sequence (empty where no step has drafts).
     # A verify sequence's k drafts sit in its token_ids at sample_index - k .. sample_index - 1, and it samples at each
-    # of them too: those k rows come after every sequence's own row, in batch order (its own row samples the last)
+    # of them too: those k rows come after every sequence's own row, in batch order (first_extra_rows), and its own
+    # row samples the last
     num_drafts: list[int] = field(default_factory=list)
 
     @property
@@ -57,17 +67,21 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def first_extra_rows(self) -> list[int]:
+        """Sequence i's extra rows are [i] .. [i + 1] - 1; the last entry is the step's sampling row count
+        (first_extra_rows above)."""
+        return first_extra_rows(len(self.seqs), self.num_drafts)
+
     def sample_rows(self) -> dict[int, tuple[int, int, int, int]]:
         """seq_id -> (own row, first sampled token index, first extra row, k): where the step sampled each token
         index of a sequence. Index first + m (m < k: a verify sequence's drafted positions) was sampled at row
         extra + m, every later index (the last, or a plain row's only one, k = 0) at the sequence's own row. The rows
         are SamplingInputs.of's; sample_index stays as scheduled (postprocess never rewrites it)."""
+        extra = self.first_extra_rows()
         out: dict[int, tuple[int, int, int, int]] = {}
-        extra = len(self.seqs)
         for row, (seq, index) in enumerate(zip(self.seqs, self.sample_index)):
-            k = self.num_drafts[row] if self.num_drafts else 0
-            out[seq.seq_id] = (row, index - k, extra, k)
-            extra += k
+            k = extra[row + 1] - extra[row]
+            out[seq.seq_id] = (row, index - k, extra[row], k)
         return out
 
     def __len__(self) -> int:
@@ -288,15 +302,14 @@ class Scheduler:
         samples nothing."""
         produced: list[tuple[Sequence, int]] = []
         block_size = self.block_manager.block_size
-        num_drafts, extra = batch.num_drafts, len(batch.seqs)  # verify rows' earlier samples: from `extra` on
+        extra = batch.first_extra_rows()  # sequence i's earlier samples (a verify row's): extra[i] .. extra[i + 1] - 1
         for i, (seq, start, n, index, token) in enumerate(zip(batch.seqs, batch.start, batch.num_new_tokens,
                                                               batch.sample_index, sampled)):
             status = seq.status
-            k = num_drafts[i] if num_drafts else 0
+            k = extra[i + 1] - extra[i]
             if k:  # a verify step is collected before the next schedule: its sequences run or have finished
-                extra += k
                 if status == SequenceStatus.RUNNING:
-                    samples = sampled[extra - k : extra] + [token]
+                    samples = sampled[extra[i] : extra[i + 1]] + [token]
                     accepted = self._accept(seq, index, samples)
                     n -= k - accepted
                     index -= k - accepted  # the last token kept; those from index - accepted on are new

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nvcli.engine.block_manager import BlockManager
-from nvcli.engine.scheduler import ScheduledBatch, Scheduler
+from nvcli.engine.scheduler import ScheduledBatch, Scheduler, first_extra_rows
 from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.sampling_params import SamplingParams
 
@@ -342,3 +342,8 @@ def test_the_priority_queue_is_a_deque_to_its_callers() -> None:
         q[0]
     with pytest.raises(ValueError, match="scheduling policy"):
         waiting_queue("lifo", lambda s: (0, 0))
+
+
+def test_first_extra_rows_follow_every_own_row_in_batch_order() -> None:
+    assert first_extra_rows(3, [2, 0, 3]) == [3, 5, 5, 8]  # sequence i's extra rows: [i] .. [i + 1] - 1; 8 rows
+    assert first_extra_rows(2, []) == first_extra_rows(2, None) == [2, 2, 2]  # no drafts: the own rows only
