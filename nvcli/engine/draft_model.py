@@ -26,7 +26,9 @@ tokens. A step's drafts come in two halves around the scheduler:
   over every row's unseen tokens [valid, n) (a prompt-like chunk; n = the tokens known before the step), whose last
   row's argmax is d1, then k - 1 one-token forwards feeding d1.. back, each writing tentative KV at positions n,
   n + 1, ... All rows go in each forward together. The drafts replace the placeholders in token_ids.
-After verification the tentative KV at position n + i counts as valid exactly where the sequence kept the token
+A constrained sequence's drafts follow its grammar: a copy of its matcher (structured_output.GrammarCursor) runs
+ahead over them, and each draft is the draft's argmax among the tokens allowed there, as the target samples under the
+same mask. After verification the tentative KV at position n + i counts as valid exactly where the sequence kept the token
 d(i+1) there (checked lazily at the next proposal). A preempted sequence (its blocks freed) starts again from 0.
 A sequence whose unseen tokens do not fit this step's draft budget (max_num_batched_tokens tokens in the first
 forward) does not speculate; the draft processes a chunk of its computed tokens instead ("catching up").
@@ -57,6 +59,7 @@ from nvcli.speculative import FLAG
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from nvcli.engine.structured_output import GrammarCursor
     from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
@@ -233,24 +236,34 @@ class DraftProposer(Proposer):
         self._catch_up = []
         if not chunks:
             return
+        # a constrained sequence's drafts follow its grammar: a copy of its matcher runs ahead over them
+        cursors = {seq.seq_id: seq.grammar.cursor() for seq, _, _ in rows if seq.grammar is not None}
         with single_rank():
-            drafts = self._forward(chunks, len(rows))
+            drafts = self._forward(chunks, len(rows), [cursors.get(seq.seq_id) for seq, _, _ in rows])
             for (seq, _, n), d in zip(rows, drafts):
                 seq.token_ids[n] = d
                 state = self._state(seq)
                 state.valid, state.base = n, n
+                if (cursor := cursors.get(seq.seq_id)) is not None:
+                    cursor.take(d)
             longest = max((k for _, k, _ in rows), default=0)
             for j in range(1, longest):  # position n + j - 1 takes draft j and predicts draft j + 1
                 going = [(seq, n) for seq, k, n in rows if k > j]
-                for (seq, n), d in zip(going, self._forward([(seq, n + j - 1, 1) for seq, n in going], len(going))):
+                going_cursors = [cursors.get(seq.seq_id) for seq, _ in going]
+                out = self._forward([(seq, n + j - 1, 1) for seq, n in going], len(going), going_cursors)
+                for (seq, n), d, cursor in zip(going, out, going_cursors):
                     seq.token_ids[n + j] = d
+                    if cursor is not None:
+                        cursor.take(d)
         for seq, k, n in rows:
             self._state(seq).tentative = tuple(seq.token_ids[n : n + k - 1])
             self.backoff.proposed(seq, n, seq.token_ids[n : n + k])
 
-    def _forward(self, chunks: list[tuple[Sequence, int, int]], num_sampled: int) -> list[int]:
+    def _forward(self, chunks: list[tuple[Sequence, int, int]], num_sampled: int,
+                 cursors: list[GrammarCursor | None] | None = None) -> list[int]:
         """One forward of the draft over `chunks` (sequence, first position, tokens): each computes its tokens'
-        KV from token_ids; returns the argmax after the last token of each of the first `num_sampled` chunks."""
+        KV from token_ids; returns the argmax after the last token of each of the first `num_sampled` chunks, among
+        the tokens its grammar cursor allows where it has one."""
         order = sorted(range(len(chunks)), key=lambda i: chunks[i][2] > 1)  # one-token rows first (step_input.py)
         batch = ScheduledBatch([chunks[i][0] for i in order], [chunks[i][2] for i in order],
                                start=[chunks[i][1] for i in order])
@@ -270,6 +283,13 @@ class DraftProposer(Proposer):
         index = upload_ints(last, np.int64, self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            None if residual is None else residual.index_select(0, index))
+        masks = [(i, m) for i, c in enumerate(cursors or ()) if c is not None
+                 and (m := c.mask((logits.shape[1] + 31) // 32)) is not None]
+        if masks:
+            from nvcli.kernels.token_bitmask import apply_token_bitmask_  # Triton: imported when first needed
+
+            apply_token_bitmask_(logits, upload_ints([i for i, _ in masks], np.int64, self.device),
+                                 torch.stack([m for _, m in masks]).to(self.device))
         return logits.argmax(dim=-1).tolist()
 
 

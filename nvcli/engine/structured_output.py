@@ -83,6 +83,38 @@ class GrammarState:
             free = tokens.index(self.reasoning_end) + 1
         return free + self.matcher.validate_tokens(tokens[free:])
 
+    def cursor(self) -> GrammarCursor | None:
+        """A cursor at this state (every kept token consumed) for a draft model's drafts; None once done."""
+        return None if self.is_done else GrammarCursor(self.matcher.deep_copy(), self.reasoning_end)
+
+
+class GrammarCursor:
+    """A copy of a sequence's matcher that a draft model runs ahead over its own drafts (engine/draft_model.py), so
+    that each draft is the draft model's argmax among the tokens the constraint allows there, as the target samples
+    under the same mask; the sequence's matcher is untouched. While reasoning (before `reasoning_end`) drafts are
+    free, as the target's tokens are."""
+
+    def __init__(self, matcher: Any, reasoning_end: int | None) -> None:
+        self.matcher = matcher
+        self.reasoning_end = reasoning_end
+
+    def mask(self, words: int) -> torch.Tensor | None:
+        """The next draft's allowed tokens, a [words] int32 bitmask (once the constraint is complete: EOS alone); None
+        where it is free (reasoning) or where the matcher failed (a draft it refused: no later draft is kept)."""
+        if self.reasoning_end is not None or self.matcher.is_error():
+            return None
+        bits = torch.empty(words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+        return bits
+
+    def take(self, token: int) -> None:
+        """The draft chose `token`."""
+        if self.reasoning_end is not None:
+            if token == self.reasoning_end:
+                self.reasoning_end = None
+        elif not (self.matcher.is_stopped() or self.matcher.is_error()):
+            self.matcher.consume_token(token)
+
 
 class GrammarCompiler:
     """Builds matchers for one tokenizer. The tokenizer's llguidance form takes about a second to build, so it is

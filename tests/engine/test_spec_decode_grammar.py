@@ -245,13 +245,15 @@ def test_ngram_drafts_of_a_constrained_row_stop_before_the_first_refused_one(com
 def test_constrained_rows_give_plain_decodings_tokens(tiny_model_dir, case: str) -> None:
     """Greedy rows under JSON schemas, regexes and a choice get plain decoding's tokens, finish reasons and
     (constrained) logprobs, and seeded sampled rows the same draws, under preemption and prefix caching; each output
-    is what its constraint accepts. Drafts are accepted and rejected. The draft model is the target without the
-    grammar: many of its drafts are refused by it (masked), some accepted."""
+    is what its constraint accepts. Drafts are accepted and rejected. The draft model is the target itself: its
+    drafts follow each row's grammar (a copy of the matcher runs ahead over them), so a greedy row's drafts are
+    exactly the target's constrained choices and every one is kept up to the sequence's end; the seeded row rejects
+    some."""
     model = str(tiny_model_dir("qwen3"))
     prompts, params, engine = PROMPTS, PARAMS, {}
     if case == "draft_model":  # fewer rows (the draft's eager forwards are slow on the CPU), in fewer blocks
         prompts, params = [PROMPTS[i] for i in (3, 4, 5, 6)], [PARAMS[i] for i in (3, 4, 5, 6)]
-        engine = dict(num_kvcache_blocks=8, max_model_len=128)
+        engine = dict(num_kvcache_blocks=6, max_model_len=96)
     ref = reference_run(model, prompts, params, **engine)
     spec = ({**SPEC, "disable_by_batch_size": 16} if case.startswith("ngram")
             else {"model": model, "num_speculative_tokens": 4, "disable_by_batch_size": 16})
@@ -265,6 +267,10 @@ def test_constrained_rows_give_plain_decodings_tokens(tiny_model_dir, case: str)
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert sum(a for _, a, _ in per_request) == stats.spec_accepted_tokens
     assert stats.num_preemptions > 0
+    if case == "draft_model":
+        greedy_rows = [r for r, sp in zip(per_request, params) if sp.temperature == 0]
+        # every draft kept but those past the end of a sequence (its last verify may draft beyond its EOS)
+        assert greedy_rows and all(0 < a and d - a < 4 for d, a, _ in greedy_rows), per_request
     if case.startswith("ngram"):
         assert all(a > 0 for _, a, _ in per_request), per_request  # every request verified drafts and accepted some
         assert any(a < d for d, a, _ in per_request[-2:]), per_request  # the seeded rows: some rejected
