@@ -50,6 +50,19 @@ def run(model: str, prompts, params, spec: dict | None, **engine):
         llm.shutdown()
 
 
+_plain: dict[tuple, list] = {}
+
+
+def plain_outputs(run_fn, model: str, prompts, params, **engine) -> list:
+    """Plain decoding's outputs through `run_fn` (a test module's run(model, prompts, params, spec, **engine), which
+    applies that module's engine defaults), computed once per session for each (run_fn, model, prompts, params,
+    engine)."""
+    key = (run_fn, model, repr(prompts), repr(params), repr(engine))
+    if key not in _plain:
+        _plain[key] = run_fn(model, prompts, params, None, **engine)[0]
+    return _plain[key]
+
+
 # ---------------------------------------------------------------------------------------------- the proposer
 def test_propose_ngram_longest_most_recent_match() -> None:
     t = np.array([1, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2, 3], dtype=np.int64)

@@ -12,7 +12,15 @@ from collections import Counter
 
 import pytest
 import torch
-from test_spec_decode import GREEDY, SMALL_PROMPTS, SPEC, assert_same_logprobs, small_vocab_model, tokens  # noqa: F401
+from test_spec_decode import (  # noqa: F401  (small_vocab_model: a fixture)
+    GREEDY,
+    SMALL_PROMPTS,
+    SPEC,
+    assert_same_logprobs,
+    plain_outputs,
+    small_vocab_model,
+    tokens,
+)
 
 from nvcli import LLM, SamplingParams, StructuredOutputsParams
 from nvcli.engine.scheduler import PENDING, ScheduledBatch
@@ -104,17 +112,6 @@ def run(model: str, prompts, params, spec: dict | None, **engine):
         return outs, llm.stats(), per_request, scoring_beside_verify
     finally:
         llm.shutdown()
-
-
-_reference: dict[tuple, list] = {}
-
-
-def reference_run(model: str, prompts, params, **engine) -> list:
-    """Plain decoding's outputs, once per module for each (model, prompts, params, engine)."""
-    key = (model, repr(prompts), repr(params), repr(engine))
-    if key not in _reference:
-        _reference[key] = run(model, prompts, params, None, **engine)[0]
-    return _reference[key]
 
 
 def assert_follows(text: str, finish_reason: str, c: StructuredOutputsParams) -> None:
@@ -254,7 +251,7 @@ def test_constrained_rows_give_plain_decodings_tokens(tiny_model_dir, case: str)
     if case == "draft_model":  # fewer rows (the draft's eager forwards are slow on the CPU), in fewer blocks
         prompts, params = [PROMPTS[i] for i in (3, 4, 5, 6)], [PARAMS[i] for i in (3, 4, 5, 6)]
         engine = dict(num_kvcache_blocks=6, max_model_len=96)
-    ref = reference_run(model, prompts, params, **engine)
+    ref = plain_outputs(run, model, prompts, params, **engine)
     spec = ({**SPEC, "disable_by_batch_size": 16} if case.startswith("ngram")
             else {"model": model, "num_speculative_tokens": 4, "disable_by_batch_size": 16})
     out, stats, per_request, _ = run(model, prompts, params, spec, async_scheduling=case == "ngram_async", **engine)
@@ -304,7 +301,7 @@ def test_prompt_logprobs_rows_speculate(small_vocab_model: str, case: str) -> No
     engine = dict(num_kvcache_blocks=9, max_model_len=144)  # 4 sequences of up to 97 tokens: 2-3 preempted
     if case == "chunked_prefill_async":
         engine.update(max_num_batched_tokens=16, async_scheduling=True)
-    ref = reference_run(small_vocab_model, prompts, params, **engine)
+    ref = plain_outputs(run, small_vocab_model, prompts, params, **engine)
     out, stats, per_request, scoring_beside_verify = run(small_vocab_model, prompts, params,
                                                          {**SPEC, "disable_by_batch_size": 16}, **engine)
     assert tokens(out) == tokens(ref)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_draft_model import small_vocab_model  # noqa: F401  (a fixture; tests/engine is on sys.path)
 from test_penalties import reference
-from test_spec_decode import ENGINE, GREEDY, REPEATS, SMALL_PROMPTS, SPEC, tokens
+from test_spec_decode import ENGINE, GREEDY, REPEATS, SMALL_PROMPTS, SPEC, plain_outputs, tokens
 
 from nvcli import LLM, SamplingParams
 from nvcli.engine.penalties import PenaltySlots, apply_penalties
@@ -115,24 +115,13 @@ PARAMS = [dataclasses.replace(GREEDY, max_tokens=32, repetition_penalty=1.05),
                          frequency_penalty=0.1, repetition_penalty=1.05)]
 PROMPTS = SMALL_PROMPTS + SMALL_PROMPTS[:1] + SMALL_PROMPTS[1:3]
 TIGHT = dict(num_kvcache_blocks=14, max_model_len=192)
-_reference: dict[tuple, list] = {}
-
-
-def reference_run(model: str, prompts, params, **engine) -> list:
-    """Plain decoding's outputs, once per module for each (model, prompts, params, engine)."""
-    key = (model, repr(prompts), repr(params), repr(engine))
-    if key not in _reference:
-        _reference[key] = run(model, prompts, params, None, **engine)[0]
-    return _reference[key]
-
-
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
 def test_penalties_and_min_tokens_give_plain_decodings_tokens(small_vocab_model: str, proposer: str) -> None:  # noqa: F811
     """Every request speculates (drafts verified, some accepted) and gets plain decoding's tokens and finish
     reasons: greedy rows the same tokens, seeded rows the same draws (a draw depends on the seed, the position and
     the history before it, which counts the drafts before its row). The draft model is the target without the
     penalties and the bias: some drafts are rejected."""
-    ref = reference_run(small_vocab_model, PROMPTS, PARAMS, **TIGHT)
+    ref = plain_outputs(run, small_vocab_model, PROMPTS, PARAMS, **TIGHT)
     spec = ({**SPEC, "disable_by_batch_size": 16} if proposer == "ngram"
             else {"model": small_vocab_model, "num_speculative_tokens": 4, "disable_by_batch_size": 16})
     out, stats, per_request = run(small_vocab_model, PROMPTS, PARAMS, spec, **TIGHT)
@@ -151,7 +140,7 @@ def test_min_tokens_holds_the_eos_back_in_verify_rows(tiny_model_dir, proposer: 
     position is below min_tokens: the request ends on it at position 12, as in plain decoding."""
     model = str(tiny_model_dir("qwen3"))
     params = dataclasses.replace(GREEDY, max_tokens=24, min_tokens=12, ignore_eos=False, logit_bias={QWEN3_EOS: 30.0})
-    ref = reference_run(model, REPEATS[1:2], params)
+    ref = plain_outputs(run, model, REPEATS[1:2], params)
     spec = SPEC if proposer == "ngram" else {"model": model, "num_speculative_tokens": 4}
     out, _, per_request = run(model, REPEATS[1:2], params, spec)
     assert tokens(out) == tokens(ref)
