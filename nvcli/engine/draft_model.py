@@ -26,7 +26,7 @@ tokens. A step's drafts come in two halves around the scheduler:
   over every row's unseen tokens [valid, n) (a prompt-like chunk; n = the tokens known before the step), whose last
   row's argmax is d1, then k - 1 one-token forwards feeding d1.. back, each writing tentative KV at positions n,
   n + 1, ... All rows go in each forward together. The drafts replace the placeholders in token_ids.
-A constrained sequence's drafts follow its grammar: a copy of its matcher (structured_output.GrammarCursor) runs
+A constrained sequence's drafts follow its grammar: a copy of its state (GrammarState.cursor) runs
 ahead over them, and each draft is the draft's argmax among the tokens allowed there, as the target samples under the
 same mask. After verification the tentative KV at position n + i counts as valid exactly where the sequence kept the token
 d(i+1) there (checked lazily at the next proposal). A preempted sequence (its blocks freed) starts again from 0.
@@ -59,7 +59,7 @@ from nvcli.speculative import FLAG
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from nvcli.engine.structured_output import GrammarCursor
+    from nvcli.engine.structured_output import GrammarState
     from nvcli.models.model_config import ModelConfig
 
 log = logging.getLogger("nvcli")
@@ -260,7 +260,7 @@ class DraftProposer(Proposer):
             self.backoff.proposed(seq, n, seq.token_ids[n : n + k])
 
     def _forward(self, chunks: list[tuple[Sequence, int, int]], num_sampled: int,
-                 cursors: list[GrammarCursor | None] | None = None) -> list[int]:
+                 cursors: list[GrammarState | None] | None = None) -> list[int]:
         """One forward of the draft over `chunks` (sequence, first position, tokens): each computes its tokens'
         KV from token_ids; returns the argmax after the last token of each of the first `num_sampled` chunks, among
         the tokens its grammar cursor allows where it has one."""
@@ -284,7 +284,7 @@ class DraftProposer(Proposer):
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            None if residual is None else residual.index_select(0, index))
         masks = [(i, m) for i, c in enumerate(cursors or ()) if c is not None
-                 and (m := c.mask((logits.shape[1] + 31) // 32)) is not None]
+                 and (m := c.next_mask((logits.shape[1] + 31) // 32)) is not None]
         if masks:
             from nvcli.kernels.token_bitmask import apply_token_bitmask_  # Triton: imported when first needed
 

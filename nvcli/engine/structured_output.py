@@ -83,37 +83,31 @@ class GrammarState:
             free = tokens.index(self.reasoning_end) + 1
         return free + self.matcher.validate_tokens(tokens[free:])
 
-    def cursor(self) -> GrammarCursor | None:
-        """A cursor at this state (every kept token consumed) for a draft model's drafts; None once done."""
-        return None if self.is_done else GrammarCursor(self.matcher.deep_copy(), self.reasoning_end)
+    def take(self, token: int) -> None:
+        """The sequence's next token on the matcher's side: the reasoning end starts the constraint, a reasoning token
+        passes it by, any other the matcher consumes (none once the constraint is done: nothing may follow)."""
+        if self.reasoning_end is not None:
+            if token == self.reasoning_end:
+                self.reasoning_end = None  # the constraint starts with the next token
+        elif not self.is_done:
+            self.matcher.consume_token(token)
+            self.fed += 1
 
+    def cursor(self) -> GrammarState | None:
+        """A copy of this state (every kept token consumed) that a draft model runs ahead over its own drafts
+        (engine/draft_model.py: `take` each draft, `next_mask` before the next), so that each draft is the draft
+        model's argmax among the tokens the constraint allows there, as the target samples under the same mask; this
+        state's matcher is untouched. None once done."""
+        return None if self.is_done else GrammarState(self.matcher.deep_copy(), self.grammar, self.reasoning_end)
 
-class GrammarCursor:
-    """A copy of a sequence's matcher that a draft model runs ahead over its own drafts (engine/draft_model.py), so
-    that each draft is the draft model's argmax among the tokens the constraint allows there, as the target samples
-    under the same mask; the sequence's matcher is untouched. While reasoning (before `reasoning_end`) drafts are
-    free, as the target's tokens are."""
-
-    def __init__(self, matcher: Any, reasoning_end: int | None) -> None:
-        self.matcher = matcher
-        self.reasoning_end = reasoning_end
-
-    def mask(self, words: int) -> torch.Tensor | None:
-        """The next draft's allowed tokens, a [words] int32 bitmask (once the constraint is complete: EOS alone); None
-        where it is free (reasoning) or where the matcher failed (a draft it refused: no later draft is kept)."""
+    def next_mask(self, words: int) -> torch.Tensor | None:
+        """The next token's allowed tokens, a [words] int32 bitmask (once the constraint is complete: EOS alone); None
+        where it is free (reasoning) or where the matcher failed (a token it refused: no later draft is kept)."""
         if self.reasoning_end is not None or self.matcher.is_error():
             return None
         bits = torch.empty(words, dtype=torch.int32)
         self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
         return bits
-
-    def take(self, token: int) -> None:
-        """The draft chose `token`."""
-        if self.reasoning_end is not None:
-            if token == self.reasoning_end:
-                self.reasoning_end = None
-        elif not (self.matcher.is_stopped() or self.matcher.is_error()):
-            self.matcher.consume_token(token)
 
 
 class GrammarCompiler:
@@ -168,12 +162,7 @@ class GrammarCompiler:
         refused token leaves the matcher in its error state (`is_done`)."""
         t0 = time.perf_counter()
         state.consumed += 1
-        if state.reasoning_end is not None:
-            if token == state.reasoning_end:
-                state.reasoning_end = None  # the constraint starts with the next token
-        else:
-            state.matcher.consume_token(token)
-            state.fed += 1
+        state.take(token)
         self.consume_s += time.perf_counter() - t0
 
     def new_state(self, grammar: CompiledGrammar, reasoning_end: int | None = None) -> GrammarState:
