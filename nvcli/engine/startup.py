@@ -185,6 +185,14 @@ def compile_ahead(runner: kv_sizing.Runner, workers: CompileWorkers | None) -> t
     return result
 
 
+def _warm_up_tables(block_size: int, max_table_width: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The block tables warm-up steps read: a short one (32 tokens' blocks), and as wide a one as max_model_len allows
+    (block 0 over and over; the lengths stay short, so only the first tokens are read): decode attention splits the
+    KV as it does for long sequences, which is its other variant (the split-KV merge). Without it a job's first long
+    eager step compiled that variant mid-run."""
+    return [list(range(-(-32 // block_size)))], [[0] * max_table_width]
+
+
 @torch.inference_mode()
 def warm_up_forwards(forward: Callable[[StepInput], object], kv: PagedKV | None, block_size: int,
                      max_table_width: int, max_model_len: int | None) -> bool:
@@ -194,11 +202,7 @@ def warm_up_forwards(forward: Callable[[StepInput], object], kv: PagedKV | None,
     assert kv is not None, "warm-up reads the bound KV cache"
     if kv.num_blocks * block_size < 32 or (max_model_len or 32) < 32:
         return False  # the shapes below need 32 tokens of cache to read from
-    blocks = [list(range(-(-32 // block_size)))]
-    # As wide a table as max_model_len allows (block 0 over and over; the lengths stay short, so only the first
-    # tokens are read): decode attention splits the KV as it does for long sequences, which is its other variant
-    # (the split-KV merge). Without it a job's first long eager step compiled that variant mid-run.
-    wide = [[0] * max_table_width]
+    blocks, wide = _warm_up_tables(block_size, max_table_width)
     # prefill: odd / multiple-of-16 token counts; eager decode; decode rows beside a prompt chunk (split
     # attention: the decode kernel at one and at 17 rows, over short and long tables) where a step too large for
     # the mixed graphs runs them
@@ -227,8 +231,7 @@ def warm_up_kernels(runner: kv_sizing.Runner, dry_run: bool = False) -> None:
     if not warm_up_forwards(runner.forward, runner.attn_layers[0].kv, runner.block_size, runner.max_table_width,
                             runner.config.max_model_len):
         return
-    blocks = [list(range(-(-32 // runner.block_size)))]
-    wide = [[0] * runner.max_table_width]
+    blocks, wide = _warm_up_tables(runner.block_size, runner.max_table_width)
     # imported here, not with this module: the CPU tests switch Triton to its interpreter after importing the engine
     from nvcli.kernels.skinny_gemm import MAX_M as SKINNY_MAX_M
 
