@@ -52,6 +52,7 @@ from nvcli.engine.cuda_graphs import CudaGraphs
 from nvcli.engine.model_runner import eager_inputs, upload_ints
 from nvcli.engine.scheduler import ScheduledBatch
 from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.engine.spec_backoff import kept_drafts
 from nvcli.engine.spec_decode import Proposer
 from nvcli.engine.step_input import StepInput, build_step_input
 from nvcli.speculative import FLAG
@@ -101,11 +102,7 @@ class _DraftState:
         """`valid` as the sequence now is (its verify step collected)."""
         if seq.num_preemptions != self.preemptions:  # its blocks were freed: the draft's KV went with them
             self.preemptions, self.valid, self.tentative = seq.num_preemptions, 0, ()
-        ids = seq.token_ids
-        kept = 0
-        while (kept < len(self.tentative) and self.base + kept < len(ids)
-               and ids[self.base + kept] == self.tentative[kept]):
-            kept += 1
+        kept = kept_drafts(seq.token_ids, self.base, self.tentative)
         if kept:
             self.valid = self.base + kept
         self.tentative = ()

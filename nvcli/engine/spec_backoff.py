@@ -27,6 +27,15 @@ if TYPE_CHECKING:
 MAX_PAUSE = 64  # tokens: a sequence whose drafts never hold verifies once per this many (<= 1/64 of its steps)
 
 
+def kept_drafts(tokens: list[int], at: int, drafts: tuple[int, ...]) -> int:
+    """How many of `drafts`, placed at token index `at`, the sequence kept: its leading tokens from `at` on that equal
+    them (a kept token is never changed afterwards)."""
+    kept = 0
+    while kept < len(drafts) and at + kept < len(tokens) and tokens[at + kept] == drafts[kept]:
+        kept += 1
+    return kept
+
+
 @dataclass
 class _Record:
     at: int = -1  # token index of the last verify's first draft; -1: no outcome pending
@@ -54,11 +63,7 @@ class Backoff:
             return False
         tokens = seq.token_ids
         if record.at >= 0 and len(tokens) > record.at:
-            kept = 0
-            while (kept < len(record.drafts) and record.at + kept < len(tokens)
-                   and tokens[record.at + kept] == record.drafts[kept]):
-                kept += 1
-            if kept:
+            if kept_drafts(tokens, record.at, record.drafts):
                 record.misses = 0
             else:
                 record.misses += 1
