@@ -34,6 +34,7 @@ import numpy as np
 from nvcli import LLM, SamplingParams
 from nvcli.engine.scheduler import PENDING
 from nvcli.engine.sequence import SequenceStatus
+from nvcli.engine.spec_backoff import Backoff
 from nvcli.engine.spec_decode import WINDOW, propose_ngram
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -188,6 +189,7 @@ def verify_cost(args: argparse.Namespace) -> None:
             if draft is not None:
                 ms = {0: ms[0]}
                 engine.proposer = draft
+                draft.backoff = Backoff(max_pause=0)  # verify every step, however few drafts hold (dummy weights)
                 for k in args.ks:
                     draft.config = dataclasses.replace(draft.config, num_speculative_tokens=k)
                     _settle(engine, draft, k)
