@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,46 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         return cache[arch]
 
     return make
+
+
+def _directory_state(path: Path) -> tuple | None:
+    """What a tokenizer loaded from `path` depends on: its files' names, sizes and modification times (None for a
+    hub id or a missing directory, which are not cached)."""
+    try:
+        if not path.is_dir():
+            return None
+        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in path.iterdir() if f.is_file()))
+    except OSError:
+        return None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizers_loaded_once_per_directory():
+    """Loading the Qwen3 tokenizer (151k tokens) is 0.6 s of every tiny engine's 0.65 s start on the 2-core CI machine,
+    and hundreds of tests start an engine on the same few directories. nvcli.models.tokenizer.load_tokenizer runs for
+    real the first time a directory (in the state of its files) is loaded; later engines get a copy of that tokenizer
+    whose own settings (chat_template, special tokens, limits) are its own, sharing only the read-only vocabulary and
+    the Rust backend. tests/models/test_tokenizer.py calls the real function (imported before this patch)."""
+    from nvcli.models import tokenizer as module
+
+    real = module.load_tokenizer
+    cache: dict[tuple, object] = {}
+
+    def load_tokenizer(name_or_path):
+        path = Path(name_or_path)
+        state = _directory_state(path)
+        if state is None:
+            return real(name_or_path)
+        key = (str(path.resolve()), state)
+        if key not in cache:
+            cache[key] = real(name_or_path)
+        tok = copy.copy(cache[key])
+        for name, value in vars(tok).items():  # the tokenizer's own settings; the vocabulary and merges stay shared
+            if isinstance(value, (dict, list, set)) and name not in ("_vocab", "_merges"):
+                setattr(tok, name, copy.copy(value))
+        return tok
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "load_tokenizer", load_tokenizer)
+        yield
+
