@@ -74,3 +74,32 @@ def _tokenizers_loaded_once_per_directory():
         mp.setattr(module, "load_tokenizer", load_tokenizer)
         yield
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _grammar_tokenizers_built_once():
+    """A structured-output engine builds llguidance's form of its tokenizer (llguidance.hf.from_tokenizer: 1-1.5 s for
+    Qwen3's vocabulary on the CI machine) at its first constrained request. The result is an immutable Rust object
+    that depends only on the tokenizer's backend, the vocabulary size and the EOS ids: later engines on a tokenizer
+    from the cache above (which share its backend) get the one already built. Any other tokenizer builds its own."""
+    try:
+        import llguidance.hf
+    except ImportError:  # the engine reports it where a test needs it
+        yield
+        return
+
+    real = llguidance.hf.from_tokenizer
+    cache: dict[tuple, tuple[object, object]] = {}
+
+    def from_tokenizer(hf_tokenizer, n_vocab=None, eos_token=None, *args, **kwargs):
+        backend = getattr(hf_tokenizer, "_tokenizer", None)
+        if backend is None or args or kwargs:
+            return real(hf_tokenizer, n_vocab, eos_token, *args, **kwargs)
+        eos = tuple(eos_token) if isinstance(eos_token, (list, tuple)) else eos_token
+        key = (id(backend), n_vocab, eos)
+        if key not in cache:  # the backend is kept with its result: its id is not reused while cached
+            cache[key] = (backend, real(hf_tokenizer, n_vocab, eos_token))
+        return cache[key][1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llguidance.hf, "from_tokenizer", from_tokenizer)
+        yield
