@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent('''
     from nvcli.engine import startup
     from nvcli.engine.cuda_graphs import CudaGraphs, Graph
 
-    model_dir, mode = sys.argv[1], sys.argv[2]
+    model_dir, modes = sys.argv[1], sys.argv[2:]
     prompts = [list(range(1000 + 37 * i, 1000 + 37 * i + n)) for i, n in enumerate([5, 17, 33, 64, 100, 250])]
     params = [SamplingParams(temperature=0, max_tokens=8 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
     common = dict(device="cpu", max_model_len=512, max_num_seqs=2, max_num_batched_tokens=256, num_kvcache_blocks=256)
@@ -54,52 +54,64 @@ SCRIPT = textwrap.dedent('''
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     cpu.shutdown()
 
-    llm = LLM(model_dir, **common)
-    r = llm.engine.executor.runner
-    r.attention.split_mixed = True  # the GPU's plan, on CPU tensors through the interpreter
-    replays = {}
-    if mode == "graphs":
-        g = CudaGraphs(r.model, r.attention, r.device, 2, 256, shared_prefix=False, logits_max_rows=0)
-        g.few_chunks = 1  # one-chunk steps replay the few-chunks graphs, two-chunk steps the full ones
-        g.make_inputs()
+    def run(mode):  # a fresh engine per mode
+        llm = LLM(model_dir, **common)
+        r = llm.engine.executor.runner
+        r.attention.split_mixed = True  # the GPU's plan, on CPU tensors through the interpreter
+        replays = {}
+        if mode == "graphs":
+            g = CudaGraphs(r.model, r.attention, r.device, 2, 256, shared_prefix=False, logits_max_rows=0)
+            g.few_chunks = 1  # one-chunk steps replay the few-chunks graphs, two-chunk steps the full ones
+            g.make_inputs()
 
-        class StandInGraph:  # replay = the captured forward on the static inputs, into the graph's outputs
-            def __init__(self, key):
-                self.key = key
+            class StandInGraph:  # replay = the captured forward on the static inputs, into the graph's outputs
+                def __init__(self, key):
+                    self.key = key
 
-            def replay(self):
-                name = f"{self.key.tokens}x{self.key.chunks}"
-                replays[name] = replays.get(name, 0) + 1
-                for out, new in zip(g.graphs[self.key].outputs, g.forward(self.key)):
-                    if out is not None:
-                        out.copy_(new)
+                def replay(self):
+                    name = f"{self.key.tokens}x{self.key.chunks}"
+                    replays[name] = replays.get(name, 0) + 1
+                    for out, new in zip(g.graphs[self.key].outputs, g.forward(self.key)):
+                        if out is not None:
+                            out.copy_(new)
 
-        for key in g.keys():  # decode graphs of 1 and 2 rows, mixed graphs of 64-256 tokens at 1 and 2 chunks
-            outputs = tuple(None if x is None else x.clone() for x in g.forward(key))
-            g.graphs[key] = Graph(StandInGraph(key), outputs, None)
-        r.cuda_graphs = g
-        startup.warm_up_kernels(r)  # its 18-sequence step exceeds the graphs' capacity (2 sequences): eager
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    llm.shutdown()
-    print(json.dumps({"replays": replays, "got": got, "want": want}))
+            for key in g.keys():  # decode graphs of 1 and 2 rows, mixed graphs of 64-256 tokens at 1 and 2 chunks
+                outputs = tuple(None if x is None else x.clone() for x in g.forward(key))
+                g.graphs[key] = Graph(StandInGraph(key), outputs, None)
+            r.cuda_graphs = g
+            startup.warm_up_kernels(r)  # its 18-sequence step exceeds the graphs' capacity (2 sequences): eager
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+        return {"replays": replays, "got": got}
+
+    print(json.dumps({"want": want, **{mode: run(mode) for mode in modes}}))
 ''')
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager"])
-def test_split_steps_give_the_reference_tokens(tiny_model_dir, mode: str) -> None:
+MODES = ["graphs", "eager"]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir) -> dict:
+    """Both modes in one interpreter process, beside one reference run (a process start and a reference fewer)."""
+    model_dir = tiny_model_dir("qwen3")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), *MODES], capture_output=True, text=True,
+                          cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_steps_give_the_reference_tokens(results: dict, mode: str) -> None:
     """Two slots for six requests, so new prompts join running decodes: with the split attention, replayed from
     (stand-in) mixed graphs or run eagerly, greedy tokens equal the torch reference path's. Steps with one prompt
     chunk replay the graphs captured for fewer chunks (a smaller prefill grid), steps with two the full ones."""
-    model_dir = tiny_model_dir("qwen3")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir), mode], capture_output=True, text=True,
-                          cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = results[mode]
     chunks = {}
     for name, n in result["replays"].items():
         chunks[int(name.split("x")[1])] = chunks.get(int(name.split("x")[1]), 0) + n
     assert bool(chunks) == (mode == "graphs")
     if mode == "graphs":  # decode graphs, and mixed graphs of one and of two chunks, all replayed
         assert chunks.get(0, 0) > 0 and chunks.get(1, 0) > 0 and chunks.get(2, 0) > 0, result["replays"]
-    assert result["got"] == result["want"]
+    assert result["got"] == results["want"]
