@@ -23,16 +23,21 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
     return target, others
 
 
-def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params: list[SamplingParams], idx: int,
-         blocks: int = 128, prefix_caching: bool = False, first: list[int] | None = None, preempts: bool = False,
-         **engine: object):
+def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params: list[SamplingParams],
+         idx: int | list[int], blocks: int = 128, prefix_caching: bool = False, first: list[int] | None = None,
+         preempts: bool = False, **engine: object):
+    """(tokens, logprobs, prompt logprobs) of the request at `idx` (a list of them for a list of indices)."""
     llm = LLM(model, max_num_batched_tokens=batched, batch_invariant=True, enable_prefix_caching=prefix_caching,
               dtype=dtype, num_kvcache_blocks=blocks, **engine)
     if first is not None:  # an earlier request, whose blocks the prefix cache keeps
         llm.generate([{"prompt_token_ids": first}], SamplingParams(max_tokens=1))
-    out = llm.generate([{"prompt_token_ids": p} for p in prompts], params)[idx]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert (llm.engine.stats().num_preemptions > 0) == preempts
     llm.shutdown()
+    return [_bits(outs[i]) for i in idx] if isinstance(idx, list) else _bits(outs[idx])
+
+
+def _bits(out):
     o = out.outputs[0]
     sampled = [{t: lp.logprob for t, lp in pos.items()} for pos in o.logprobs]
     prompt = [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in out.prompt_logprobs or []]
@@ -40,27 +45,35 @@ def _run(model: str, dtype: str, batched: int, prompts: list[list[int]], params:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("temperature, kv_cache_dtype", [(1.0, "auto"), (0.0, "auto"), (1.0, "fp8")])
-def test_a_request_is_the_same_alone_in_a_batch_and_chunked(tiny_model_dir, dtype: str, temperature: float,
+@pytest.mark.parametrize("temperatures, kv_cache_dtype", [((1.0, 0.0), "auto"), ((1.0,), "fp8")],
+                         ids=["seeded+greedy-auto", "seeded-fp8"])
+def test_a_request_is_the_same_alone_in_a_batch_and_chunked(tiny_model_dir, dtype: str, temperatures: tuple[float, ...],
                                                               kv_cache_dtype: str) -> None:
     """fp8 caches too: a token's K/V are quantized alone, against the cache's fixed scales, and read back the same
-    whichever layout its page has (an open page token-major, a sealed one dims-major: kernels/kv_layout.py)."""
+    whichever layout its page has (an open page token-major, a sealed one dims-major: kernels/kv_layout.py).
+    A seeded and a greedy request (the same prompt) share the batched and chunked runs; each is also run alone."""
     model = str(tiny_model_dir("qwen3"))
     target, others = _prompts()
-    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    sps = [SamplingParams(temperature=t, seed=7, max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+           for t in temperatures]
     neighbour = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     kv = dict(kv_cache_dtype=kv_cache_dtype)
-    alone = _run(model, dtype, 8192, [target], [sp], 0, **kv)
-    assert len(alone[0]) == 12 and len(alone[1]) == 12 and len(alone[2]) == len(target)
+    n = len(sps)
+    alone = [_run(model, dtype, 8192, [target], [sp], 0, **kv) for sp in sps]
+    for a in alone:
+        assert len(a[0]) == 12 and len(a[1]) == 12 and len(a[2]) == len(target)
     # beside seven other prompts in the same steps, then among them with a 40-token budget that chunks every prompt
     # (chunk starts off the KV tiles' 64-token grid)
-    batch = _run(model, dtype, 8192, [target, *others], [sp] + [neighbour] * 7, 0, **kv)
-    chunked = _run(model, dtype, 40, [*others[:3], target, *others[3:]], [neighbour] * 3 + [sp] + [neighbour] * 4, 3,
-                   **kv)
-    for other in (batch, chunked):
-        assert other[0] == alone[0]  # tokens
-        assert other[1] == alone[1]  # each position's logprobs (the token's and its top 3), as floats: bit for bit
-        assert other[2] == alone[2]  # prompt logprobs
+    batch = _run(model, dtype, 8192, [target] * n + others, sps + [neighbour] * 7, list(range(n)), **kv)
+    chunked = _run(model, dtype, 40, [*others[:3], *[target] * n, *others[3:]], [neighbour] * 3 + sps + [neighbour] * 4,
+                   list(range(3, 3 + n)), **kv)
+    if n > 1:
+        assert alone[0][0] != alone[1][0]  # the sampled request's tokens are not the greedy ones
+    for i in range(n):
+        for other in (batch[i], chunked[i]):
+            assert other[0] == alone[i][0]  # tokens
+            assert other[1] == alone[i][1]  # each position's logprobs (the token's and its top 3), as floats: bit for bit
+            assert other[2] == alone[i][2]  # prompt logprobs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
