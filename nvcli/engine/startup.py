@@ -205,9 +205,15 @@ def warm_up_forwards(forward: Callable[[StepInput], object], kv: PagedKV | None,
     blocks, wide = _warm_up_tables(block_size, max_table_width)
     # prefill: odd / multiple-of-16 token counts; eager decode; decode rows beside a prompt chunk (split
     # attention: the decode kernel at one and at 17 rows, over short and long tables) where a step too large for
-    # the mixed graphs runs them
-    for lens, table in (([17, 14], blocks), ([16, 32], blocks), ([1], blocks), ([1, 16], blocks), ([1, 16], wide),
-                        ([1] * 17 + [14], blocks), ([1] * 17 + [14], wide)):
+    # the mixed graphs runs them; prompt rows of 40 and 65 tokens over the long table, because the prefill kernel's
+    # query tile grows with the step's longest query up to 128 rows (kernels/prefill_attention.py): a draft model,
+    # whose head grouping the target's profile run never compiled, would compile its long-query tiles at the first
+    # sequence catching up, mid-run
+    shapes = [([17, 14], blocks), ([16, 32], blocks), ([1], blocks), ([1, 16], blocks), ([1, 16], wide),
+              ([1] * 17 + [14], blocks), ([1] * 17 + [14], wide)]
+    if (max_model_len or 0) >= 65 and max_table_width * block_size >= 65:
+        shapes += [([40, 3], wide), ([65, 14], wide)]
+    for lens, table in shapes:
         qsl = [0]
         for n in lens:
             qsl.append(qsl[-1] + n)

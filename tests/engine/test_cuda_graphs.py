@@ -511,19 +511,21 @@ print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" f
 def test_a_first_job_with_a_draft_model_compiles_no_kernel_mid_run(tiny_model_dir, tmp_path) -> None:
     """With a draft model, start-up compiles what the speculating steps launch too: a job whose batch shrinks below
     disable_by_batch_size starts drafting late, the draft catching up over contexts of hundreds of tokens (its eager
-    prompt-shaped forwards), then verifying (the target's mixed graphs, the draft's decode and mixed graphs). A
-    compile mid-run costs a first job on a fresh machine seconds. (The Qwen3-8B + 0.6B-draft DESIGN run on an H100
-    lost 6.4% to plain decoding in its first run and 0.5% in its second; this test passes at the tiny model's
-    shapes, so that first-run loss is not a variant every model compiles mid-run.)"""
+    prompt-shaped forwards), then verifying (the target's mixed graphs, the draft's decode and mixed graphs). The
+    draft groups its heads unlike the target (the target 2 query heads a KV head, the draft 1), so none of its
+    attention variants is one the target's start-up compiled: by the prefill kernel's tile choice, the long-query
+    tiles a catch-up needs would compile mid-run unless the warm-up runs long prompt rows (startup.warm_up_forwards;
+    the likely cause, not yet confirmed on a GPU, of the Qwen3-8B + 0.6B-draft DESIGN run's first-run loss on a
+    fresh H100: -6.4% first, -0.5% once compiled)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from test_draft_model import noisy_copy  # tests/engine is on sys.path
+    from nvcli.testing.tiny_models import make_tiny_model
 
-    model_dir = tiny_model_dir("qwen3")
-    draft = noisy_copy(model_dir, tmp_path / "near", 0.1)
+    model_dir = tiny_model_dir("qwen3")  # 4 query heads, 2 KV heads
+    draft = make_tiny_model(tmp_path / "mha-draft", "qwen3", seed=3, num_attention_heads=2, num_key_value_heads=2)
     proc = subprocess.run([sys.executable, "-c", SPEC_NO_COMPILE_SCRIPT, str(model_dir), str(draft)],
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
