@@ -18,7 +18,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+START = time.monotonic()
 
 ROWS: list[tuple[str, str]] = []
 
@@ -50,7 +53,7 @@ def correctness(tp: int, tmp: Path, eager: bool = False) -> None:
         for dtype in ("float32", "bfloat16"):
             outs = {}
             for size in (1, tp):
-                print(f"-- {arch} {dtype} TP={size} eager={eager}", flush=True)
+                print(f"-- {arch} {dtype} TP={size} eager={eager} (at {time.monotonic() - START:.0f} s)", flush=True)
                 llm = LLM(d, device="cuda", dtype=dtype, tensor_parallel_size=size, num_kvcache_blocks=512,
                           max_model_len=512, max_num_batched_tokens=256, enforce_eager=eager, max_num_seqs=16)
                 outs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
@@ -80,7 +83,7 @@ def streaming_correctness(tp: int, tmp: Path) -> None:
     d = str(make_tiny_model(tmp / "qwen3-stream", "qwen3", num_attention_heads=8, num_key_value_heads=4))
     outs, mixed = {}, {}
     for size in (1, tp):
-        print(f"-- streaming qwen3 float32 TP={size}", flush=True)
+        print(f"-- streaming qwen3 float32 TP={size} (at {time.monotonic() - START:.0f} s)", flush=True)
         llm = LLM(d, device="cuda", dtype="float32", tensor_parallel_size=size, num_kvcache_blocks=512,
                   max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8)
         outs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
