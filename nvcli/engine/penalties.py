@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nvcli.engine.scheduler import PENDING, first_extra_rows
+from nvcli.engine.scheduler import PENDING
+from nvcli.engine.verify_rows import first_extra_rows
 from nvcli.kernels.ops import use_triton
 from nvcli.uploads import upload
 

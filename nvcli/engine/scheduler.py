@@ -16,24 +16,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import accumulate
 from operator import attrgetter
 
 from nvcli.engine.block_manager import BlockManager
 from nvcli.engine.sequence import Sequence, SequenceStatus
+from nvcli.engine.verify_rows import first_extra_rows
 from nvcli.engine.waiting_queue import PriorityQueue, waiting_queue
 
 PENDING = -1  # placeholder for a token the device has sampled but the host has not read yet
 # --scheduling-policy priority: a sequence's urgency, lowest first (seq_id grows with arrival, so it breaks ties)
 urgency = attrgetter("priority", "seq_id")
-
-
-def first_extra_rows(num_seqs: int, num_drafts: list[int] | None) -> list[int]:
-    """The sampling rows of a step of `num_seqs` sequences, `num_drafts` drafts each (speculative decoding; empty or
-    None: none). Row i < num_seqs is sequence i's own row; every sequence's k_i extra rows (its drafted positions)
-    follow all the own rows, in batch order. Returns num_seqs + 1 offsets: sequence i's extra rows are
-    out[i] .. out[i + 1] - 1 (out[i] = num_seqs + k_0 + ... + k_(i-1)), and out[-1] is the step's row count."""
-    return list(accumulate(num_drafts or [0] * num_seqs, initial=num_seqs))
 
 
 @dataclass
@@ -69,7 +61,7 @@ class ScheduledBatch:
 
     def first_extra_rows(self) -> list[int]:
         """Sequence i's extra rows are [i] .. [i + 1] - 1; the last entry is the step's sampling row count
-        (first_extra_rows above)."""
+        (engine/verify_rows.py)."""
         return first_extra_rows(len(self.seqs), self.num_drafts)
 
     def sample_rows(self) -> dict[int, tuple[int, int, int, int]]:

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from nvcli.engine.verify_rows import first_extra_rows
 from nvcli.sampling_params import StructuredOutputsParams
 
 
@@ -178,7 +179,7 @@ class GrammarCompiler:
         in flight, are left out: their token is dropped anyway.
 
         A verify row (k drafts d1..dk, engine/spec_decode.py) samples k + 1 positions: position m at its m-th extra
-        row (the extra rows follow every sequence's own row, in batch order: ScheduledBatch.sample_rows), position k
+        row (the extra rows follow every sequence's own row, in batch order: engine/verify_rows.py), position k
         at its own row. Position m's mask is the matcher's after d1..dm: llguidance consumes the drafts tentatively
         and rolls them back (the matcher is left as it was). Positions after a draft the constraint refuses, or after
         an EOS draft, keep an all-ones mask: the refused draft is rejected, and a kept EOS ends the sequence, so
@@ -187,11 +188,10 @@ class GrammarCompiler:
         firsts: list[tuple[int, torch.Tensor]] = []  # (mask row, the grammar's first mask)
         verify_rows: list[int] = []  # mask rows past an entry's first: unwritten past a refused draft or EOS
         rows: list[int] = []
-        extra = len(seqs)
+        extra = first_extra_rows(len(seqs), num_drafts)
         for row, (seq, index) in enumerate(zip(seqs, sample_index)):
-            k = num_drafts[row] if num_drafts else 0
-            logits_rows = [*range(extra, extra + k), row]  # position m's row
-            extra += k
+            k = extra[row + 1] - extra[row]
+            logits_rows = [*range(extra[row], extra[row + 1]), row]  # position m's row
             state: GrammarState | None = seq.grammar
             if state is None or index < 0 or seq.is_finished or state.is_done:
                 continue
