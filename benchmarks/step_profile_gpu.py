@@ -153,6 +153,13 @@ def model_dir(name: str, tmp: Path) -> str:
     return name
 
 
+def design_max_model_len(path: str) -> int:
+    """4096 as the DESIGN workload, or the model's positions if fewer."""
+    cfg = Path(path) / "config.json"
+    positions = json.loads(cfg.read_text()).get("max_position_embeddings", 4096) if cfg.exists() else 4096
+    return min(4096, positions)
+
+
 def engine_args(args) -> dict:
     kw = dict(tensor_parallel_size=args.tp, max_model_len=args.max_model_len, max_num_seqs=max(args.max_num_seqs,
               args.batch), max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
@@ -221,10 +228,8 @@ def run(args) -> dict:
 
     tmp = Path(tempfile.mkdtemp(prefix="nv-step-profile-"))
     path = model_dir(args.model, tmp)
-    if args.max_model_len is None:  # 4096 as the DESIGN workload, or the model's positions if fewer
-        cfg = Path(path) / "config.json"
-        positions = json.loads(cfg.read_text()).get("max_position_embeddings", 4096) if cfg.exists() else 4096
-        args.max_model_len = min(4096, positions)
+    if args.max_model_len is None:
+        args.max_model_len = design_max_model_len(path)
     config = EngineConfig(model=path, **engine_args(args))
     if config.data_parallel_size > 1:
         raise SystemExit("data parallelism runs replicas in other processes: profile one replica (no --dp)")

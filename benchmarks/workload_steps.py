@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_profile_gpu import model_dir, row  # noqa: E402
+from step_profile_gpu import design_max_model_len, model_dir, row  # noqa: E402
 
 BUCKETS = ("prompt/mixed", "decode >=192 rows", "decode 64-191", "decode 16-63", "decode 2-15", "decode 1 row")
 
@@ -42,15 +42,14 @@ def bucket(batch) -> str:
 
 
 def run(args) -> dict:
-    from nvcli.bench import make_workload, parse_range, run_workload, throughput
+    from nvcli.bench import make_workload, parse_range, run_workload
     from nvcli.config import EngineConfig
     from nvcli.engine.llm_engine import LLMEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="nv-workload-steps-"))
     path = model_dir(args.model, tmp)
-    positions = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", 4096)
     config = EngineConfig(model=path, tensor_parallel_size=args.tp, load_format="dummy", device=args.device,
-                          quantization=args.quantization, max_model_len=min(4096, positions))
+                          quantization=args.quantization, max_model_len=design_max_model_len(path))
     engine = LLMEngine(config)
     kinds: list[str] = []
     schedule = engine.scheduler.schedule
@@ -73,7 +72,7 @@ def run(args) -> dict:
     work = make_workload(args.num_prompts, parse_range(args.input_len, "--input-len"),
                          parse_range(args.output_len, "--output-len"))
     try:
-        throughput(engine, make_workload(1, (16, 16), (8, 8), seed=1))  # compile and warm before the timed run
+        run_workload(engine, make_workload(1, (16, 16), (8, 8), seed=1))  # nv bench's warm-up generate
         engine.reset_prefix_cache()
         kinds.clear()
         engine.step = timed_step
