@@ -393,6 +393,20 @@ print(json.dumps({"compiled": [f"{fn.__name__}: {variant_difference(fn, key)}" f
 '''
 
 
+def _script_result(script: str, *args: str) -> object:
+    """Run `script` in a fresh Python process (a cold Triton cache is its own), from the repository root; the JSON
+    of its last stdout line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir, kv_cache_dtype: str) -> None:
     """On an empty Triton cache, start-up compiles every kernel variant a job's steps launch, so the job never stops
@@ -403,15 +417,7 @@ def test_a_first_job_compiles_no_kernel_mid_run(tiny_model_dir, kv_cache_dtype: 
     constrained, some score their prompts or ask for logprobs, with every top-k width, some filter their draws. A
     second job's lines share one instruction (shared-prefix decode and mixed graphs). An fp8 cache has kernel variants
     of its own (dequantizing loads, the seal kernel, the shared-prefix kernel's fp8 tiles): the same job over one."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    proc = subprocess.run([sys.executable, "-c", NO_COMPILE_SCRIPT, str(tiny_model_dir("qwen3")), kv_cache_dtype], capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _script_result(NO_COMPILE_SCRIPT, str(tiny_model_dir("qwen3")), kv_cache_dtype)
     assert any(rows > 1 and rows % 4 for rows in result["split_rows"]), result  # eager split steps did run
     assert any(chunks == 0 for _, chunks in result["shared_graphs"]), result  # shared-prefix decode steps did run
     assert any(chunks > 0 for _, chunks in result["shared_graphs"]), result  # ... and mixed ones
@@ -441,20 +447,10 @@ def test_the_dry_pass_over_two_layers_records_every_variant(tmp_path) -> None:
     layer launches the variants the second one does. On an empty Triton cache, a five-layer model's start-up and
     first steps compile at their launches exactly what they compile when the dry pass runs all five layers: the
     shortened pass records every variant the full one does."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from nvcli.testing.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "five_layers", "qwen3", num_hidden_layers=5)
-    outside = {}
-    for layers in (2, 5):
-        proc = subprocess.run([sys.executable, "-c", STARTUP_COMPILES_SCRIPT, str(model_dir), str(layers)],
-                              capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outside[layers] = json.loads(proc.stdout.strip().splitlines()[-1])
+    outside = {layers: _script_result(STARTUP_COMPILES_SCRIPT, str(model_dir), str(layers)) for layers in (2, 5)}
     assert outside[2] == outside[5]
 
 
@@ -517,18 +513,10 @@ def test_a_first_job_with_a_draft_model_compiles_no_kernel_mid_run(tiny_model_di
     tiles a catch-up needs would compile mid-run unless the warm-up runs long prompt rows (startup.warm_up_forwards;
     the likely cause, not yet confirmed on a GPU, of the Qwen3-8B + 0.6B-draft DESIGN run's first-run loss on a
     fresh H100: -6.4% first, -0.5% once compiled)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from nvcli.testing.tiny_models import make_tiny_model
 
     model_dir = tiny_model_dir("qwen3")  # 4 query heads, 2 KV heads
     draft = make_tiny_model(tmp_path / "mha-draft", "qwen3", seed=3, num_attention_heads=2, num_key_value_heads=2)
-    proc = subprocess.run([sys.executable, "-c", SPEC_NO_COMPILE_SCRIPT, str(model_dir), str(draft)],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _script_result(SPEC_NO_COMPILE_SCRIPT, str(model_dir), str(draft))
     assert result["verify_steps"] > 0, result
     assert result["compiled"] == [], "\n".join(result["compiled"])
