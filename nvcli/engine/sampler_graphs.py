@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from nvcli.engine.sampler import RowValues
+from nvcli.engine.staging import PinnedTurns
 
 # Decode steps of up to this many rows sample inside CUDA graphs. Larger steps keep the GPU busy for longer than the
 # host takes to launch them (2 ms and more from 17 rows of Qwen3-0.6B on an H100).
@@ -70,13 +71,17 @@ class SamplerGraphs:
         size = self._f32_bytes + 2 * max_rows * 8
         self.blob = torch.zeros(size, dtype=torch.uint8, device=device)
         self.f32, self.i64 = self._views(self.blob)
-        # Two pinned staging copies used in turn, as the decode graphs' inputs are (model_runner._make_graph_inputs):
-        # step N+1 is staged while step N's copy may still be queued on the device; step N-1's is done by then.
-        self.stage_blobs = [torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.stages = [tuple(t.numpy() for t in self._views(b)) for b in self.stage_blobs]
-        self.num_steps = 0
+        # Two pinned staging copies used in turn, as the graphs' inputs are (engine/staging.py): step N+1 is staged
+        # while step N's copy may still be queued on the device
+        self.turns = PinnedTurns(size, device)
+        self.stages = [tuple(t.numpy() for t in self._views(b)) for b in self.turns.blobs]
         self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
         self.tokens: dict[tuple[int, str], torch.Tensor] = {}  # [rows] int64, rewritten by every replay
+
+    @property
+    def num_steps(self) -> int:
+        """Replays so far."""
+        return self.turns.turn
 
     def _views(self, blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.max_rows
@@ -121,10 +126,10 @@ class SamplerGraphs:
     def sample(self, rows: int, values: RowValues) -> torch.Tensor:
         """Replay the graph of `rows` rows (a captured size) for a step whose first len(values.temperatures) rows are
         live -> its tokens [rows] int64 (the caller keeps the live ones). Enqueued on the current stream."""
-        f32, i64 = self.stages[self.num_steps % 2]
-        blob = self.stage_blobs[self.num_steps % 2]
-        self.num_steps += 1
+        turn = self.turns.next()
+        f32, i64 = self.stages[turn]
         kind = stage_row_values(f32, i64, values, rows, self.vocab_size)
-        self.blob.copy_(blob, non_blocking=True)  # a few hundred bytes: one copy's latency
+        self.blob.copy_(self.turns.blobs[turn], non_blocking=True)  # a few hundred bytes: one copy's latency
+        self.turns.uploaded(turn)
         self.graphs[rows, kind].replay()
         return self.tokens[rows, kind]
