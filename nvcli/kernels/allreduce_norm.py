@@ -30,7 +30,7 @@ def _sum_add_norm_kernel(
     res_ptr,  # [rows, N] residual (HAS_RES)
     w_ptr,  # [N] norm weight (NORM)
     out_ptr,  # [rows, N]: the normed rows (NORM) or the sum (+ residual)
-    new_res_ptr,  # [rows, N]: sum + residual (NORM and HAS_RES)
+    new_res_ptr,  # [rows, N]: sum + residual (NORM)
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -62,8 +62,7 @@ def _sum_add_norm_kernel(
         r = tl.load(res_ptr + base, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if NORM:
-        if HAS_RES:
-            tl.store(new_res_ptr + base, x, mask=mask)
+        tl.store(new_res_ptr + base, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
         normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -88,7 +87,7 @@ def sum_add_norm_triton(
     assert residual is None or (residual.shape == (rows, n) and residual.is_contiguous())
     assert weight is None or (weight.shape == (n,) and weight.is_contiguous())
     out = torch.empty((rows, n), dtype=first.dtype, device=first.device)
-    new_res = torch.empty_like(out) if weight is not None and residual is not None else out
+    new_res = torch.empty_like(out) if weight is not None else out
     if rows == 0:
         return out, new_res
     ptrs = list(parts) + [first] * (MAX_WORLD - len(parts))

@@ -47,6 +47,8 @@ def test_sum_add_norm_is_the_rank_ordered_sum_then_the_add_rmsnorm_kernel(world:
     want_out, want_res = on_device(rms_norm_triton)(alone, weight, 1e-6, residual)
     assert torch.equal(new_res, want_res)
     assert torch.equal(out, want_out)
+    out, new_res = on_device(sum_add_norm_triton)(parts, None, weight, 1e-6)  # no residual: the sum is the residual
+    assert torch.equal(new_res, alone) and torch.equal(out, on_device(rms_norm_triton)(alone, weight, 1e-6)[0])
 
 
 def test_no_rows_and_too_many_ranks() -> None:
