@@ -4,6 +4,8 @@ all-reduce idea). One process per GPU; each op is timed as the mean of `--iters`
 
     PYTHONPATH=. python3 benchmarks/allreduce_gpu.py --tp 2 [--hidden 4096] [--rows 1,8,32,128,256,512]
 
+Also the engine's two paths for a row-parallel projection's sum and the add+RMSNorm after it (_engine_paths).
+
 Prints `## <method> rows=<R>: <us> us` rows and a table.
 """
 
@@ -77,10 +79,44 @@ def _worker(rank: int, world: int, port: int, hidden: int, rows: list[int], iter
                     if rank == 0:
                         print(f"symm {method} rows={r} failed: {type(e).__name__}: {str(e).splitlines()[0]}",
                               flush=True)
+    results.update(_engine_paths(rank, hidden, rows, iters))
     if rank == 0:
         out.update(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _engine_paths(rank: int, hidden: int, rows: list[int], iters: int) -> dict[str, float]:
+    """A row-parallel projection's sum and the add+RMSNorm after it, as the engine runs them: `engine-two-shot+norm`
+    (copy into the symmetric buffer, two-shot all-reduce, copy out, add+RMSNorm kernel) against `deferred+norm`
+    (the GEMM already wrote the buffer: a barrier and the fused sum+add+RMSNorm kernel, distributed.sum_add_norm)."""
+    from nvcli import distributed
+    from nvcli.kernels.rms_norm import rms_norm_triton
+
+    results: dict[str, float] = {}
+    device = torch.device("cuda", rank)
+    if not distributed.init_symmetric_all_reduce(max(rows) * hidden, torch.bfloat16, device):
+        return results
+    deferred = distributed.init_deferred_sums(max(rows) * hidden, torch.bfloat16, device)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    try:
+        for r in rows:
+            x = torch.randn(r, hidden, dtype=torch.bfloat16, device="cuda")
+            residual = torch.randn(r, hidden, dtype=torch.bfloat16, device="cuda")
+            results[f"engine-two-shot+norm rows={r}"] = _graph_time_us(
+                lambda x=x, residual=residual: rms_norm_triton(distributed.all_reduce(x), weight, 1e-6, residual),
+                iters)
+            if deferred:
+                def op(r=r, residual=residual):
+                    p = distributed.partial_target(r, hidden, torch.bfloat16, device)
+                    return distributed.sum_add_norm(p, residual, weight, 1e-6)
+                distributed.begin_forward()
+                results[f"deferred+norm rows={r}"] = _graph_time_us(op, iters)
+                distributed.end_forward()
+    finally:
+        distributed.release_deferred_sums()
+        distributed.release_symmetric_all_reduce()
+    return results
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,11 @@ _SYMM_DTYPES = (torch.bfloat16, torch.float32)
 
 # Inside single_rank(): the layers see one rank whatever the process group (a model only this process runs)
 _single_rank = False
+
+# Deferred sums (init_deferred_sums): two peer-mapped buffers, used in turn, each as (this rank's buffer, its
+# symmetric-memory handle, every rank's buffer mapped here, in rank order); the next one to use
+_deferred: list[tuple[torch.Tensor, Any, list[torch.Tensor]]] = []
+_deferred_next = 0
 
 
 def tp_rank() -> int:
@@ -143,3 +150,110 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     for part in parts[1:]:
         total += part
     return x.copy_(total)
+
+
+@dataclass(frozen=True)
+class Partial:
+    """This rank's share of a row-parallel projection, not yet summed across the ranks: [rows, cols] in one of the
+    deferred-sum buffers (partial_target). Its consumer sums it (sum_add_norm, reduced) before anything else is
+    written there: the buffers are used in turn, and the barrier of a sum keeps the next-but-one write away from
+    peers still reading."""
+
+    parts: tuple[torch.Tensor, ...]  # every rank's [rows, cols] view, rank order
+    handle: Any  # the buffer's symmetric-memory handle (its barrier)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's view, where its GEMM writes."""
+        return self.parts[tp_rank()]
+
+
+def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Set up partial_target's two peer-mapped buffers of `max_elems` elements (collective, right after
+    init_symmetric_all_reduce). False, with every sum through all_reduce, off CUDA, on one rank, or where anything
+    fails (no symmetric memory, a handle without peer views or barriers, a wrong sum in the check)."""
+    global _deferred, _deferred_next
+    if device.type != "cuda" or tp_size() == 1 or max_elems < 8 or tp_size() > 8:
+        return False
+    made: list[tuple[torch.Tensor, Any, list[torch.Tensor]]] = []
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD.group_name
+        for _ in range(2):
+            buf = symm_mem.empty(max_elems, dtype=dtype, device=device)
+            handle = symm_mem.rendezvous(buf, group)
+            made.append((buf, handle, [handle.get_buffer(r, (max_elems,), dtype) for r in range(tp_size())]))
+    except Exception as e:  # noqa: BLE001 - any failure keeps all_reduce for every sum
+        log.info("deferred sums unavailable: %s: %s", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        made = []
+    if not _ranks_agree(bool(made), device):
+        return False
+    ok = False
+    try:  # each rank's buffer holds rank + 1: every rank must read the sum 1 + 2 + ... + world
+        world, n = tp_size(), 64
+        for buf, handle, views in made:
+            buf[:n].fill_(float(tp_rank() + 1))
+            p = Partial(tuple(v[:n].view(1, n) for v in views), handle)
+            total, _ = sum_add_norm(p, None, None)
+            ok = bool((total == float(world * (world + 1) // 2)).all().item())
+            handle.barrier(channel=1)
+            if not ok:
+                break
+    except Exception as e:  # noqa: BLE001
+        log.info("deferred sums failed their check: %s: %s", type(e).__name__,
+                 str(e).splitlines()[0] if str(e) else "")
+        ok = False
+    if not _ranks_agree(ok, device):
+        return False
+    _deferred, _deferred_next = made, 0
+    return True
+
+
+def release_deferred_sums() -> None:
+    """Drop the deferred-sum buffers (after the CUDA graphs that captured them, before destroy_process_group)."""
+    global _deferred
+    _deferred = []
+
+
+def begin_forward() -> None:
+    """A model forward starts: its partial_target calls take the buffers in turn from the first, so a forward (and
+    a CUDA graph captured from one) always uses them in the same order."""
+    global _deferred_next
+    _deferred_next = 0
+
+
+def end_forward() -> None:
+    """A model forward ends: where it deferred sums, a barrier, so that no rank writes the first buffer of the next
+    forward while a peer still reads it in this one."""
+    if _deferred and _deferred_next > 0:
+        _deferred[0][1].barrier(channel=1)
+
+
+def partial_target(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Partial | None:
+    """Where a row-parallel GEMM writes its [rows, cols] share for its consumer to sum (sum_add_norm, reduced):
+    the next deferred-sum buffer, or None (sum it with all_reduce) where there is none, it is too small, or the
+    dtype differs, or --batch-invariant orders the sums."""
+    global _deferred_next
+    if tp_size() == 1 or not _deferred or _rank_ordered_sums or device.type != "cuda":
+        return None
+    buf, handle, views = _deferred[_deferred_next % 2]
+    if dtype != buf.dtype or rows * cols > buf.numel():
+        return None
+    _deferred_next += 1
+    return Partial(tuple(v[: rows * cols].view(rows, cols) for v in views), handle)
+
+
+def sum_add_norm(p: Partial, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float = 1e-6
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(sum + residual), sum + residual) of a Partial, every rank the same bits (kernels/allreduce_norm.py);
+    without `weight`: (sum + residual, the same). A barrier first: every rank's share is written."""
+    from nvcli.kernels.allreduce_norm import sum_add_norm_triton
+
+    p.handle.barrier(channel=0)
+    return sum_add_norm_triton(p.parts, residual, weight, eps)
+
+
+def reduced(x: torch.Tensor | Partial) -> torch.Tensor:
+    """x summed across the ranks if it is a Partial; else x."""
+    return sum_add_norm(x, None, None)[0] if isinstance(x, Partial) else x

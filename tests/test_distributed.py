@@ -59,6 +59,8 @@ def _symmetric_off_on_gloo(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         ok = distributed.init_symmetric_all_reduce(1024, torch.float32, torch.device("cpu"))
+        ok = ok or distributed.init_deferred_sums(1024, torch.float32, torch.device("cpu"))
+        ok = ok or distributed.partial_target(4, 8, torch.float32, torch.device("cpu")) is not None
         x = torch.full((4, 8), float(rank + 1))
         y = distributed.all_reduce(x)
         if rank == 0:
@@ -127,3 +129,52 @@ def test_symmetric_all_reduce_matches_nccl_on_two_gpus(tmp_path: Path) -> None:
     ok, eager, big, graphed, same = torch.load(out).tolist()
     assert ok, "symmetric memory did not set up (see the log for why)"
     assert eager and big and graphed and same
+
+
+def _deferred_matches_two_shot(rank: int, world: int, port: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        from nvcli.kernels.rms_norm import rms_norm_triton
+
+        device = torch.device("cuda", rank)
+        ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
+        ok = ok and distributed.init_deferred_sums(256 * 512, torch.bfloat16, device)
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        parts = torch.randn(6, 100, 512, generator=g, device="cuda", dtype=torch.bfloat16)  # six sums in a row
+        common = torch.Generator(device="cuda").manual_seed(99)
+        residual = torch.randn(100, 512, generator=common, device="cuda", dtype=torch.bfloat16)
+        weight = 1 + 0.1 * torch.randn(512, generator=common, device="cuda", dtype=torch.bfloat16)
+        eye = torch.eye(512, device="cuda", dtype=torch.bfloat16)
+        same = True
+        distributed.begin_forward()
+        for part in parts:  # the buffers in turn, each refilled while a peer may just have read the other
+            want_normed, want_res = rms_norm_triton(distributed.all_reduce(part.clone()), weight, 1e-6, residual)
+            p = distributed.partial_target(100, 512, torch.bfloat16, device)
+            assert p is not None
+            torch.mm(part, eye, out=p.local)
+            normed, new_res = distributed.sum_add_norm(p, residual, weight, 1e-6)
+            same = same and torch.equal(normed, want_normed) and torch.equal(new_res, want_res)
+        distributed.end_forward()
+        torch.cuda.synchronize()
+        results = torch.tensor([ok, same])
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        distributed.release_deferred_sums()
+        distributed.release_symmetric_all_reduce()
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_deferred_sums_match_the_two_shot_all_reduce_then_the_norm(tmp_path: Path) -> None:
+    """Two ranks: a projection's share written into a deferred-sum buffer and summed inside the add+RMSNorm kernel
+    (distributed.sum_add_norm) gives the bits of the two-shot all-reduce followed by add+RMSNorm, six times in a
+    row (the two buffers in turn)."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    out = tmp_path / "deferred.pt"
+    mp.start_processes(_deferred_matches_two_shot, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    ok, same = torch.load(out).tolist()
+    assert ok, "symmetric memory or the deferred sums did not set up (see the log for why)"
+    assert same

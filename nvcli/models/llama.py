@@ -24,7 +24,15 @@ import torch
 from torch import nn
 
 from nvcli.attention.metadata import AttentionMetadata
-from nvcli.distributed import all_reduce, set_rank_ordered_sums, tp_size
+from nvcli.distributed import (
+    Partial,
+    all_reduce,
+    begin_forward,
+    end_forward,
+    reduced,
+    set_rank_ordered_sums,
+    tp_size,
+)
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
@@ -70,9 +78,12 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x), meta)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]."""
-        return self.o_proj(self.attention_heads(positions, qkv, meta))
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, partial: bool = False
+               ) -> torch.Tensor | Partial:
+        """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim].
+        `partial`: o_proj may leave its sum across the ranks to the caller's next add+RMSNorm (forward_partial)."""
+        heads = self.attention_heads(positions, qkv, meta)
+        return self.o_proj.forward_partial(heads) if partial else self.o_proj(heads)
 
     def attention_heads(
         self,
@@ -121,22 +132,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.attention_block(positions, x, residual, meta)
-        if use_triton(x):  # add+RMSNorm fused into the next projection (one kernel for a few rows)
+        if isinstance(x, Partial) or use_triton(x):
+            # add+RMSNorm fused into the next projection (one kernel for a few rows); under tensor parallelism the
+            # row-parallel projections leave their sums to that add+RMSNorm where they can (a Partial: the layer's
+            # output too, summed by the next layer's input norm or at the end of the model)
+            x, residual = self.attention_block(positions, x, residual, meta, partial=True)
             norm, down = self.post_attention_layernorm, self.mlp.down_proj
             gate_up, residual = self.mlp.gate_up_proj.forward_norm(x, residual, norm.weight, norm.eps)
-            return down.forward_silu_mul(gate_up), residual
+            return down.forward_silu_mul_partial(gate_up), residual
+        x, residual = self.attention_block(positions, x, residual, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
     def attention_block(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input add+RMSNorm and attention: (attention's output before the residual add, the residual)."""
-        if use_triton(x):  # add+RMSNorm fused into the qkv projection (one kernel for a few rows)
+        self, positions: torch.Tensor, x: torch.Tensor | Partial, residual: torch.Tensor | None,
+        meta: AttentionMetadata, partial: bool = False
+    ) -> tuple[torch.Tensor | Partial, torch.Tensor]:
+        """The input add+RMSNorm and attention: (attention's output before the residual add, the residual); x may be
+        the previous layer's Partial; `partial`: the output may be one too (DecoderAttention.attend)."""
+        if isinstance(x, Partial) or use_triton(x):  # add+RMSNorm fused into the qkv projection
             norm = self.input_layernorm
             qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, norm.weight, norm.eps)
-            return self.self_attn.attend(positions, qkv, meta), residual
+            return self.self_attn.attend(positions, qkv, meta, partial), residual
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -242,8 +259,11 @@ class DecoderModel(nn.Module):
                 x = layer.forward_deferred(positions, x, meta)
             return x, None
         residual = torch.zeros_like(x) if not self.layers else None
+        begin_forward()
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
+        x = reduced(x)  # the last layer's down projection, if not yet summed across the ranks
+        end_forward()
         return x, residual
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvcli.distributed import all_reduce, tp_rank, tp_size
+from nvcli.distributed import Partial, all_reduce, partial_target, sum_add_norm, tp_rank, tp_size
 from nvcli.kernels.block_fp8 import FP8_DTYPE
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.fp8 import Fp8Weights, active_fp8, fp8_linear
@@ -87,12 +87,16 @@ class LinearBase(nn.Module):
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows, self.fp8.scale_mm)
         return linear(x, self.weight, self.bias)
 
-    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+    def forward_norm(self, x: torch.Tensor | Partial, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(RMSNorm(x + residual)), x + residual) on the GPU: for a few rows one skinny-GEMM kernel with the norm
         in its prologue (kernels/skinny_gemm.norm_linear); an FP8 layer runs the add+RMSNorm kernel, then its GEMM
         (which quantizes the normed rows: quantizing inside the norm's one-program-per-row kernel measured 4.5x
-        the pair's time, benchmarks/RESULTS.md)."""
+        the pair's time, benchmarks/RESULTS.md). x a Partial (tensor parallelism): its sum across the ranks, the add
+        and the norm in one kernel (distributed.sum_add_norm), then the GEMM."""
+        if isinstance(x, Partial):
+            normed, residual = sum_add_norm(x, residual, norm_weight, eps)
+            return self.forward(normed), residual
         if self.fp8 is None:
             from nvcli.kernels.skinny_gemm import norm_linear
 
@@ -161,6 +165,25 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(super().forward(x))
 
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor | Partial:
+        """forward, leaving the sum across the ranks to the consumer where it can: cuBLAS writes this rank's share
+        into a deferred-sum buffer (distributed.partial_target) and the next add+RMSNorm sums it (forward_norm);
+        else forward (skinny and FP8 GEMMs, no buffer, rows past its size)."""
+        if self.fp8 is None and self.tp_size > 1 and x.is_cuda:
+            from nvcli.kernels.skinny_gemm import use_skinny
+
+            if not use_skinny(x, self.weight):
+                rows = x.numel() // x.shape[-1]
+                p = partial_target(rows, self.weight.shape[0], x.dtype, x.device)
+                if p is not None:
+                    x2 = x.reshape(rows, x.shape[-1])
+                    if self.bias is None:
+                        torch.mm(x2, self.weight.t(), out=p.local)
+                    else:
+                        torch.addmm(self.bias, x2, self.weight.t(), out=p.local)
+                    return p
+        return self.forward(x)
+
     def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
         for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (FP8 weights:
@@ -177,3 +200,15 @@ class RowParallelLinear(LinearBase):
         from nvcli.kernels.skinny_gemm import silu_mul_linear
 
         return all_reduce(silu_mul_linear(gate_up, self.weight, self.bias))
+
+    def forward_silu_mul_partial(self, gate_up: torch.Tensor) -> torch.Tensor | Partial:
+        """forward_silu_mul, leaving the sum to the consumer where forward_partial can (not for a few rows, whose
+        SiLU-and-mul runs inside the skinny GEMM, nor for FP8 weights)."""
+        from nvcli.kernels.skinny_gemm import use_skinny
+
+        k = gate_up.shape[-1] // 2
+        if self.fp8 is not None or self.tp_size == 1 or use_skinny(gate_up[..., :k], self.weight):
+            return self.forward_silu_mul(gate_up)
+        from nvcli.kernels.activation import silu_and_mul_triton
+
+        return self.forward_partial(silu_and_mul_triton(gate_up.reshape(-1, 2 * k)).view(*gate_up.shape[:-1], k))
