@@ -55,6 +55,7 @@ from nvcli.engine.sequence import Sequence, SequenceStatus
 from nvcli.engine.spec_backoff import kept_drafts
 from nvcli.engine.spec_decode import Proposer
 from nvcli.engine.step_input import StepInput, build_step_input
+from nvcli.engine.structured_output import mask_words
 from nvcli.speculative import FLAG
 
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class DraftProposer(Proposer):
         logits = self.model.compute_logits(hidden.index_select(0, index),
                                            None if residual is None else residual.index_select(0, index))
         masks = [(i, m) for i, c in enumerate(cursors or ()) if c is not None
-                 and (m := c.next_mask((logits.shape[1] + 31) // 32)) is not None]
+                 and (m := c.next_mask(mask_words(logits.shape[1]))) is not None]
         if masks:
             from nvcli.kernels.token_bitmask import apply_token_bitmask_  # Triton: imported when first needed
 

@@ -25,6 +25,7 @@ from nvcli.engine import kv_sizing
 from nvcli.engine.penalties import PenaltyBatch, apply_penalties
 from nvcli.engine.sampler import SamplingBatch, sample, token_logprobs
 from nvcli.engine.step_input import StepInput
+from nvcli.engine.structured_output import mask_words
 from nvcli.models.loader import iter_safetensors, load_dummy_weights, load_weights
 from nvcli.models.registry import model_class
 from nvcli.sampling_params import SamplingParams
@@ -281,7 +282,7 @@ def warm_up_kernels(runner: kv_sizing.Runner, dry_run: bool = False) -> None:
                 from nvcli.kernels.token_bitmask import apply_token_bitmask_
 
                 # structured outputs' mask (kernels/token_bitmask.py), on the model-dtype logits it writes in a job
-                words = -(-logits.shape[1] // 32)
+                words = mask_words(logits.shape[1])
                 apply_token_bitmask_(logits, one, torch.full((1, words), -1, dtype=torch.int32, device=runner.device))
         else:
             logits = runner.model.compute_logits(*final)

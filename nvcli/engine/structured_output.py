@@ -31,6 +31,11 @@ from nvcli.engine.verify_rows import first_extra_rows
 from nvcli.sampling_params import StructuredOutputsParams
 
 
+def mask_words(vocab_size: int) -> int:
+    """The int32 words of a token bitmask over `vocab_size` tokens (one bit a token, 32 a word)."""
+    return (vocab_size + 31) // 32
+
+
 class ConstrainedRow(Protocol):
     """What the masks read of a step's sequence (engine/sequence.Sequence)."""
 
@@ -126,7 +131,7 @@ class GrammarCompiler:
         self._executor = llguidance.LLExecutor()
         self._grammars: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self.vocab_size = vocab_size
-        self.mask_words = (vocab_size + 31) // 32
+        self.mask_words = mask_words(vocab_size)
         self.mask_s = 0.0  # host seconds spent filling masks (benchmarks report it per step)
         self.num_masked_steps = 0
         self.consume_s = 0.0  # host seconds spent feeding tokens to matchers
