@@ -63,6 +63,12 @@ def set_rank_ordered_sums(on: bool) -> None:
     _rank_ordered_sums = on
 
 
+def _summary(e: BaseException) -> str:
+    """'Type: first line of the message', for a log line about a set-up that fell back."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _ranks_agree(ok: bool, device: torch.device) -> bool:
     """True when `ok` holds on every rank (a MIN all-reduce): the ranks must all take the same all-reduce path, or
     the ones on NCCL and the ones on peer memory would wait on each other forever."""
@@ -93,8 +99,7 @@ def init_symmetric_all_reduce(max_elems: int, dtype: torch.dtype, device: torch.
         buf = symm_mem.empty(max_elems, dtype=dtype, device=device)
         symm_mem.rendezvous(buf, group)
     except Exception as e:  # noqa: BLE001 - any failure keeps NCCL, which always works
-        log.info("symmetric-memory all-reduce unavailable, using NCCL: %s: %s", type(e).__name__,
-                 str(e).splitlines()[0] if str(e) else "")
+        log.info("symmetric-memory all-reduce unavailable, using NCCL: %s", _summary(e))
         buf = None
     if not _ranks_agree(buf is not None, device):
         return False
@@ -109,8 +114,7 @@ def init_symmetric_all_reduce(max_elems: int, dtype: torch.dtype, device: torch.
         if not ok:
             log.info("symmetric-memory all-reduce gave a wrong sum; using NCCL")
     except Exception as e:  # noqa: BLE001
-        log.info("symmetric-memory all-reduce failed its check, using NCCL: %s: %s", type(e).__name__,
-                 str(e).splitlines()[0] if str(e) else "")
+        log.info("symmetric-memory all-reduce failed its check, using NCCL: %s", _summary(e))
     if not _ranks_agree(ok, device):
         return False
     _symm_buf, _symm_group = buf, group
@@ -185,7 +189,7 @@ def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device)
             handle = symm_mem.rendezvous(buf, group)
             made.append((buf, handle, [handle.get_buffer(r, (max_elems,), dtype) for r in range(tp_size())]))
     except Exception as e:  # noqa: BLE001 - any failure keeps all_reduce for every sum
-        log.info("deferred sums unavailable: %s: %s", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.info("deferred sums unavailable: %s", _summary(e))
         made = []
     if not _ranks_agree(bool(made), device):
         return False
@@ -201,8 +205,7 @@ def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device)
             if not ok:
                 break
     except Exception as e:  # noqa: BLE001
-        log.info("deferred sums failed their check: %s: %s", type(e).__name__,
-                 str(e).splitlines()[0] if str(e) else "")
+        log.info("deferred sums failed their check: %s", _summary(e))
         ok = False
     if not _ranks_agree(ok, device):
         return False
