@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.rms_norm import norm_row
+
 MAX_WORLD = 8
 
 
@@ -63,11 +65,7 @@ def _sum_add_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
     if NORM:
         tl.store(new_res_ptr + base, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + base, norm_row(x, w_ptr, offs, mask, eps, N).to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + base, x, mask=mask)
 

@@ -20,6 +20,16 @@ from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
 @triton.jit
+def norm_row(x, w_ptr, offs, mask, eps, N: tl.constexpr):
+    """weight * (x * rsqrt(mean(x^2) + eps)) of one row x (its model dtype; masked lanes 0), float32: the normed row
+    rounded to x's dtype before the weight multiplies, as the torch RMSNorm layer rounds."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    return normed * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -48,11 +58,8 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + outer * stride_r0 + sub * stride_r1 + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * N + offs, x, mask=mask)  # new residual: contiguous
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * N + offs, norm_row(x, w_ptr, offs, mask, eps, N).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 # RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output). A
