@@ -35,7 +35,8 @@ def _to_device(x: Any) -> Any:
 
 
 def _copy_back(a: Any, moved: Any) -> None:
-    """Caches are written in place: their device copies' values go back into the CPU originals."""
+    """Caches and outputs passed in (an amax buffer) are written in place: their device copies' values go back into
+    the CPU originals."""
     if isinstance(a, torch.Tensor):
         a.copy_(moved.cpu())
     elif isinstance(a, PagedKV):
@@ -54,8 +55,7 @@ def on_device(fn: Callable[..., Any]) -> Callable[..., Any]:
         for a, m in zip(args, moved):
             _copy_back(a, m)
         for k, v in kwargs.items():
-            if isinstance(v, PagedKV):
-                _copy_back(v, moved_kw[k])
+            _copy_back(v, moved_kw[k])
         return _to_cpu(out)
 
     return call
