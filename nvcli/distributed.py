@@ -25,6 +25,12 @@ _symm_group: str = ""
 _SYMM_DTYPES = (torch.bfloat16, torch.float32)
 
 
+# Peer-mapped buffers this process has set up (symm_mem.rendezvous calls), over every engine it ran. torch numbers
+# a process's rendezvous exchanges from 0 and matches the ranks' by that number, so a rendezvous between a rank that
+# made some before (the driver process is rank 0 of every engine it builds) and fresh worker processes waits forever:
+# _rendezvous_in_step checks the counts agree first.
+_rendezvous_made = 0
+
 # Inside single_rank(): the layers see one rank whatever the process group (a model only this process runs)
 _single_rank = False
 
@@ -77,6 +83,28 @@ def _ranks_agree(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+def _rendezvous_in_step(device: torch.device) -> bool:
+    """True when every rank has set up as many peer-mapped buffers in its process as this one (collective). False
+    where an earlier engine of this process set some up and its peers are new processes: a rendezvous would then
+    wait forever, so this engine keeps NCCL for its sums."""
+    count = torch.tensor([_rendezvous_made, -_rendezvous_made], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if count[0].item() == -count[1].item():
+        return True
+    log.info("peer-mapped buffers off for this engine (NCCL sums): an earlier tensor-parallel engine in this "
+             "process set some up, and torch cannot match a second set-up with fresh worker processes")
+    return False
+
+
+def _rendezvous(buf: torch.Tensor, group: str) -> Any:
+    """symm_mem.rendezvous, counted (_rendezvous_made) whether or not it succeeds."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    global _rendezvous_made
+    _rendezvous_made += 1
+    return symm_mem.rendezvous(buf, group)
+
+
 def init_symmetric_all_reduce(max_elems: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Set up all_reduce's symmetric-memory path for messages of up to `max_elems` elements of `dtype`: one buffer
     of that size, peer-mapped across the default group (torch symmetric memory, multicast off). Collective: every
@@ -85,6 +113,8 @@ def init_symmetric_all_reduce(max_elems: int, dtype: torch.dtype, device: torch.
     fails (torch without symmetric memory, no P2P between the GPUs, a dtype the kernel lacks)."""
     global _symm_buf, _symm_group
     if device.type != "cuda" or tp_size() == 1 or max_elems < 8:  # same answer on every rank: no collective yet
+        return False
+    if not _rendezvous_in_step(device):
         return False
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the lent machines need multicast off
     torch.cuda.set_device(device)  # symm_mem.empty allocates on the current device
@@ -97,7 +127,7 @@ def init_symmetric_all_reduce(max_elems: int, dtype: torch.dtype, device: torch.
 
         group = dist.group.WORLD.group_name
         buf = symm_mem.empty(max_elems, dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, group)
+        _rendezvous(buf, group)
     except Exception as e:  # noqa: BLE001 - any failure keeps NCCL, which always works
         log.info("symmetric-memory all-reduce unavailable, using NCCL: %s", _summary(e))
         buf = None
@@ -179,6 +209,8 @@ def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device)
     global _deferred, _deferred_next
     if device.type != "cuda" or tp_size() == 1 or max_elems < 8 or tp_size() > 8:
         return False
+    if not _rendezvous_in_step(device):
+        return False
     made: list[tuple[torch.Tensor, Any, list[torch.Tensor]]] = []
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -186,7 +218,7 @@ def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device)
         group = dist.group.WORLD.group_name
         for _ in range(2):
             buf = symm_mem.empty(max_elems, dtype=dtype, device=device)
-            handle = symm_mem.rendezvous(buf, group)
+            handle = _rendezvous(buf, group)
             made.append((buf, handle, [handle.get_buffer(r, (max_elems,), dtype) for r in range(tp_size())]))
     except Exception as e:  # noqa: BLE001 - any failure keeps all_reduce for every sum
         log.info("deferred sums unavailable: %s", _summary(e))

@@ -79,6 +79,27 @@ def test_symmetric_all_reduce_stays_off_on_cpu(tmp_path: Path) -> None:
     assert torch.equal(y, torch.full((4, 8), 3.0))
 
 
+def _rendezvous_agreement(rank: int, world: int, port: int, made: list[int], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        distributed._rendezvous_made = made[rank]
+        agreed = distributed._rendezvous_in_step(torch.device("cpu"))
+        torch.save(agreed, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("made, expected", [([0, 0, 0], True), ([3, 3, 3], True), ([3, 0, 0], False),
+                                            ([0, 0, 2], False)])
+def test_peer_buffers_are_set_up_only_where_every_rank_is_in_step(tmp_path: Path, made: list[int],
+                                                                  expected: bool) -> None:
+    """A driver process that ran a tensor-parallel engine before has made rendezvous its new workers have not: torch
+    would then wait forever on the next one. Every rank gets the same answer, so all take the same sum path."""
+    out = tmp_path / "agreed"
+    mp.start_processes(_rendezvous_agreement, args=(3, free_port(), made, str(out)), nprocs=3, start_method="spawn")
+    assert [torch.load(f"{out}.{rank}") for rank in range(3)] == [expected] * 3
+
+
 def test_symmetric_all_reduce_needs_several_ranks() -> None:
     assert distributed.init_symmetric_all_reduce(1024, torch.bfloat16, torch.device("cpu")) is False
 

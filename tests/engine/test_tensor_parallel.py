@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,12 @@ from nvcli.config import ConfigError
 PROMPTS = [list(range(1000, 1005)), list(range(2000, 2040)), list(range(3000, 3023))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(device="cpu", num_kvcache_blocks=64, max_model_len=256)
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
 def shm_segments() -> set[str]:
@@ -171,3 +178,28 @@ def test_a_moe_model_without_dense_layers_need_not_split_intermediate_size() -> 
     one_dense = ModelConfig.from_dict(tiny_config("qwen3_moe", intermediate_size=99, mlp_only_layers=[1]))
     with pytest.raises(ConfigError, match="intermediate_size=99"):
         _check_divisible(one_dense, 2)
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_a_second_tp_engine_in_one_process_runs_on_the_gpus(tmp_path: Path) -> None:
+    """The driver process is rank 0 of every engine it builds: a second engine at --tp 2 (fresh worker processes)
+    must start and give the first one's tokens, not wait forever setting up its peer-mapped buffers."""
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "qwen3", num_attention_heads=8, num_key_value_heads=4)
+    script = textwrap.dedent(f"""
+        import json
+        from nvcli import LLM, SamplingParams
+        outs = []
+        for _ in range(2):
+            llm = LLM({str(model)!r}, device="cuda", dtype="bfloat16", tensor_parallel_size=2, max_model_len=256,
+                      num_kvcache_blocks=64, max_num_seqs=8)
+            outs.append([o.outputs[0].token_ids for o in llm.generate({PROMPTS!r},
+                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))])
+            llm.shutdown()
+        print(json.dumps(outs))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first == second and all(len(t) == 12 for t in first)
