@@ -17,7 +17,7 @@ from torch import nn
 from nvcli.distributed import Partial, all_reduce, partial_target, sum_add_norm, tp_rank, tp_size
 from nvcli.kernels.block_fp8 import FP8_DTYPE
 from nvcli.kernels.ops import use_triton
-from nvcli.models.layers.fp8 import Fp8Weights, active_fp8, fp8_linear
+from nvcli.models.layers.fp8 import Fp8Weights, active_fp8, fp8_linear, tensor_scaled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -84,7 +84,8 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows, self.fp8.scale_mm)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows, self.fp8.scale_mm,
+                              tensor_scaled(self.fp8))
         return linear(x, self.weight, self.bias)
 
     def forward_norm(self, x: torch.Tensor | Partial, residual: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -188,6 +189,11 @@ class RowParallelLinear(LinearBase):
         """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
         for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (FP8 weights:
         the SiLU-and-mul kernel, writing its output quantized, then the FP8 GEMM)."""
+        if tensor_scaled(self.fp8) is not None:  # a decode step of a per-tensor layer: its own quantization
+            from nvcli.kernels.activation import silu_and_mul_triton
+
+            act = silu_and_mul_triton(gate_up.reshape(-1, gate_up.shape[-1]))
+            return all_reduce(super().forward(act).view(*gate_up.shape[:-1], -1))
         if self.fp8 is not None:  # SiLU-and-mul writes the FP8 GEMM's quantized input
             from nvcli.kernels.activation import silu_and_mul_quant_triton
             from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
