@@ -21,7 +21,7 @@ from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
 def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, D, rs_n, rs_eps, rows, s_ptr,
                          stride_sg, BLOCK: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr,
                          RS_BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr = 448.0,
-                         ACT_EPS: tl.constexpr = 1e-10):
+                         ACT_EPS: tl.constexpr = 1e-10, amax_ptr=None, AMAX: tl.constexpr = False):
     pdl_start(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -43,6 +43,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
         tl.store(s_ptr + row + groups.to(tl.int64) * stride_sg, scale, mask=groups * 128 < D)
     else:
         tl.store(out_ptr + row.to(tl.int64) * stride_o + col, h, mask=mask)
+        if AMAX:  # this block's largest magnitude, for a per-tensor FP8 quantization of the output (fp8_tensor.py)
+            tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(h.to(tl.float32)), axis=0))
 
 
 def silu_and_mul_triton(
@@ -50,6 +52,7 @@ def silu_and_mul_triton(
     scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden] or [num_tokens] precomputed 1 / RMS: gate and
     # up first times each row's 1 / RMS
     scale_eps: float = 1e-6,
+    amax: torch.Tensor | None = None,  # [num_tokens, amax_blocks(d)] float32: each block's largest output magnitude
 ) -> torch.Tensor:  # [num_tokens, d]
     n, two_d = x.shape
     d = two_d // 2
@@ -59,11 +62,19 @@ def silu_and_mul_triton(
         return out
     rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, n, x)
     block = min(1024, triton.next_power_of_2(d))
+    if amax is not None:
+        assert amax.shape == (n, amax_blocks(d)) and amax.dtype == torch.float32 and amax.is_contiguous()
     pdl = use_pdl(x, n)
     _silu_and_mul_kernel[(n, triton.cdiv(d, block))](
         x, out, rs_ptr, x.stride(0), out.stride(0), rs_stride, d, rs_n, scale_eps, n, out, 0, BLOCK=block, PDL=pdl,
-        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, QUANT=False, num_warps=4, **launch_kwargs(pdl))
+        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, QUANT=False, amax_ptr=amax, AMAX=amax is not None,
+        num_warps=4, **launch_kwargs(pdl))
     return out
+
+
+def amax_blocks(d: int) -> int:
+    """The column blocks of silu_and_mul_triton's programs over an output of d columns (its `amax` width)."""
+    return triton.cdiv(d, min(1024, triton.next_power_of_2(d)))
 
 
 def silu_and_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,12 +5,13 @@ a weight [N, K] is fp8 times one scale, amax / 448; the activations x [M, K] are
 scale, max(amax, 1e-10) / 448, and y = (q_x @ q_w.T) * (s_x * s_w) (+ bias) in x's dtype.
 
 `quantize_per_tensor_triton` gives `quantize_per_tensor_ref`'s bits exactly, in two launches, no atomics, no host
-sync, no memset (CUDA graphs capture it; the result does not depend on scheduling):
+sync, no memset (CUDA graphs capture it; the result does not depend on scheduling), or in one where the activation's
+producer wrote maxima of its parts (the add+RMSNorm kernel per row, SiLU-and-mul per block: layers/linear.py):
 
 * `_amax_partials_kernel`: P programs of ROWS consecutive rows each (`_plan`: a pure function of M and K, P at
   most 1024, every program at least ~8k elements), each walking its rows in [BLOCK_M, BLOCK_K] tiles and writing
   its rows' amax to partial[P]. A max is exact in any order, so the split changes no bit.
-* `_quant_tensor_kernel`: the same P row ranges; every program reduces the P partials to the global amax, takes
+* `_quant_tensor_kernel`: programs of ~4,096 elements (two an SM at decode sizes); every program reduces the partials to the global amax, takes
   scale = max(amax, 1e-10) / 448 (program 0 stores it), and writes q = clamp(x / scale, -448, 448) as fp8. Both
   divisions are IEEE-rounded (`tl.math.div_rn`; Triton's `/` is approximate), as torch divides.
 
@@ -36,7 +37,8 @@ import triton.language as tl
 from nvcli.kernels.block_fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX, quantize_weight_per_tensor
 
 MAX_PARTIALS = 1024  # programs of the amax pass, at most
-MIN_ELEMENTS = 8192  # elements a program handles, at least (fewer programs for small inputs)
+MIN_ELEMENTS = 8192  # elements an amax program handles, at least (fewer programs for small inputs)
+QUANT_ELEMENTS = 4096  # elements a quantization program handles, at least: ~2 programs an SM at decode sizes
 TILE_ELEMENTS = 4096  # elements of one [BLOCK_M, BLOCK_K] tile
 
 
@@ -91,7 +93,10 @@ def _quant_tensor_kernel(x_ptr, q_ptr, partial_ptr, scale_ptr, M, K, stride_xm, 
                          BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_p = tl.arange(0, BLOCK_P)
-    amax = tl.max(tl.load(partial_ptr + offs_p, mask=offs_p < P, other=0.0), axis=0)
+    part = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        part = tl.maximum(part, tl.load(partial_ptr + p0 + offs_p, mask=p0 + offs_p < P, other=0.0))
+    amax = tl.max(part, axis=0)
     scale = tl.math.div_rn(tl.maximum(amax, eps), FP8_MAX)
     if pid == 0:
         tl.store(scale_ptr, scale)
@@ -109,29 +114,35 @@ def _quant_tensor_kernel(x_ptr, q_ptr, partial_ptr, scale_ptr, M, K, stride_xm, 
             tl.store(q_base + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def _plan(m: int, k: int) -> tuple[int, int, int, int]:
+def _plan(m: int, k: int, min_elements: int = MIN_ELEMENTS) -> tuple[int, int, int, int]:
     """(rows a program, programs P, BLOCK_M, BLOCK_K) of an [m, k] input (m, k > 0): a pure function of the shape."""
-    rows = max(triton.cdiv(m, MAX_PARTIALS), triton.cdiv(MIN_ELEMENTS, k))
+    rows = max(triton.cdiv(m, MAX_PARTIALS), triton.cdiv(min_elements, k))
     block_k = min(triton.next_power_of_2(k), 1024)
     block_m = min(triton.next_power_of_2(min(rows, m)), max(1, TILE_ELEMENTS // block_k))
     return rows, triton.cdiv(m, rows), block_m, block_k
 
 
-def quantize_per_tensor_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_tensor_triton(x: torch.Tensor, amax_parts: Optional[torch.Tensor] = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16 / fp16 / fp32, rows contiguous) -> (fp8 [M, K], scale float32 [1]), bit for bit
-    quantize_per_tensor_ref's, in two kernel launches (none for an empty x)."""
+    quantize_per_tensor_ref's: in two kernel launches, or in one given `amax_parts` (float32, contiguous, any shape:
+    maxima of |x| over parts that cover x, as the norm and SiLU kernels write them); none for an empty x."""
     m, k = x.shape
     assert x.stride(-1) == 1 or k <= 1, x.stride()
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     if m == 0 or k == 0:
         return q, _eps_scale(x.device)
-    rows, programs, block_m, block_k = _plan(m, k)
-    partial = torch.empty((programs,), dtype=torch.float32, device=x.device)
     scale = torch.empty((1,), dtype=torch.float32, device=x.device)
-    _amax_partials_kernel[(programs,)](x, partial, m, k, x.stride(0), rows, BLOCK_M=block_m, BLOCK_K=block_k)
+    if amax_parts is None:
+        rows, programs, block_m, block_k = _plan(m, k)
+        amax_parts = torch.empty((programs,), dtype=torch.float32, device=x.device)
+        _amax_partials_kernel[(programs,)](x, amax_parts, m, k, x.stride(0), rows, BLOCK_M=block_m, BLOCK_K=block_k)
+    assert amax_parts.dtype == torch.float32 and amax_parts.is_contiguous() and amax_parts.device == x.device
+    parts = amax_parts.numel()
+    rows, programs, block_m, block_k = _plan(m, k, QUANT_ELEMENTS)
     _quant_tensor_kernel[(programs,)](
-        x, q, partial, scale, m, k, x.stride(0), q.stride(0), rows, programs, ACT_EPS,
-        FP8_MAX=FP8_MAX, BLOCK_P=triton.next_power_of_2(programs), BLOCK_M=block_m, BLOCK_K=block_k)
+        x, q, amax_parts, scale, m, k, x.stride(0), q.stride(0), rows, parts, ACT_EPS,
+        FP8_MAX=FP8_MAX, BLOCK_P=min(triton.next_power_of_2(parts), 1024), BLOCK_M=block_m, BLOCK_K=block_k)
     return q, scale
 
 
@@ -153,9 +164,11 @@ def tensor_gemm_eligible(n: int, k: int) -> bool:
 
 
 def fp8_tensor_linear_gpu(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None, amax_parts: Optional[torch.Tensor] = None
+                          ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32) times the fp8 weight wq [N, K] (scale w_scale float32 [1]) plus bias
-    -> [..., N] in x's dtype: the Triton per-tensor quantization, then cuBLASLt's FP8 GEMM (torch._scaled_mm)."""
+    -> [..., N] in x's dtype: the Triton per-tensor quantization (one kernel given `amax_parts`, the maxima of |x|
+    its producer wrote: quantize_per_tensor_triton), then cuBLASLt's FP8 GEMM (torch._scaled_mm)."""
     k = x.shape[-1]
     n = wq.shape[0]
     assert wq.dtype == FP8_DTYPE and wq.shape == (n, k) and wq.stride(1) == 1, (wq.dtype, wq.shape, wq.stride())
@@ -167,7 +180,7 @@ def fp8_tensor_linear_gpu(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tens
         x2 = x2.contiguous()
     if x2.shape[0] == 0 or n == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    q, s = quantize_per_tensor_triton(x2)
+    q, s = quantize_per_tensor_triton(x2, amax_parts)
     fused = bias is not None and x.dtype in (torch.bfloat16, torch.float16)  # no fused bias into fp32
     out = torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=w_scale.reshape(1), out_dtype=x.dtype,
                            bias=bias.to(x.dtype) if fused else None)

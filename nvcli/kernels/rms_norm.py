@@ -42,10 +42,12 @@ def _rms_norm_kernel(
     stride_x1,
     stride_r0,
     stride_r1,
+    amax_ptr,  # [rows] float32: each output row's largest magnitude (AMAX)
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
+    AMAX: tl.constexpr = False,
 ):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -58,8 +60,10 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + outer * stride_r0 + sub * stride_r1 + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * N + offs, x, mask=mask)  # new residual: contiguous
-    tl.store(out_ptr + row * N + offs, norm_row(x, w_ptr, offs, mask, eps, N).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = norm_row(x, w_ptr, offs, mask, eps, N).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + offs, y, mask=mask)
+    if AMAX:  # of the stored values: a per-tensor FP8 quantization's amax, without another pass (fp8_tensor.py)
+        tl.store(amax_ptr + row, tl.max(tl.abs(y.to(tl.float32)), axis=0))
 
 
 # RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output). A
@@ -128,6 +132,7 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: Optional[torch.Tensor] = None,  # like x
+    row_amax: Optional[torch.Tensor] = None,  # [rows] float32: receives each output row's largest magnitude
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual); without residual the second item is x itself."""
     n = x.shape[-1]
@@ -153,6 +158,8 @@ def rms_norm_triton(
         sr0 = sr1 = 0
     block = triton.next_power_of_2(n)
     pdl = use_pdl(x, rows)
+    if row_amax is not None:
+        assert row_amax.shape == (rows,) and row_amax.dtype == torch.float32
     num_warps = 1 if block <= 256 else (4 if block <= 2048 else (8 if block <= 8192 else 16))
     _rms_norm_kernel[(rows,)](
         x,
@@ -166,10 +173,12 @@ def rms_norm_triton(
         sx1,
         sr0,
         sr1,
+        row_amax if row_amax is not None else weight,
         N=n,
         BLOCK=block,
         HAS_RES=residual is not None,
         PDL=pdl,
+        AMAX=row_amax is not None,
         num_warps=num_warps,
         **launch_kwargs(pdl),
     )

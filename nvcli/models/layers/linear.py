@@ -104,6 +104,13 @@ class LinearBase(nn.Module):
             return norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
         from nvcli.kernels.rms_norm import rms_norm_triton
 
+        scale = tensor_scaled(self.fp8)
+        if scale is not None:  # a per-tensor decode step: the norm kernel also writes each row's amax
+            from nvcli.kernels.fp8_tensor import fp8_tensor_linear_gpu
+
+            amax = torch.empty(x.numel() // x.shape[-1], dtype=torch.float32, device=x.device)
+            normed, residual = rms_norm_triton(x, norm_weight, eps, residual, row_amax=amax)
+            return fp8_tensor_linear_gpu(normed, self.weight, scale, self.bias, amax), residual
         normed, residual = rms_norm_triton(x, norm_weight, eps, residual)
         return self.forward(normed), residual
 
@@ -189,11 +196,16 @@ class RowParallelLinear(LinearBase):
         """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
         for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (FP8 weights:
         the SiLU-and-mul kernel, writing its output quantized, then the FP8 GEMM)."""
-        if tensor_scaled(self.fp8) is not None:  # a decode step of a per-tensor layer: its own quantization
-            from nvcli.kernels.activation import silu_and_mul_triton
+        scale = tensor_scaled(self.fp8)
+        if scale is not None:  # a per-tensor decode step: SiLU-and-mul also writes its blocks' amax
+            from nvcli.kernels.activation import amax_blocks, silu_and_mul_triton
+            from nvcli.kernels.fp8_tensor import fp8_tensor_linear_gpu
 
-            act = silu_and_mul_triton(gate_up.reshape(-1, gate_up.shape[-1]))
-            return all_reduce(super().forward(act).view(*gate_up.shape[:-1], -1))
+            rows = gate_up.reshape(-1, gate_up.shape[-1])
+            amax = torch.empty((rows.shape[0], amax_blocks(rows.shape[1] // 2)), dtype=torch.float32,
+                               device=rows.device)
+            out = fp8_tensor_linear_gpu(silu_and_mul_triton(rows, amax=amax), self.weight, scale, self.bias, amax)
+            return all_reduce(out.view(*gate_up.shape[:-1], -1))
         if self.fp8 is not None:  # SiLU-and-mul writes the FP8 GEMM's quantized input
             from nvcli.kernels.activation import silu_and_mul_quant_triton
             from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
