@@ -54,19 +54,17 @@ def log(msg: str) -> None:
 def fp8_gemm(on: bool) -> Iterator[None]:
     """Within: start-up keeps FP8 projections in FP8 (on: the FP8 GEMM, on a CPU its torch reference) or dequantizes
     them at load (off), whatever the device."""
-    import nvcli.kernels.fp8_tensor as fp8_tensor
+    import nvcli.kernels.fp8_rows as fp8_rows
 
-    saved = block_fp8.fp8_gemm_supported, fp8_tensor.tensor_gemm_supported, fp8_tensor.fp8_tensor_linear_gpu
-    supported, linear = saved[1:]
+    saved = block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported
+    supported = saved[1]
     block_fp8.fp8_gemm_supported = lambda device: on
-    # on the CPU, decode steps per tensor as on an H100, through the torch reference
-    fp8_tensor.tensor_gemm_supported = lambda device, dtype: device.type == "cpu" or supported(device, dtype)
-    fp8_tensor.fp8_tensor_linear_gpu = lambda x, wq, s, bias=None, amax_parts=None: (
-        fp8_tensor.fp8_tensor_linear_ref(x, wq, s, bias) if x.device.type == "cpu" else linear(x, wq, s, bias, amax_parts))
+    # on the CPU, decode steps row-scaled as on an H100 (kernels/fp8_rows.py), through the torch reference
+    fp8_rows.tensor_gemm_supported = lambda device, dtype: device.type == "cpu" or supported(device, dtype)
     try:
         yield
     finally:
-        block_fp8.fp8_gemm_supported, fp8_tensor.tensor_gemm_supported, fp8_tensor.fp8_tensor_linear_gpu = saved
+        block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported = saved
 
 
 def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argparse.Namespace, dtype: str,

@@ -13,27 +13,59 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
 from nvcli.kernels.fp8_gemm import quantize_groups
+from nvcli.kernels.fp8_rows import round_to_e4m3
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
+
+
+@triton.jit
+def _silu_mul(x_ptr, row, col, mask, stride_x, D, rstd, ROW_SCALE: tl.constexpr):
+    """SiLU(gate) * up of one row's columns `col`, in the model dtype (both kernels' math, so their bits agree)."""
+    gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
+    if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
+        gate = (gate * rstd).to(up.dtype).to(tl.float32)
+        up = (up.to(tl.float32) * rstd).to(up.dtype)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
+    return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
+def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, stride_x, stride_q, stride_rs, D, rs_n, rs_eps,
+                                    BLOCK: tl.constexpr, ROW_SCALE: tl.constexpr, RS_BLOCK: tl.constexpr,
+                                    FP8_MAX: tl.constexpr, ACT_EPS: tl.constexpr):
+    """One program per row: the row's amax over all its columns, then the row quantized with it
+    (kernels/fp8_rows.py: what quantize_rows_triton makes of silu_and_mul_triton's output, bit for bit)."""
+    row = tl.program_id(0)
+    rstd = tl.full((), 1.0, tl.float32)
+    if ROW_SCALE:
+        rstd = load_row_rstd(rs_ptr + row.to(tl.int64) * stride_rs, rs_n, rs_eps, RS_BLOCK)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, D, BLOCK):
+        h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE)
+        amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), ACT_EPS), FP8_MAX)
+    for c in range(0, D, BLOCK):
+        h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
+        q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+        tl.store(q_ptr + row.to(tl.int64) * stride_q + c + offs, q.to(q_ptr.dtype.element_ty), mask=c + offs < D)
+    tl.store(s_ptr + row, scale)
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, D, rs_n, rs_eps, rows, s_ptr,
                          stride_sg, BLOCK: tl.constexpr, PDL: tl.constexpr, ROW_SCALE: tl.constexpr,
                          RS_BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr = 448.0,
-                         ACT_EPS: tl.constexpr = 1e-10, amax_ptr=None, AMAX: tl.constexpr = False):
+                         ACT_EPS: tl.constexpr = 1e-10):
     pdl_start(PDL)
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (col < D) & (row < rows)  # QUANT's padding rows (row >= rows) quantize zeros
-    gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
-    if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
+    rstd = tl.full((), 1.0, tl.float32)
+    if ROW_SCALE:
         rstd = load_row_rstd(rs_ptr + row.to(tl.int64) * stride_rs, rs_n, rs_eps, RS_BLOCK)
-        gate = (gate * rstd).to(up.dtype).to(tl.float32)
-        up = (up.to(tl.float32) * rstd).to(up.dtype)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
-    h = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    h = _silu_mul(x_ptr, row, col, mask, stride_x, D, rstd, ROW_SCALE)
     if QUANT:  # what quantize_activations_triton makes of h, bit for bit (BLOCK is a multiple of 128)
         g = tl.reshape(h.to(tl.float32), (BLOCK // 128, 128))
         q, scale = quantize_groups(g, ACT_EPS, FP8_MAX)
@@ -43,8 +75,6 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
         tl.store(s_ptr + row + groups.to(tl.int64) * stride_sg, scale, mask=groups * 128 < D)
     else:
         tl.store(out_ptr + row.to(tl.int64) * stride_o + col, h, mask=mask)
-        if AMAX:  # this block's largest magnitude, for a per-tensor FP8 quantization of the output (fp8_tensor.py)
-            tl.store(amax_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(h.to(tl.float32)), axis=0))
 
 
 def silu_and_mul_triton(
@@ -52,7 +82,6 @@ def silu_and_mul_triton(
     scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden] or [num_tokens] precomputed 1 / RMS: gate and
     # up first times each row's 1 / RMS
     scale_eps: float = 1e-6,
-    amax: torch.Tensor | None = None,  # [num_tokens, amax_blocks(d)] float32: each block's largest output magnitude
 ) -> torch.Tensor:  # [num_tokens, d]
     n, two_d = x.shape
     d = two_d // 2
@@ -62,19 +91,32 @@ def silu_and_mul_triton(
         return out
     rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, n, x)
     block = min(1024, triton.next_power_of_2(d))
-    if amax is not None:
-        assert amax.shape == (n, amax_blocks(d)) and amax.dtype == torch.float32 and amax.is_contiguous()
     pdl = use_pdl(x, n)
     _silu_and_mul_kernel[(n, triton.cdiv(d, block))](
         x, out, rs_ptr, x.stride(0), out.stride(0), rs_stride, d, rs_n, scale_eps, n, out, 0, BLOCK=block, PDL=pdl,
-        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, QUANT=False, amax_ptr=amax, AMAX=amax is not None,
-        num_warps=4, **launch_kwargs(pdl))
+        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, QUANT=False, num_warps=4, **launch_kwargs(pdl))
     return out
 
 
-def amax_blocks(d: int) -> int:
-    """The column blocks of silu_and_mul_triton's programs over an output of d columns (its `amax` width)."""
-    return triton.cdiv(d, min(1024, triton.next_power_of_2(d)))
+def silu_and_mul_quant_rows_triton(x: torch.Tensor, scale_rows: torch.Tensor | None = None, scale_eps: float = 1e-6
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(gate) * up of x [num_tokens, 2 * d] (times `scale_rows` first, as silu_and_mul_triton) quantized with
+    one scale per row -> (fp8 [num_tokens, d], scales [num_tokens] float32): kernels/fp8_rows.py's format, bit for
+    bit what quantize_rows_triton makes of silu_and_mul_triton's output, in one kernel."""
+    n, two_d = x.shape
+    d = two_d // 2
+    assert x.stride(-1) == 1
+    q = torch.empty((n, d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((n,), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return q, scale
+    rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, n, x)
+    block = min(2048, triton.next_power_of_2(d))
+    _silu_and_mul_quant_rows_kernel[(n,)](
+        x, q, scale, rs_ptr, x.stride(0), q.stride(0), rs_stride, d, rs_n, scale_eps, BLOCK=block,
+        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, FP8_MAX=FP8_MAX, ACT_EPS=ACT_EPS,
+        num_warps=8 if block >= 2048 else 4)
+    return q, scale
 
 
 def silu_and_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -196,48 +196,49 @@ def test_a_missing_scale_is_named(checkpoints, tmp_path: Path) -> None:
         LLM(str(broken), **ENGINE)
 
 
-def test_decode_steps_run_per_tensor_and_prompt_steps_block_scaled(checkpoints, monkeypatch) -> None:
-    """Where FP8 GEMMs run, a --quantization fp8 layer computes decode steps with its activations quantized per
-    tensor (kernels/fp8_tensor.py) and steps with prompt tokens per token and 128 columns (a prompt's first tokens'
-    outliers would crush one scale for the step); on the CPU each path runs its torch reference."""
+def test_decode_steps_run_row_scaled_and_prompt_steps_block_scaled(checkpoints, monkeypatch) -> None:
+    """Where the tensor-scaled FP8 GEMM runs, a --quantization fp8 layer (one scale per weight) computes decode steps
+    with each activation row quantized with its own scale (kernels/fp8_rows.py) and steps with prompt tokens per
+    token and 128 columns; on the CPU each path runs its torch reference."""
     import nvcli.kernels.block_fp8 as block_fp8
-    import nvcli.kernels.fp8_tensor as fp8_tensor
+    import nvcli.kernels.fp8_rows as fp8_rows
     import nvcli.models.layers.fp8 as fp8_layers
 
-    rows: dict[str, list[int]] = {"tensor": [], "block": []}
+    rows: dict[str, list[int]] = {"row": [], "block": []}
     errors: list[float] = []
+    product = fp8_rows.rows_product
 
-    def tensor_path(x, wq, w_scale, bias=None):
-        rows["tensor"].append(x.numel() // x.shape[-1])
-        y = fp8_tensor.fp8_tensor_linear_ref(x, wq, w_scale, bias)
+    def row_path(x, wq, w_scale):
+        rows["row"].append(x.shape[0])
+        y, scale = product(x, wq, w_scale)
         block = block_fp8.fp8_linear_ref(x, wq, w_scale.reshape(1, 1).expand(-(-wq.shape[0] // 128),
-                                                                            -(-wq.shape[1] // 128)), bias)
-        errors.append(float((y - block).norm() / block.norm()))
-        return y
+                                                                            -(-wq.shape[1] // 128)), None)
+        errors.append(float((fp8_rows.apply_row_scale(y, scale).float() - block.float()).norm() / block.norm()))
+        return y, scale
 
     def block_path(x, *args, **kwargs):
         rows["block"].append(x.numel() // x.shape[-1])
         return block_fp8.fp8_linear_ref(x, *args, **kwargs)
 
     monkeypatch.setattr(block_fp8, "fp8_gemm_supported", lambda device: True)
-    monkeypatch.setattr(fp8_tensor, "fp8_tensor_linear_gpu", tensor_path)
+    monkeypatch.setattr(fp8_rows, "rows_product", row_path)
     monkeypatch.setattr(fp8_layers, "fp8_linear_ref", block_path)
     plain, _, _ = checkpoints("qwen3")
     runs = {}
-    for per_tensor in (False, True):
-        monkeypatch.setattr(fp8_tensor, "tensor_gemm_supported", lambda device, dtype, on=per_tensor: on)
-        rows["tensor"].clear()
+    for row_scaled in (False, True):
+        monkeypatch.setattr(fp8_rows, "tensor_gemm_supported", lambda device, dtype, on=row_scaled: on)
+        rows["row"].clear()
         rows["block"].clear()
         llm = LLM(str(plain), quantization="fp8", **ENGINE)
         qkv = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        assert qkv.weight.dtype == FP8_DTYPE and (qkv.fp8.tensor_scale is not None) == per_tensor
-        runs[per_tensor] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert qkv.weight.dtype == FP8_DTYPE and (qkv.fp8.tensor_scale is not None) == row_scaled
+        runs[row_scaled] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         llm.shutdown()
         assert torch.equal(qkv.weight_scale, qkv.weight_scale.max().expand_as(qkv.weight_scale))  # one scale
-    # the per-tensor run: prompts of 5-40 tokens block-scaled, decode steps (1-3 rows) per tensor in every projection
+    # the row-scaled run: prompts of 5-40 tokens block-scaled, decode steps (1-3 rows) row-scaled in every projection
     assert rows["block"] and min(rows["block"]) >= 5, rows["block"]
-    assert rows["tensor"] and max(rows["tensor"]) <= len(PROMPTS), rows["tensor"]
-    assert len(rows["tensor"]) >= 4 * (MAX_TOKENS - 1)
-    assert max(errors) < 0.08, max(errors)  # per-tensor against per-token activation scales, same fp8 weight
+    assert rows["row"] and max(rows["row"]) <= len(PROMPTS), rows["row"]
+    assert len(rows["row"]) >= 4 * (MAX_TOKENS - 1)
+    assert max(errors) < 0.08, max(errors)  # per-row against per-token, per-128-column activation scales
     # the prompt steps are the same in both runs: every first token agrees
     assert [t[0] for t in runs[True]] == [t[0] for t in runs[False]], runs

@@ -10,11 +10,11 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
   loading a fused layer's shards are brought to one scale (the largest: the others are requantized), so the layer
   is per-tensor quantized as a whole.
 
-A per-tensor layer runs decode steps (`decode_steps`: no prompt token in the step) through cuBLASLt's tensor-scaled
-FP8 GEMM with the activations quantized per tensor (kernels/fp8_tensor.py): at decode sizes it streams the weight
-1.3-2.4x faster than the block-scaled GEMM (benchmarks/RESULTS.md). Steps with prompt tokens keep per-token, per
-128-column activation scales and the block-scaled GEMM (the weight's block scales are all its one scale): a prompt's
-first tokens carry activations orders of magnitude above the rest, which one scale for the whole step would crush.
+A per-tensor layer runs decode steps (`decode_steps`: no prompt token in the step) on one rank through cuBLASLt's
+tensor-scaled FP8 GEMM with each activation row quantized with its own scale, which the GEMM leaves pending in its
+output (kernels/fp8_rows.py, `RowScaled`): at decode sizes that GEMM streams the weight 1.3-2.4x faster than the
+block-scaled one (benchmarks/RESULTS.md). Other steps keep per-token, per 128-column activation scales and the
+block-scaled GEMM (the weight's block scales are all its one scale).
 
 The layers to quantize are the model's tensor-parallel projections (q/k/v, o, gate/up, down), built inside
 `fp8_projections(spec)`, and a mixture-of-experts block's experts (layers/moe_fp8.py, per expert tensor);
@@ -115,21 +115,34 @@ def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict
             raise _tp_cut(tp, what, in_features)
 
 
-def tensor_scaled(state: Optional[Fp8Weights]) -> Optional[torch.Tensor]:
-    """The one scale of a per-tensor layer whose GEMM runs tensor-scaled in this forward (a decode step), else None."""
-    return state.tensor_scale if state is not None and _decode_step else None
+def row_scaled(state: Optional[Fp8Weights]) -> Optional[torch.Tensor]:
+    """The one weight scale of a per-tensor layer whose GEMM runs row-scaled in this forward (kernels/fp8_rows.py: a
+    decode step, one rank, no bias), else None. Under tensor parallelism a row-parallel layer's ranks would each
+    leave their own row scales on a share of the sum, so every projection there keeps the block-scaled GEMM."""
+    if state is None or state.tensor_scale is None or not _decode_step or state.layer.bias is not None:
+        return None
+    return state.tensor_scale if state.tp_size == 1 else None
+
+
+@dataclass
+class RowScaled:
+    """A row-scaled GEMM's output: row i of the product is scale[i] * values[i] (kernels/fp8_rows.py). Its consumer
+    applies the scale as it loads the rows: the next add+RMSNorm (`x_scale`), SiLU-and-mul and the rotary kernels
+    (their precomputed row scale)."""
+
+    values: torch.Tensor  # [rows, N] in the model dtype
+    scale: torch.Tensor  # [rows] float32
+
+    def materialize(self) -> torch.Tensor:
+        from nvcli.kernels.fp8_rows import apply_row_scale
+
+        return apply_row_scale(self.values, self.scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
-               scale_rows: int, scale_mm: Optional[torch.Tensor] = None,
-               tensor_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+               scale_rows: int, scale_mm: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x @ dequant(weight).T (+ bias), activations quantized per token per 128 columns: kernels/fp8_gemm.py on a GPU
-    (`scale_mm`: the scales in cuBLASLt's layout, where its GEMM may run), its torch reference elsewhere; in a decode
-    step a per-tensor layer (`tensor_scale`, its one scale) quantizes them per tensor (kernels/fp8_tensor.py)."""
-    if tensor_scale is not None:
-        from nvcli.kernels.fp8_tensor import fp8_tensor_linear_gpu
-
-        return fp8_tensor_linear_gpu(x, weight, tensor_scale, bias)
+    (`scale_mm`: the scales in cuBLASLt's layout, where its GEMM may run), its torch reference elsewhere."""
     if use_triton(x):
         from nvcli.kernels.fp8_gemm import fp8_linear_gpu
 
@@ -258,7 +271,7 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
     (the layer then runs as any other). -> the number of FP8 layers."""
     if keep:
         from nvcli.kernels.fp8_gemm import cublas_eligible, cublas_supported, cublas_weight_scales
-        from nvcli.kernels.fp8_tensor import tensor_gemm_eligible, tensor_gemm_supported
+        from nvcli.kernels.fp8_rows import tensor_gemm_eligible, tensor_gemm_supported
     count = 0
     for name, module in model.named_modules():
         state: Optional[Fp8Weights] = getattr(module, "fp8", None)
