@@ -13,9 +13,11 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
 from nvcli.kernels.fp8_gemm import quantize_groups
-from nvcli.kernels.fp8_rows import round_to_e4m3
+from nvcli.kernels.fp8_rows import quantize_row, round_to_e4m3
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
+
+QUANT_ROW_BLOCK = 16384  # columns silu_and_mul_quant_rows_triton holds at once (past it: two passes over the row)
 
 
 @triton.jit
@@ -41,15 +43,20 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, stride_x, strid
     if ROW_SCALE:
         rstd = load_row_rstd(rs_ptr + row.to(tl.int64) * stride_rs, rs_n, rs_eps, RS_BLOCK)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for c in range(0, D, BLOCK):
-        h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE)
-        amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), ACT_EPS), FP8_MAX)
-    for c in range(0, D, BLOCK):
-        h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
-        q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
-        tl.store(q_ptr + row.to(tl.int64) * stride_q + c + offs, q.to(q_ptr.dtype.element_ty), mask=c + offs < D)
+    if D <= BLOCK:  # the row in registers: one pass
+        h = _silu_mul(x_ptr, row, offs, offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
+        q, scale = quantize_row(h, ACT_EPS, FP8_MAX)
+        tl.store(q_ptr + row.to(tl.int64) * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < D)
+    else:  # the amax over the row's blocks, then each block again, quantized
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, D, BLOCK):
+            h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE)
+            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), ACT_EPS), FP8_MAX)
+        for c in range(0, D, BLOCK):
+            h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
+            q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+            tl.store(q_ptr + row.to(tl.int64) * stride_q + c + offs, q.to(q_ptr.dtype.element_ty), mask=c + offs < D)
     tl.store(s_ptr + row, scale)
 
 
@@ -111,11 +118,11 @@ def silu_and_mul_quant_rows_triton(x: torch.Tensor, scale_rows: torch.Tensor | N
     if n == 0:
         return q, scale
     rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, n, x)
-    block = min(2048, triton.next_power_of_2(d))
+    block = min(QUANT_ROW_BLOCK, triton.next_power_of_2(d))  # a whole row of up to 16k columns in registers
     _silu_and_mul_quant_rows_kernel[(n,)](
         x, q, scale, rs_ptr, x.stride(0), q.stride(0), rs_stride, d, rs_n, scale_eps, BLOCK=block,
         ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, FP8_MAX=FP8_MAX, ACT_EPS=ACT_EPS,
-        num_warps=8 if block >= 2048 else 4)
+        num_warps=16 if block >= 8192 else (8 if block >= 2048 else 4))
     return q, scale
 
 
