@@ -6,8 +6,8 @@
 Reference: the model's own weights in --dtype. Tests, each over the same chat prompts, greedy:
 - fp8 weights: --quantization fp8 as the CPU and GPUs before compute capability 8.9 run it (the FP8 weights
   dequantized once at load; activations in --dtype);
-- fp8 W8A8: the FP8 GEMM as an H100 runs it (activations also quantized per token per 128 columns; the projections
-  kept FP8 and the norms unfolded): on a GPU kernels/fp8_gemm.py, on the CPU its torch reference
+- fp8 W8A8: the FP8 GEMMs as an H100 runs them (activations also quantized: per tensor in decode steps, per token
+  per 128 columns in prompt steps; the projections kept FP8 and the norms unfolded): on a GPU kernels/fp8_gemm.py, on the CPU its torch reference
   (kernels/block_fp8.fp8_linear_ref; the kernel differs only in float32 summation order and its output dtype);
 - bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model.
 Per test: greedy sequences identical to the reference's, the mean fraction of positions equal before the first
@@ -54,12 +54,17 @@ def log(msg: str) -> None:
 def fp8_gemm(on: bool) -> Iterator[None]:
     """Within: start-up keeps FP8 projections in FP8 (on: the FP8 GEMM, on a CPU its torch reference) or dequantizes
     them at load (off), whatever the device."""
-    saved = block_fp8.fp8_gemm_supported
+    import nvcli.kernels.fp8_rows as fp8_rows
+
+    saved = block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported
+    supported = saved[1]
     block_fp8.fp8_gemm_supported = lambda device: on
+    # on the CPU, decode steps row-scaled as on an H100 (kernels/fp8_rows.py), through the torch reference
+    fp8_rows.tensor_gemm_supported = lambda device, dtype: device.type == "cpu" or supported(device, dtype)
     try:
         yield
     finally:
-        block_fp8.fp8_gemm_supported = saved
+        block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported = saved
 
 
 def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argparse.Namespace, dtype: str,
@@ -68,10 +73,10 @@ def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argpar
     with fp8_gemm(w8a8):
         llm = LLM(args.model, device=args.device, dtype=dtype, quantization=quantization,
                   max_model_len=args.max_model_len, max_num_seqs=len(prompts), enable_prefix_caching=False)
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    logits = teacher_forced_logits(llm.engine.executor.runner, prompts, ref_outs if ref_outs is not None else outs)
-    llm.shutdown()
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        logits = teacher_forced_logits(llm.engine.executor.runner, prompts, ref_outs if ref_outs is not None else outs)
+        llm.shutdown()
     del llm
     gc.collect()
     log(f"  {dtype} quantization={quantization} w8a8={w8a8}: {time.perf_counter() - t0:.0f}s")

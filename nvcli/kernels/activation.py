@@ -13,8 +13,51 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
 from nvcli.kernels.fp8_gemm import quantize_groups
+from nvcli.kernels.fp8_rows import quantize_row, round_to_e4m3
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
+
+QUANT_ROW_BLOCK = 16384  # columns silu_and_mul_quant_rows_triton holds at once (past it: two passes over the row)
+
+
+@triton.jit
+def _silu_mul(x_ptr, row, col, mask, stride_x, D, rstd, ROW_SCALE: tl.constexpr):
+    """SiLU(gate) * up of one row's columns `col`, in the model dtype (both kernels' math, so their bits agree)."""
+    gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
+    if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
+        gate = (gate * rstd).to(up.dtype).to(tl.float32)
+        up = (up.to(tl.float32) * rstd).to(up.dtype)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
+    return (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
+def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, stride_x, stride_q, stride_rs, D, rs_n, rs_eps,
+                                    BLOCK: tl.constexpr, ROW_SCALE: tl.constexpr, RS_BLOCK: tl.constexpr,
+                                    FP8_MAX: tl.constexpr, ACT_EPS: tl.constexpr):
+    """One program per row: the row's amax over all its columns, then the row quantized with it
+    (kernels/fp8_rows.py: what quantize_rows_triton makes of silu_and_mul_triton's output, bit for bit)."""
+    row = tl.program_id(0)
+    rstd = tl.full((), 1.0, tl.float32)
+    if ROW_SCALE:
+        rstd = load_row_rstd(rs_ptr + row.to(tl.int64) * stride_rs, rs_n, rs_eps, RS_BLOCK)
+    offs = tl.arange(0, BLOCK)
+    if D <= BLOCK:  # the row in registers: one pass
+        h = _silu_mul(x_ptr, row, offs, offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
+        q, scale = quantize_row(h, ACT_EPS, FP8_MAX)
+        tl.store(q_ptr + row.to(tl.int64) * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < D)
+    else:  # the amax over the row's blocks, then each block again, quantized
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, D, BLOCK):
+            h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE)
+            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), ACT_EPS), FP8_MAX)
+        for c in range(0, D, BLOCK):
+            h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
+            q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+            tl.store(q_ptr + row.to(tl.int64) * stride_q + c + offs, q.to(q_ptr.dtype.element_ty), mask=c + offs < D)
+    tl.store(s_ptr + row, scale)
 
 
 @triton.jit
@@ -26,14 +69,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rs_ptr, stride_x, stride_o, stride_rs, 
     row = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (col < D) & (row < rows)  # QUANT's padding rows (row >= rows) quantize zeros
-    gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row.to(tl.int64) * stride_x + D + col, mask=mask, other=0.0)
-    if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
+    rstd = tl.full((), 1.0, tl.float32)
+    if ROW_SCALE:
         rstd = load_row_rstd(rs_ptr + row.to(tl.int64) * stride_rs, rs_n, rs_eps, RS_BLOCK)
-        gate = (gate * rstd).to(up.dtype).to(tl.float32)
-        up = (up.to(tl.float32) * rstd).to(up.dtype)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's F.silu in the model dtype
-    h = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    h = _silu_mul(x_ptr, row, col, mask, stride_x, D, rstd, ROW_SCALE)
     if QUANT:  # what quantize_activations_triton makes of h, bit for bit (BLOCK is a multiple of 128)
         g = tl.reshape(h.to(tl.float32), (BLOCK // 128, 128))
         q, scale = quantize_groups(g, ACT_EPS, FP8_MAX)
@@ -64,6 +103,27 @@ def silu_and_mul_triton(
         x, out, rs_ptr, x.stride(0), out.stride(0), rs_stride, d, rs_n, scale_eps, n, out, 0, BLOCK=block, PDL=pdl,
         ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, QUANT=False, num_warps=4, **launch_kwargs(pdl))
     return out
+
+
+def silu_and_mul_quant_rows_triton(x: torch.Tensor, scale_rows: torch.Tensor | None = None, scale_eps: float = 1e-6
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(gate) * up of x [num_tokens, 2 * d] (times `scale_rows` first, as silu_and_mul_triton) quantized with
+    one scale per row -> (fp8 [num_tokens, d], scales [num_tokens] float32): kernels/fp8_rows.py's format, bit for
+    bit what quantize_rows_triton makes of silu_and_mul_triton's output, in one kernel."""
+    n, two_d = x.shape
+    d = two_d // 2
+    assert x.stride(-1) == 1
+    q = torch.empty((n, d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((n,), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return q, scale
+    rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, n, x)
+    block = min(QUANT_ROW_BLOCK, triton.next_power_of_2(d))  # a whole row of up to 16k columns in registers
+    _silu_and_mul_quant_rows_kernel[(n,)](
+        x, q, scale, rs_ptr, x.stride(0), q.stride(0), rs_stride, d, rs_n, scale_eps, BLOCK=block,
+        ROW_SCALE=scale_rows is not None, RS_BLOCK=rs_block, FP8_MAX=FP8_MAX, ACT_EPS=ACT_EPS,
+        num_warps=16 if block >= 8192 else (8 if block >= 2048 else 4))
+    return q, scale
 
 
 def silu_and_mul_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,14 @@ def quantize_weight(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
 
 
+def quantize_weight_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], scale float32 [1]): scale = max(amax, 1e-12) / 448, fp8 = clamp(w / scale)."""
+    wf = w.float()
+    amax = wf.abs().amax() if wf.numel() else torch.zeros((), device=w.device)
+    scale = (amax.clamp(min=WEIGHT_EPS) / torch.full_like(amax, FP8_MAX)).reshape(1)
+    return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def expand_scale(scale: torch.Tensor, n: int, k: int, scale_rows: int = BLOCK) -> torch.Tensor:
     """Scales [ceil(N / scale_rows), ceil(K / 128)] as one float32 value per weight entry [N, K]."""
     return scale.repeat_interleave(scale_rows, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]

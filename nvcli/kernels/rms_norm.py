@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nvcli.kernels.block_fp8 import ACT_EPS, FP8_DTYPE, FP8_MAX
+from nvcli.kernels.fp8_rows import quantize_row
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 
 
@@ -42,10 +44,16 @@ def _rms_norm_kernel(
     stride_x1,
     stride_r0,
     stride_r1,
+    xs_ptr,  # [rows] float32 (X_SCALE): x's rows times these first (a row-scaled FP8 GEMM's output)
+    qs_ptr,  # [rows] float32 (QUANT): receives each output row's FP8 scale
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
+    X_SCALE: tl.constexpr = False,
+    QUANT: tl.constexpr = False,  # out is float8_e4m3fn: the normed row quantized with one scale (fp8_rows.py)
+    FP8_MAX: tl.constexpr = 448.0,
+    ACT_EPS: tl.constexpr = 1e-10,
 ):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -54,12 +62,19 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + outer * stride_x0 + sub * stride_x1 + offs, mask=mask, other=0.0)
+    if X_SCALE:  # rounded to the model dtype, as the torch reference scales the GEMM's output
+        x = (x.to(tl.float32) * tl.load(xs_ptr + row)).to(x_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + outer * stride_r0 + sub * stride_r1 + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(new_res_ptr + row * N + offs, x, mask=mask)  # new residual: contiguous
-    tl.store(out_ptr + row * N + offs, norm_row(x, w_ptr, offs, mask, eps, N).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = norm_row(x, w_ptr, offs, mask, eps, N).to(x_ptr.dtype.element_ty)
+    if QUANT:  # what quantize_rows_triton makes of the normed row in the model dtype, bit for bit
+        q, scale = quantize_row(y.to(tl.float32), ACT_EPS, FP8_MAX)
+        tl.store(out_ptr + row * N + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(qs_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # RS_BLOCK of a precomputed row scale: the kernel reads the row's 1 / RMS itself (row_rstd_triton's output). A
@@ -128,8 +143,12 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: Optional[torch.Tensor] = None,  # like x
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual); without residual the second item is x itself."""
+    x_scale: Optional[torch.Tensor] = None,  # [rows] float32: x's rows times these first (2-D x)
+    quantize: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """(RMSNorm(x + residual), x + residual); without residual the second item is x itself. `quantize`: (the
+    normed rows quantized per row as fp8, their scales [rows] float32, x + residual) instead, as
+    kernels/fp8_rows.quantize_rows_triton quantizes the model-dtype output."""
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous()
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
@@ -140,11 +159,17 @@ def rms_norm_triton(
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
     shape = x.shape
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(shape, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
     new_res = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else x
     rows = x.numel() // n
+    scales = torch.empty(rows if quantize else 0, dtype=torch.float32, device=x.device)
+    if x_scale is not None:
+        assert x.dim() == 2 and x_scale.shape == (rows,) and x_scale.dtype == torch.float32, "x_scale: [rows] fp32"
+        if residual is None:  # the new residual is the scaled x, which the kernel stores
+            residual = torch.zeros_like(x)
+            new_res = torch.empty(shape, dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out, new_res
+        return (out, scales, new_res) if quantize else (out, new_res)
     inner, sx0, sx1 = _row_strides(x)
     if residual is not None:
         r_inner, sr0, sr1 = _row_strides(residual)
@@ -166,11 +191,17 @@ def rms_norm_triton(
         sx1,
         sr0,
         sr1,
+        x_scale if x_scale is not None else weight,
+        scales if quantize else weight,
         N=n,
         BLOCK=block,
         HAS_RES=residual is not None,
         PDL=pdl,
+        X_SCALE=x_scale is not None,
+        QUANT=quantize,
+        FP8_MAX=FP8_MAX,
+        ACT_EPS=ACT_EPS,
         num_warps=num_warps,
         **launch_kwargs(pdl),
     )
-    return out, new_res
+    return (out, scales, new_res) if quantize else (out, new_res)

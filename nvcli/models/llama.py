@@ -37,6 +37,7 @@ from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
 from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nvcli.models.layers.fp8 import RowScaled, decode_steps
 from nvcli.models.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -78,11 +79,15 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x), meta)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, partial: bool = False
-               ) -> torch.Tensor | Partial:
-        """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim].
-        `partial`: o_proj may leave its sum across the ranks to the caller's next add+RMSNorm (forward_partial)."""
-        heads = self.attention_heads(positions, qkv, meta)
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor | RowScaled, meta: AttentionMetadata,
+               partial: bool = False) -> torch.Tensor | Partial | RowScaled:
+        """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], or a
+        row-scaled FP8 GEMM's (its row scale applied in the rotary kernels). `partial`: o_proj may leave its sum
+        across the ranks (or its row scale) to the caller's next add+RMSNorm (forward_partial)."""
+        if isinstance(qkv, RowScaled):
+            heads = self.attention_heads(positions, qkv.values, meta, qkv.scale)
+        else:
+            heads = self.attention_heads(positions, qkv, meta)
         return self.o_proj.forward_partial(heads) if partial else self.o_proj(heads)
 
     def attention_heads(
@@ -132,7 +137,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(x, Partial) or use_triton(x):
+        if isinstance(x, (Partial, RowScaled)) or use_triton(x):
             # add+RMSNorm fused into the next projection (one kernel for a few rows); under tensor parallelism the
             # row-parallel projections leave their sums to that add+RMSNorm where they can (a Partial: the layer's
             # output too, summed by the next layer's input norm or at the end of the model)
@@ -150,7 +155,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | Partial, torch.Tensor]:
         """The input add+RMSNorm and attention: (attention's output before the residual add, the residual); x may be
         the previous layer's Partial; `partial`: the output may be one too (DecoderAttention.attend)."""
-        if isinstance(x, Partial) or use_triton(x):  # add+RMSNorm fused into the qkv projection
+        if isinstance(x, (Partial, RowScaled)) or use_triton(x):  # add+RMSNorm fused into the qkv projection
             norm = self.input_layernorm
             qkv, residual = self.self_attn.qkv_proj.forward_norm(x, residual, norm.weight, norm.eps)
             return self.self_attn.attend(positions, qkv, meta, partial), residual
@@ -260,9 +265,12 @@ class DecoderModel(nn.Module):
             return x, None
         residual = torch.zeros_like(x) if not self.layers else None
         begin_forward()
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+        with decode_steps(meta.decode_only):
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, meta)
         x = reduced(x)  # the last layer's down projection, if not yet summed across the ranks
+        if isinstance(x, RowScaled):  # ... or not yet scaled (a row-scaled FP8 down projection)
+            x = x.materialize()
         end_forward()
         return x, residual
 

@@ -5,8 +5,9 @@ mixture-of-experts model, as Qwen publishes Qwen3-MoE FP8) of a safetensors chec
 `<name>.weight_scale_inv` beside it (one float32 scale per 128 x 128 block, kernels/block_fp8.py) and adds
 `quantization_config` to config.json; embeddings, norms, the LM head and a MoE router keep their dtype.
 `write_dequantized_checkpoint` writes the weights such a checkpoint holds (fp8 times scale) as a plain float32
-checkpoint: the reference a float run of transformers gives for the FP8 model. `--quantization fp8` quantizes each
-checkpoint tensor the same way as it loads, so both checkpoints also describe that run.
+checkpoint: the reference a float run of transformers gives for the FP8 model. `write_per_tensor_dequantized`
+writes the weights `--quantization fp8` makes of a plain checkpoint (layers/fp8.py: one scale per projection, a fused
+layer's shards brought to the largest of theirs; a MoE block's experts block-wise), dequantized to float32.
 """
 
 from __future__ import annotations
@@ -20,12 +21,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nvcli.kernels.block_fp8 import FP8_DTYPE, dequantize_weight, quantize_weight
+from nvcli.kernels.block_fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    quantize_weight,
+    quantize_weight_per_tensor,
+)
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [128, 128]}
 # every decoder projection, a mixture-of-experts block's per-expert tensors too (not its router, `mlp.gate`)
 PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.(q|k|v|o|gate|up|down)_proj\.weight$")
+# the checkpoint tensors one fused layer holds: q / k / v (qkv_proj) and gate / up (gate_up_proj) of one block
+FUSED = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,6 +83,36 @@ def write_dequantized_checkpoint(fp8_dir: Path, dst: Path) -> Path:
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8_dir / "config.json").read_text())
     config.pop("quantization_config", None)
+    config["torch_dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def write_per_tensor_dequantized(src: Path, dst: Path) -> Path:
+    """The weights `--quantization fp8` runs on, for `src`'s plain checkpoint, as a float32 checkpoint in `dst`."""
+    src, dst = Path(src), Path(dst)
+    _copy_other_files(src, dst)
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, list[str]] = {}
+    for name, t in _tensors(src).items():
+        match = PROJECTION.search(name)
+        if match is None:
+            out[name] = t.contiguous()
+        elif "experts" in match.group(1):
+            out[name] = dequantize_weight(*quantize_weight(t), torch.float32)
+        else:
+            proj = match.group(2)
+            groups.setdefault(name[: match.start(2)] + FUSED.get(proj, proj), []).append(name)
+            out[name] = t
+    for names in groups.values():
+        quantized = {name: quantize_weight_per_tensor(out[name]) for name in names}
+        common = max(scale for _, scale in quantized.values())
+        for name, (q, scale) in quantized.items():
+            if any(bool(s != common) for _, s in quantized.values()):  # layers/fp8.Fp8Weights.unify_scale
+                q = ((q.float() * scale) / common.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            out[name] = q.float() * common
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = "float32"
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst

@@ -19,6 +19,7 @@ from nvcli import LLM
 from nvcli.cli import app
 from nvcli.config import ConfigError
 from nvcli.kernels.block_fp8 import FP8_DTYPE, dequantize_weight
+from nvcli.testing.fp8_checkpoint import write_per_tensor_dequantized
 
 EXPERT = "model.layers.0.mlp.experts.{}.{}_proj.weight"
 # at --tp 2 every rank's part of o_proj's input (256), the dense down_proj's (256) and each expert's intermediate
@@ -55,8 +56,9 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(checkpoints) -> No
     assert greedy(fp8) == hf_greedy(dequantized)
 
 
-def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints) -> None:
-    """Each expert tensor quantized as it loads, as the FP8 checkpoint stores it, then dequantized once on the CPU."""
+def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints, tmp_path: Path) -> None:
+    """Each expert tensor quantized as it loads, as the FP8 checkpoint stores it, then dequantized once on the CPU;
+    the attention projections per tensor (write_per_tensor_dequantized: its experts block-wise, as here)."""
     plain, _, dequantized = checkpoints("tiny")
     llm = LLM(str(plain), quantization="fp8", **ENGINE)
     try:
@@ -67,7 +69,7 @@ def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints)
         assert torch.equal(experts.down_proj[1], want[EXPERT.format(1, "down")])
     finally:
         llm.shutdown()
-    assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
+    assert greedy(plain, quantization="fp8") == hf_greedy(write_per_tensor_dequantized(plain, tmp_path / "ref"))
 
 
 def test_tp2_over_gloo_loads_an_fp8_checkpoint(checkpoints) -> None:

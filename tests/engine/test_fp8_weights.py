@@ -1,5 +1,6 @@
-"""Block-wise FP8 weights on the CPU: an FP8 checkpoint (and --quantization fp8 on a float one) gives HF
-transformers' greedy tokens on the weights the FP8 checkpoint holds, dequantized; at --tp 2 over gloo too; bad
+"""FP8 weights on the CPU: a block-wise FP8 checkpoint gives HF transformers' greedy tokens on the weights it holds,
+dequantized (at --tp 2 over gloo too); --quantization fp8 on a float checkpoint those of its per-tensor quantized
+weights; where FP8 GEMMs run, decode steps take the per-tensor path and prompt steps the block-scaled one; bad
 settings fail with one line naming the flag."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from nvcli.testing.fp8_checkpoint import (
     QUANTIZATION_CONFIG,
     write_dequantized_checkpoint,
     write_fp8_checkpoint,
+    write_per_tensor_dequantized,
 )
 from nvcli.testing.tiny_models import make_tiny_model, tiny_config
 
@@ -95,24 +97,37 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(checkpoints, shape
     assert greedy(fp8) == hf_greedy(dequantized)
 
 
-def test_quantization_flag_matches_hf_on_quantized_then_dequantized_weights(checkpoints) -> None:
-    plain, _, dequantized = checkpoints("qwen3")
-    assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
+@pytest.fixture(scope="module")
+def per_tensor(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights --quantization fp8 makes of the qwen3 shape's plain checkpoint, dequantized."""
+    plain, _, _ = checkpoints("qwen3")
+    return write_per_tensor_dequantized(plain, tmp_path_factory.mktemp("fp8") / "per_tensor")
 
 
-def test_quantization_flag_quantizes_at_load_and_dequantizes_on_the_cpu(checkpoints) -> None:
-    plain, _, dequantized = checkpoints("qwen3")
+def test_quantization_flag_matches_hf_on_its_per_tensor_quantized_weights(checkpoints, per_tensor) -> None:
+    plain, _, _ = checkpoints("qwen3")
+    assert greedy(plain, quantization="fp8") == hf_greedy(per_tensor)
+
+
+def test_quantization_flag_quantizes_per_tensor_at_load_and_dequantizes_on_the_cpu(checkpoints, per_tensor) -> None:
+    plain, _, _ = checkpoints("qwen3")
     llm = LLM(str(plain), quantization="fp8", **ENGINE)
     from safetensors import safe_open
 
-    proj = llm.engine.executor.runner.model.model.layers[0].self_attn.o_proj
-    with safe_open(str(dequantized / "model.safetensors"), framework="pt") as f:
-        want = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+    attn = llm.engine.executor.runner.model.model.layers[0].self_attn
+    with safe_open(str(per_tensor / "model.safetensors"), framework="pt") as f:
+        want = {p: f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkvo"}
     with safe_open(str(plain / "model.safetensors"), framework="pt") as f:
-        original = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
-    assert proj.fp8 is None and proj.weight.dtype == torch.float32  # dequantized once at load (no FP8 GEMM here)
-    assert torch.equal(proj.weight, want) and not torch.equal(want, original)
+        original = {p: f.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkvo"}
+        norm = f.get_tensor("model.layers.0.input_layernorm.weight")
     llm.shutdown()
+    assert attn.o_proj.fp8 is None and attn.o_proj.weight.dtype == torch.float32  # dequantized once (no FP8 GEMM)
+    assert torch.equal(attn.o_proj.weight, want["o"]) and not torch.equal(want["o"], original["o"])
+    # q, k and v share one scale (each weight is its fp8 value times it), then the norm's weight is folded in
+    qkv = torch.cat([want["q"], want["k"], want["v"]])
+    scale = qkv.abs().max() / 448
+    assert torch.equal((qkv / scale).to(FP8_DTYPE).float() * scale, qkv)
+    assert torch.equal(attn.qkv_proj.weight, qkv * norm[None, :])
 
 
 def test_tp2_over_gloo_loads_an_fp8_checkpoint(checkpoints) -> None:
@@ -179,3 +194,51 @@ def test_a_missing_scale_is_named(checkpoints, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate_up_proj \(shards \['1'\]\) without their "
                                          "weight_scale_inv"):
         LLM(str(broken), **ENGINE)
+
+
+def test_decode_steps_run_row_scaled_and_prompt_steps_block_scaled(checkpoints, monkeypatch) -> None:
+    """Where the tensor-scaled FP8 GEMM runs, a --quantization fp8 layer (one scale per weight) computes decode steps
+    with each activation row quantized with its own scale (kernels/fp8_rows.py) and steps with prompt tokens per
+    token and 128 columns; on the CPU each path runs its torch reference."""
+    import nvcli.kernels.block_fp8 as block_fp8
+    import nvcli.kernels.fp8_rows as fp8_rows
+    import nvcli.models.layers.fp8 as fp8_layers
+
+    rows: dict[str, list[int]] = {"row": [], "block": []}
+    errors: list[float] = []
+    product = fp8_rows.rows_product
+
+    def row_path(x, wq, w_scale):
+        rows["row"].append(x.shape[0])
+        y, scale = product(x, wq, w_scale)
+        block = block_fp8.fp8_linear_ref(x, wq, w_scale.reshape(1, 1).expand(-(-wq.shape[0] // 128),
+                                                                            -(-wq.shape[1] // 128)), None)
+        errors.append(float((fp8_rows.apply_row_scale(y, scale).float() - block.float()).norm() / block.norm()))
+        return y, scale
+
+    def block_path(x, *args, **kwargs):
+        rows["block"].append(x.numel() // x.shape[-1])
+        return block_fp8.fp8_linear_ref(x, *args, **kwargs)
+
+    monkeypatch.setattr(block_fp8, "fp8_gemm_supported", lambda device: True)
+    monkeypatch.setattr(fp8_rows, "rows_product", row_path)
+    monkeypatch.setattr(fp8_layers, "fp8_linear_ref", block_path)
+    plain, _, _ = checkpoints("qwen3")
+    runs = {}
+    for row_scaled in (False, True):
+        monkeypatch.setattr(fp8_rows, "tensor_gemm_supported", lambda device, dtype, on=row_scaled: on)
+        rows["row"].clear()
+        rows["block"].clear()
+        llm = LLM(str(plain), quantization="fp8", **ENGINE)
+        qkv = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == FP8_DTYPE and (qkv.fp8.tensor_scale is not None) == row_scaled
+        runs[row_scaled] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        llm.shutdown()
+        assert torch.equal(qkv.weight_scale, qkv.weight_scale.max().expand_as(qkv.weight_scale))  # one scale
+    # the row-scaled run: prompts of 5-40 tokens block-scaled, decode steps (1-3 rows) row-scaled in every projection
+    assert rows["block"] and min(rows["block"]) >= 5, rows["block"]
+    assert rows["row"] and max(rows["row"]) <= len(PROMPTS), rows["row"]
+    assert len(rows["row"]) >= 4 * (MAX_TOKENS - 1)
+    assert max(errors) < 0.08, max(errors)  # per-row against per-token, per-128-column activation scales
+    # the prompt steps are the same in both runs: every first token agrees
+    assert [t[0] for t in runs[True]] == [t[0] for t in runs[False]], runs

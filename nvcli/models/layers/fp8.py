@@ -6,7 +6,15 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
 * an FP8 checkpoint (config.json `quantization_config` with quant_method fp8, as Qwen and DeepSeek publish them):
   each projection's weight is fp8 and `<name>.weight_scale_inv` holds its block scales;
 * `--quantization fp8` on a bf16 / fp32 checkpoint (or dummy weights): each tensor is quantized as it loads, on the
-  layer's device, per checkpoint tensor (a q, k or v projection apart), exactly as a checkpoint would store it.
+  layer's device, with one scale for the whole tensor (vLLM's online FP8), written into every block's scale; after
+  loading a fused layer's shards are brought to one scale (the largest: the others are requantized), so the layer
+  is per-tensor quantized as a whole.
+
+A per-tensor layer runs decode steps (`decode_steps`: no prompt token in the step) on one rank through cuBLASLt's
+tensor-scaled FP8 GEMM with each activation row quantized with its own scale, which the GEMM leaves pending in its
+output (kernels/fp8_rows.py, `RowScaled`): at decode sizes that GEMM streams the weight 1.3-2.4x faster than the
+block-scaled one (benchmarks/RESULTS.md). Other steps keep per-token, per 128-column activation scales and the
+block-scaled GEMM (the weight's block scales are all its one scale).
 
 The layers to quantize are the model's tensor-parallel projections (q/k/v, o, gate/up, down), built inside
 `fp8_projections(spec)`, and a mixture-of-experts block's experts (layers/moe_fp8.py, per expert tensor);
@@ -32,7 +40,15 @@ import torch
 from torch import nn
 
 from nvcli.config import ConfigError
-from nvcli.kernels.block_fp8 import BLOCK, FP8_DTYPE, dequantize_weight, fp8_linear_ref, quantize_weight
+from nvcli.kernels.block_fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    fp8_linear_ref,
+    quantize_weight,
+    quantize_weight_per_tensor,
+)
 from nvcli.kernels.ops import use_triton
 
 
@@ -45,6 +61,7 @@ class Fp8Spec:
 
 
 _active: Optional[Fp8Spec] = None
+_decode_step = False
 
 
 @contextmanager
@@ -56,6 +73,17 @@ def fp8_projections(spec: Optional[Fp8Spec]) -> Iterator[None]:
         yield
     finally:
         _active = before
+
+
+@contextmanager
+def decode_steps(decode_only: bool) -> Iterator[None]:
+    """Within: whether the forward being run (or captured) is a decode step, every row one generated token."""
+    global _decode_step
+    before, _decode_step = _decode_step, decode_only
+    try:
+        yield
+    finally:
+        _decode_step = before
 
 
 def active_fp8() -> Optional[Fp8Spec]:
@@ -85,6 +113,30 @@ def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict
     for what, in_features in row_parallel.items():
         if in_features % tp == 0 and (in_features // tp) % BLOCK:
             raise _tp_cut(tp, what, in_features)
+
+
+def row_scaled(state: Optional[Fp8Weights]) -> Optional[torch.Tensor]:
+    """The one weight scale of a per-tensor layer whose GEMM runs row-scaled in this forward (kernels/fp8_rows.py: a
+    decode step, one rank, no bias), else None. Under tensor parallelism a row-parallel layer's ranks would each
+    leave their own row scales on a share of the sum, so every projection there keeps the block-scaled GEMM."""
+    if state is None or state.tensor_scale is None or not _decode_step or state.layer.bias is not None:
+        return None
+    return state.tensor_scale if state.tp_size == 1 else None
+
+
+@dataclass
+class RowScaled:
+    """A row-scaled GEMM's output: row i of the product is scale[i] * values[i] (kernels/fp8_rows.py). Its consumer
+    applies the scale as it loads the rows: the next add+RMSNorm (`x_scale`), SiLU-and-mul and the rotary kernels
+    (their precomputed row scale)."""
+
+    values: torch.Tensor  # [rows, N] in the model dtype
+    scale: torch.Tensor  # [rows] float32
+
+    def materialize(self) -> torch.Tensor:
+        from nvcli.kernels.fp8_rows import apply_row_scale
+
+        return apply_row_scale(self.values, self.scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -122,6 +174,7 @@ class Fp8Weights:
         aligned = all(offset % BLOCK == 0 and (rows % BLOCK == 0 or (offset == last and (self.tp_size == 1 or not column)))
                       for offset, rows in shards.values())
         self.scale_rows = BLOCK if aligned else 1
+        self.per_tensor = not spec.checkpoint  # quantized here, one scale per tensor
         layer.register_buffer("weight_scale", torch.ones(_cdiv(out_features, self.scale_rows),
                                                          _cdiv(in_features, BLOCK), dtype=torch.float32),
                               persistent=False)
@@ -130,6 +183,8 @@ class Fp8Weights:
         self.scaled: set[Any] = set()  # shards whose scales are set (from the checkpoint or by quantizing)
         # the scales in cuBLASLt's layout, set after loading where its block-scaled GEMM runs (finish_fp8_layers)
         self.scale_mm: Optional[torch.Tensor] = None
+        # a per-tensor layer's one scale [1], set after loading where the tensor-scaled GEMM runs (finish_fp8_layers)
+        self.tensor_scale: Optional[torch.Tensor] = None
 
     def _write_scale(self, block_scale: torch.Tensor, offset: int, rows: int) -> None:
         """Scales of `rows` rows from `offset`, given per 128 rows from the first ([ceil(rows / 128), kb])."""
@@ -148,10 +203,29 @@ class Fp8Weights:
             dst.copy_(loaded)
             self.fp8_weights.add(shard)
             return
-        q, scale = quantize_weight(loaded.to(weight.device))
+        q, scale = self._quantize(loaded.to(weight.device))
         dst.copy_(q)
         self._write_scale(scale, offset, loaded.shape[0])
         self.scaled.add(shard)
+
+    def _quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """w [rows, in] -> (fp8, block scales [ceil(rows / 128), ceil(in / 128)]); per tensor: one scale in each."""
+        if not self.per_tensor:
+            return quantize_weight(w)
+        q, scale = quantize_weight_per_tensor(w)
+        return q, scale.reshape(1, 1).expand(_cdiv(w.shape[0], BLOCK), _cdiv(w.shape[1], BLOCK))
+
+    def unify_scale(self) -> torch.Tensor:
+        """A per-tensor layer's shards (q / k / v, gate / up: quantized one by one as they loaded) brought to the
+        largest of their scales, each shard's weight requantized to it -> the layer's one scale [1]."""
+        scale = self.layer.weight_scale
+        common = scale.max()
+        if bool((scale != common).any()):
+            weight = self.layer.weight.data
+            w = dequantize_weight(weight, scale, torch.float32, self.scale_rows)
+            weight.copy_((w / common).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+            scale.fill_(common)
+        return common.reshape(1).clone()
 
     def load_scale(self, scale: torch.Tensor, shard: Any, name: str) -> None:
         """A checkpoint's `weight_scale_inv` [ceil(rows / 128), ceil(in / 128)] of the whole tensor: this rank's
@@ -179,7 +253,7 @@ class Fp8Weights:
         """Random weights of the real shape (std 0.02, as loader.load_dummy_weights), quantized."""
         weight = self.layer.weight
         w = torch.empty(weight.shape, dtype=torch.float32, device=weight.device).normal_(0.0, 0.02, generator=generator)
-        q, scale = quantize_weight(w)
+        q, scale = self._quantize(w)
         weight.data.copy_(q)
         self._write_scale(scale, 0, weight.shape[0])
         self.scaled.update(self.shards)
@@ -197,6 +271,7 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
     (the layer then runs as any other). -> the number of FP8 layers."""
     if keep:
         from nvcli.kernels.fp8_gemm import cublas_eligible, cublas_supported, cublas_weight_scales
+        from nvcli.kernels.fp8_rows import tensor_gemm_eligible, tensor_gemm_supported
     count = 0
     for name, module in model.named_modules():
         state: Optional[Fp8Weights] = getattr(module, "fp8", None)
@@ -204,8 +279,12 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
             continue
         state.check_loaded(name)
         count += 1
+        scale = state.unify_scale() if state.per_tensor else None
         if keep:
             weight = module.weight
+            if scale is not None:
+                if tensor_gemm_eligible(*weight.shape) and tensor_gemm_supported(weight.device, dtype):
+                    state.tensor_scale = scale
             if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype,
                                                                                           state.scale_rows):
                 state.scale_mm = cublas_weight_scales(module.weight_scale, state.scale_rows)

@@ -17,7 +17,7 @@ from torch import nn
 from nvcli.distributed import Partial, all_reduce, partial_target, sum_add_norm, tp_rank, tp_size
 from nvcli.kernels.block_fp8 import FP8_DTYPE
 from nvcli.kernels.ops import use_triton
-from nvcli.models.layers.fp8 import Fp8Weights, active_fp8, fp8_linear
+from nvcli.models.layers.fp8 import Fp8Weights, RowScaled, active_fp8, fp8_linear, row_scaled
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -84,26 +84,49 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
+            if row_scaled(self.fp8) is not None:  # its row scales applied here (no consumer takes them)
+                return self.forward_rows(x).materialize().view(*x.shape[:-1], -1)
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows, self.fp8.scale_mm)
         return linear(x, self.weight, self.bias)
 
-    def forward_norm(self, x: torch.Tensor | Partial, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_rows(self, x: torch.Tensor) -> RowScaled:
+        """A row-scaled FP8 layer's product (layers/fp8.row_scaled): x's rows quantized each with its own scale,
+        the scales left pending in the output [rows, out]."""
+        from nvcli.kernels.fp8_rows import rows_product
+
+        w_scale = row_scaled(self.fp8)
+        assert w_scale is not None
+        x2 = x.reshape(-1, x.shape[-1])
+        return RowScaled(*rows_product(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight, w_scale))
+
+    def forward_norm(self, x: torch.Tensor | Partial | RowScaled, residual: torch.Tensor | None,
+                     norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor | RowScaled, torch.Tensor]:
         """(self(RMSNorm(x + residual)), x + residual) on the GPU: for a few rows one skinny-GEMM kernel with the norm
         in its prologue (kernels/skinny_gemm.norm_linear); an FP8 layer runs the add+RMSNorm kernel, then its GEMM
         (which quantizes the normed rows: quantizing inside the norm's one-program-per-row kernel measured 4.5x
         the pair's time, benchmarks/RESULTS.md). x a Partial (tensor parallelism): its sum across the ranks, the add
-        and the norm in one kernel (distributed.sum_add_norm), then the GEMM."""
+        and the norm in one kernel (distributed.sum_add_norm), then the GEMM. A row-scaled FP8 layer
+        (layers/fp8.row_scaled): the norm kernel writes its rows quantized, and the output is RowScaled; x may be
+        one (its scale applied in the same kernel)."""
         if isinstance(x, Partial):
             normed, residual = sum_add_norm(x, residual, norm_weight, eps)
             return self.forward(normed), residual
-        if self.fp8 is None:
+        from nvcli.kernels.rms_norm import rms_norm_triton
+
+        x_scale = None
+        if isinstance(x, RowScaled):
+            x, x_scale = x.values, x.scale
+        w_scale = row_scaled(self.fp8)
+        if w_scale is not None:
+            from nvcli.kernels.fp8_rows import rows_linear_gpu
+
+            q, q_scale, residual = rms_norm_triton(x, norm_weight, eps, residual, x_scale, quantize=True)
+            return RowScaled(rows_linear_gpu(q, self.weight, w_scale, x.dtype), q_scale), residual
+        if self.fp8 is None and x_scale is None:
             from nvcli.kernels.skinny_gemm import norm_linear
 
             return norm_linear(x, residual, norm_weight, eps, self.weight, self.bias)
-        from nvcli.kernels.rms_norm import rms_norm_triton
-
-        normed, residual = rms_norm_triton(x, norm_weight, eps, residual)
+        normed, residual = rms_norm_triton(x, norm_weight, eps, residual, x_scale)
         return self.forward(normed), residual
 
 
@@ -165,10 +188,13 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(super().forward(x))
 
-    def forward_partial(self, x: torch.Tensor) -> torch.Tensor | Partial:
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor | Partial | RowScaled:
         """forward, leaving the sum across the ranks to the consumer where it can: cuBLAS writes this rank's share
         into a deferred-sum buffer (distributed.partial_target) and the next add+RMSNorm sums it (forward_norm);
-        else forward (skinny and FP8 GEMMs, no buffer, rows past its size)."""
+        else forward (skinny and FP8 GEMMs, no buffer, rows past its size). A row-scaled FP8 layer
+        (layers/fp8.row_scaled, one rank): its rows quantized each with its own scale, the output RowScaled."""
+        if row_scaled(self.fp8) is not None:
+            return self.forward_rows(x)
         if self.fp8 is None and self.tp_size > 1 and x.is_cuda:
             from nvcli.kernels.skinny_gemm import use_skinny
 
@@ -184,10 +210,23 @@ class RowParallelLinear(LinearBase):
                     return p
         return self.forward(x)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, gate_up: torch.Tensor | RowScaled) -> torch.Tensor | RowScaled:
         """forward(SiLU(gate) * up) from the fused gate_up output [..., 2 * in_features] (GPU only):
         for a few rows the activation is computed inside the GEMM's loads, one kernel instead of two (FP8 weights:
-        the SiLU-and-mul kernel, writing its output quantized, then the FP8 GEMM)."""
+        the SiLU-and-mul kernel, writing its output quantized, then the FP8 GEMM). gate_up RowScaled (a row-scaled
+        gate_up projection): SiLU-and-mul applies its scale; a row-scaled layer's output is RowScaled too."""
+        w_scale = row_scaled(self.fp8)
+        if w_scale is not None:
+            from nvcli.kernels.activation import silu_and_mul_quant_rows_triton
+            from nvcli.kernels.fp8_rows import rows_linear_gpu
+
+            values, scale = (gate_up.values, gate_up.scale) if isinstance(gate_up, RowScaled) else (gate_up, None)
+            q, q_scale = silu_and_mul_quant_rows_triton(values.reshape(-1, values.shape[-1]), scale)
+            return RowScaled(rows_linear_gpu(q, self.weight, w_scale, values.dtype), q_scale)
+        if isinstance(gate_up, RowScaled):
+            from nvcli.kernels.activation import silu_and_mul_triton
+
+            return self.forward(silu_and_mul_triton(gate_up.values, gate_up.scale))
         if self.fp8 is not None:  # SiLU-and-mul writes the FP8 GEMM's quantized input
             from nvcli.kernels.activation import silu_and_mul_quant_triton
             from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
@@ -201,11 +240,13 @@ class RowParallelLinear(LinearBase):
 
         return all_reduce(silu_mul_linear(gate_up, self.weight, self.bias))
 
-    def forward_silu_mul_partial(self, gate_up: torch.Tensor) -> torch.Tensor | Partial:
+    def forward_silu_mul_partial(self, gate_up: torch.Tensor | RowScaled) -> torch.Tensor | Partial | RowScaled:
         """forward_silu_mul, leaving the sum to the consumer where forward_partial can (not for a few rows, whose
         SiLU-and-mul runs inside the skinny GEMM, nor for FP8 weights)."""
         from nvcli.kernels.skinny_gemm import use_skinny
 
+        if isinstance(gate_up, RowScaled):
+            return self.forward_silu_mul(gate_up)
         k = gate_up.shape[-1] // 2
         if self.fp8 is not None or self.tp_size == 1 or use_skinny(gate_up[..., :k], self.weight):
             return self.forward_silu_mul(gate_up)
