@@ -76,7 +76,7 @@ def load_model(config: EngineConfig, model_config: ModelConfig, model_dir: Path,
     from nvcli.models.layers.fp8 import finish_fp8_layers, fp8_projections, fp8_spec
     from nvcli.models.layers.moe_fp8 import finish_fp8_experts
 
-    fp8 = fp8_spec(config.quantization, model_config.quantization)
+    fp8 = fp8_spec(config.quantization, model_config.quantization, device, dtype, config.tensor_parallel_size)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

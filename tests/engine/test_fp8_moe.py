@@ -56,9 +56,8 @@ def test_fp8_checkpoint_matches_hf_on_its_dequantized_weights(checkpoints) -> No
     assert greedy(fp8) == hf_greedy(dequantized)
 
 
-def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints, tmp_path: Path) -> None:
-    """Each expert tensor quantized as it loads, as the FP8 checkpoint stores it, then dequantized once on the CPU;
-    the attention projections per tensor (write_per_tensor_dequantized: its experts block-wise, as here)."""
+def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints) -> None:
+    """Each expert tensor quantized as it loads, as the FP8 checkpoint stores it, then dequantized once on the CPU."""
     plain, _, dequantized = checkpoints("tiny")
     llm = LLM(str(plain), quantization="fp8", **ENGINE)
     try:
@@ -69,6 +68,17 @@ def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints,
         assert torch.equal(experts.down_proj[1], want[EXPERT.format(1, "down")])
     finally:
         llm.shutdown()
+    assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
+
+
+def test_quantization_flag_quantizes_attention_per_tensor_where_decode_runs_row_scaled(checkpoints, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """As on one GPU with the tensor-scaled FP8 GEMM: the attention projections per tensor, the experts block-wise
+    (write_per_tensor_dequantized writes those weights)."""
+    import nvcli.models.layers.fp8 as fp8_layers
+
+    monkeypatch.setattr(fp8_layers, "row_scaled_decode", lambda device, dtype, tp: tp == 1)
+    plain, _, _ = checkpoints("tiny")
     assert greedy(plain, quantization="fp8") == hf_greedy(write_per_tensor_dequantized(plain, tmp_path / "ref"))
 
 

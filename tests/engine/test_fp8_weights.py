@@ -1,7 +1,7 @@
 """FP8 weights on the CPU: a block-wise FP8 checkpoint gives HF transformers' greedy tokens on the weights it holds,
-dequantized (at --tp 2 over gloo too); --quantization fp8 on a float checkpoint those of its per-tensor quantized
-weights; where FP8 GEMMs run, decode steps take the per-tensor path and prompt steps the block-scaled one; bad
-settings fail with one line naming the flag."""
+dequantized (at --tp 2 over gloo too); --quantization fp8 on a float checkpoint those of its quantized weights: block-
+wise, or per tensor where decode steps run row-scaled; there decode steps take the row-scaled path and prompt steps
+the block-scaled one; bad settings fail with one line naming the flag."""
 
 from __future__ import annotations
 
@@ -104,12 +104,44 @@ def per_tensor(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_per_tensor_dequantized(plain, tmp_path_factory.mktemp("fp8") / "per_tensor")
 
 
-def test_quantization_flag_matches_hf_on_its_per_tensor_quantized_weights(checkpoints, per_tensor) -> None:
+def test_quantization_flag_matches_hf_on_quantized_then_dequantized_weights(checkpoints) -> None:
+    """Where decode steps cannot run row-scaled (here: the CPU), each tensor is quantized as an FP8 checkpoint
+    stores it, in 128 x 128 blocks."""
+    plain, _, dequantized = checkpoints("qwen3")
+    assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
+
+
+def test_quantization_flag_quantizes_at_load_and_dequantizes_on_the_cpu(checkpoints) -> None:
+    plain, _, dequantized = checkpoints("qwen3")
+    llm = LLM(str(plain), quantization="fp8", **ENGINE)
+    from safetensors import safe_open
+
+    proj = llm.engine.executor.runner.model.model.layers[0].self_attn.o_proj
+    with safe_open(str(dequantized / "model.safetensors"), framework="pt") as f:
+        want = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+    with safe_open(str(plain / "model.safetensors"), framework="pt") as f:
+        original = f.get_tensor("model.layers.0.self_attn.o_proj.weight")
+    assert proj.fp8 is None and proj.weight.dtype == torch.float32  # dequantized once at load (no FP8 GEMM here)
+    assert torch.equal(proj.weight, want) and not torch.equal(want, original)
+    llm.shutdown()
+
+
+@pytest.fixture
+def row_scaled_here(monkeypatch) -> None:
+    """As where decode steps run row-scaled (one GPU with the tensor-scaled FP8 GEMM): --quantization fp8 quantizes
+    per tensor."""
+    import nvcli.models.layers.fp8 as fp8_layers
+
+    monkeypatch.setattr(fp8_layers, "row_scaled_decode", lambda device, dtype, tp: tp == 1)
+
+
+def test_quantization_flag_matches_hf_on_its_per_tensor_quantized_weights(checkpoints, per_tensor,
+                                                                          row_scaled_here) -> None:
     plain, _, _ = checkpoints("qwen3")
     assert greedy(plain, quantization="fp8") == hf_greedy(per_tensor)
 
 
-def test_quantization_flag_quantizes_per_tensor_at_load_and_dequantizes_on_the_cpu(checkpoints, per_tensor) -> None:
+def test_quantization_flag_quantizes_per_tensor_at_load(checkpoints, per_tensor, row_scaled_here) -> None:
     plain, _, _ = checkpoints("qwen3")
     llm = LLM(str(plain), quantization="fp8", **ENGINE)
     from safetensors import safe_open
@@ -226,6 +258,8 @@ def test_decode_steps_run_row_scaled_and_prompt_steps_block_scaled(checkpoints, 
     plain, _, _ = checkpoints("qwen3")
     runs = {}
     for row_scaled in (False, True):
+        # per-tensor weights both times (the same prompt steps); the second run's layers also take the row path
+        monkeypatch.setattr(fp8_layers, "row_scaled_decode", lambda device, dtype, tp: True)
         monkeypatch.setattr(fp8_rows, "tensor_gemm_supported", lambda device, dtype, on=row_scaled: on)
         rows["row"].clear()
         rows["block"].clear()
@@ -242,3 +276,14 @@ def test_decode_steps_run_row_scaled_and_prompt_steps_block_scaled(checkpoints, 
     assert max(errors) < 0.08, max(errors)  # per-row against per-token, per-128-column activation scales
     # the prompt steps are the same in both runs: every first token agrees
     assert [t[0] for t in runs[True]] == [t[0] for t in runs[False]], runs
+
+
+def test_the_flag_quantizes_per_tensor_only_where_decode_runs_row_scaled() -> None:
+    """One scale per weight costs quality (benchmarks/RESULTS.md): only one rank on a GPU whose tensor-scaled FP8 GEMM
+    works takes it; tensor parallelism and the CPU keep 128 x 128 blocks."""
+    from nvcli.models.layers.fp8 import fp8_spec, row_scaled_decode
+
+    assert not row_scaled_decode(torch.device("cpu"), torch.bfloat16, 1)
+    assert not row_scaled_decode(torch.device("cuda"), torch.bfloat16, 2)  # no GPU is asked: TP decides first
+    assert fp8_spec("fp8", None, torch.device("cpu"), torch.bfloat16, 1).per_tensor is False
+    assert fp8_spec(None, QUANTIZATION_CONFIG, torch.device("cuda"), torch.bfloat16, 1).per_tensor is False

@@ -6,9 +6,10 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
 * an FP8 checkpoint (config.json `quantization_config` with quant_method fp8, as Qwen and DeepSeek publish them):
   each projection's weight is fp8 and `<name>.weight_scale_inv` holds its block scales;
 * `--quantization fp8` on a bf16 / fp32 checkpoint (or dummy weights): each tensor is quantized as it loads, on the
-  layer's device, with one scale for the whole tensor (vLLM's online FP8), written into every block's scale; after
-  loading a fused layer's shards are brought to one scale (the largest: the others are requantized), so the layer
-  is per-tensor quantized as a whole.
+  layer's device. Where decode steps run row-scaled (below) with one scale for the whole tensor (vLLM's online
+  FP8), written into every block's scale; after loading a fused layer's shards are brought to one scale (the
+  largest: the others are requantized), so the layer is per-tensor quantized as a whole. Elsewhere (tensor
+  parallelism, the CPU, GPUs without that GEMM) per 128 x 128 block, exactly as a checkpoint would store it.
 
 A per-tensor layer runs decode steps (`decode_steps`: no prompt token in the step) on one rank through cuBLASLt's
 tensor-scaled FP8 GEMM with each activation row quantized with its own scale, which the GEMM leaves pending in its
@@ -55,9 +56,11 @@ from nvcli.kernels.ops import use_triton
 @dataclass(frozen=True)
 class Fp8Spec:
     """How a model's projections are FP8: `checkpoint` True when the checkpoint stores them so (scales beside the
-    weights), False when they are quantized as they load (--quantization fp8)."""
+    weights), False when they are quantized as they load (--quantization fp8); `per_tensor`: quantized with one scale
+    per weight (`row_scaled_decode`), else per 128 x 128 block."""
 
     checkpoint: bool
+    per_tensor: bool = False
 
 
 _active: Optional[Fp8Spec] = None
@@ -91,12 +94,27 @@ def active_fp8() -> Optional[Fp8Spec]:
     return _active
 
 
-def fp8_spec(quantization: Optional[str], checkpoint: Optional[Mapping[str, Any]]) -> Optional[Fp8Spec]:
+def fp8_spec(quantization: Optional[str], checkpoint: Optional[Mapping[str, Any]], device: torch.device,
+             dtype: torch.dtype, tp: int) -> Optional[Fp8Spec]:
     """The FP8 spec of a model: from its checkpoint's quantization_config (ModelConfig.quantization, already checked
-    to be block-wise fp8) or the --quantization flag (EngineConfig.quantization); None for neither."""
+    to be block-wise fp8) or the --quantization flag (EngineConfig.quantization); None for neither. The flag
+    quantizes per tensor where decode steps then run row-scaled (`row_scaled_decode`), else as a checkpoint is."""
     if checkpoint is None and quantization is None:
         return None
-    return Fp8Spec(checkpoint=checkpoint is not None)
+    if checkpoint is not None:
+        return Fp8Spec(checkpoint=True)
+    return Fp8Spec(checkpoint=False, per_tensor=row_scaled_decode(device, dtype, tp))
+
+
+def row_scaled_decode(device: torch.device, dtype: torch.dtype, tp: int) -> bool:
+    """Whether --quantization fp8's decode steps can run row-scaled (kernels/fp8_rows.py: one rank, a GPU whose
+    tensor-scaled FP8 GEMM runs right), which needs one scale per weight. Elsewhere the weights keep 128 x 128 blocks,
+    which cost less quality (benchmarks/RESULTS.md) and run as fast there."""
+    if tp != 1 or device.type != "cuda":
+        return False
+    from nvcli.kernels.fp8_rows import tensor_gemm_supported  # triton: imported on demand
+
+    return tensor_gemm_supported(device, dtype)
 
 
 def _tp_cut(tp: int, what: str, in_features: int) -> ConfigError:
@@ -174,7 +192,7 @@ class Fp8Weights:
         aligned = all(offset % BLOCK == 0 and (rows % BLOCK == 0 or (offset == last and (self.tp_size == 1 or not column)))
                       for offset, rows in shards.values())
         self.scale_rows = BLOCK if aligned else 1
-        self.per_tensor = not spec.checkpoint  # quantized here, one scale per tensor
+        self.per_tensor = spec.per_tensor  # quantized here, one scale per tensor
         layer.register_buffer("weight_scale", torch.ones(_cdiv(out_features, self.scale_rows),
                                                          _cdiv(in_features, BLOCK), dtype=torch.float32),
                               persistent=False)
