@@ -1,15 +1,17 @@
-"""Quality cost of block-wise FP8 weights (--quantization fp8) on SmolLM2-135M-Instruct; runs on the CPU.
+"""Quality cost of FP8 weights (--quantization fp8: one scale per weight) on SmolLM2-135M-Instruct; runs on the CPU.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/fp8_weights_quality.py --device cpu [--num-prompts 32]
-        [--max-tokens 64] [--dtype float32] [--no-w8a8] [--bf16-baseline]
+        [--max-tokens 64] [--dtype float32] [--no-w8a8] [--bf16-baseline] [--weight-formats]
 
 Reference: the model's own weights in --dtype. Tests, each over the same chat prompts, greedy:
-- fp8 weights: --quantization fp8 as the CPU and GPUs before compute capability 8.9 run it (the FP8 weights
-  dequantized once at load; activations in --dtype);
-- fp8 W8A8: the FP8 GEMMs as an H100 runs them (activations also quantized: per tensor in decode steps, per token
-  per 128 columns in prompt steps; the projections kept FP8 and the norms unfolded): on a GPU kernels/fp8_gemm.py, on the CPU its torch reference
-  (kernels/block_fp8.fp8_linear_ref; the kernel differs only in float32 summation order and its output dtype);
-- bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model.
+- fp8 weights: the weights --quantization fp8 gives one H100 (one scale per weight), dequantized once at load,
+  activations in --dtype (under tensor parallelism and on the CPU the flag keeps 128x128 blocks: --weight-formats);
+- fp8 W8A8: the FP8 GEMMs as an H100 runs them (activations also quantized: per row in decode steps,
+  kernels/fp8_rows.py, per token per 128 columns in prompt steps, kernels/fp8_gemm.py; the projections kept FP8 and
+  the norms unfolded); on the CPU their torch references;
+- bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model;
+- weight formats (--weight-formats): the projections' weights as an e4m3 round trip with one scale per tensor, per
+  output channel or per 128x128 block (activations in --dtype): what each scale format alone costs.
 Per test: greedy sequences identical to the reference's, the mean fraction of positions equal before the first
 divergence, then teacher-forced along the reference's tokens: max |logit diff|, mean KL(ref || test) per position,
 top-1 agreement and the max |logprob diff| of the reference's top token (nvcli/testing/kv_quality.py).
@@ -55,31 +57,56 @@ def fp8_gemm(on: bool) -> Iterator[None]:
     """Within: start-up keeps FP8 projections in FP8 (on: the FP8 GEMM, on a CPU its torch reference) or dequantizes
     them at load (off), whatever the device."""
     import nvcli.kernels.fp8_rows as fp8_rows
+    import nvcli.models.layers.fp8 as fp8_layers
 
-    saved = block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported
+    saved = block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported, fp8_layers.row_scaled_decode
     supported = saved[1]
     block_fp8.fp8_gemm_supported = lambda device: on
-    # on the CPU, decode steps row-scaled as on an H100 (kernels/fp8_rows.py), through the torch reference
+    # on the CPU, the weights and decode steps as one H100 has them: per tensor, decode steps row-scaled
+    # (kernels/fp8_rows.py) through the torch reference
     fp8_rows.tensor_gemm_supported = lambda device, dtype: device.type == "cpu" or supported(device, dtype)
+    fp8_layers.row_scaled_decode = lambda device, dtype, tp: tp == 1
     try:
         yield
     finally:
-        block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported = saved
+        block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported, fp8_layers.row_scaled_decode = saved
+
+
+def fake_quantized(w: torch.Tensor, scales: str) -> torch.Tensor:
+    """w [N, K] through e4m3 and back with one scale per `scales` ("tensor", "channel": output row, "block": 128x128)."""
+    from nvcli.kernels.block_fp8 import FP8_DTYPE, FP8_MAX
+
+    n, k = w.shape
+    pn, pk = -(-n // 128) * 128, -(-k // 128) * 128
+    wf = torch.zeros(pn, pk)
+    wf[:n, :k] = w.float()
+    blocks = wf.view(pn // 128, 128, pk // 128, 128)
+    dims = {"tensor": (0, 1, 2, 3), "channel": (2, 3), "block": (1, 3)}[scales]
+    s = blocks.abs().amax(dim=dims, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    back = ((blocks / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s).view(pn, pk)
+    return back[:n, :k].to(w.dtype)
 
 
 def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argparse.Namespace, dtype: str,
-        quantization: str | None, w8a8: bool = False) -> dict:
+        quantization: str | None, w8a8: bool = False, weight_scales: str | None = None) -> dict:
     t0 = time.perf_counter()
     with fp8_gemm(w8a8):
         llm = LLM(args.model, device=args.device, dtype=dtype, quantization=quantization,
                   max_model_len=args.max_model_len, max_num_seqs=len(prompts), enable_prefix_caching=False)
+        if weight_scales is not None:
+            from nvcli.models.layers.linear import LinearBase
+
+            for m in llm.engine.executor.runner.model.modules():
+                if isinstance(m, LinearBase):
+                    m.weight.data.copy_(fake_quantized(m.weight.data, weight_scales))
         greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         logits = teacher_forced_logits(llm.engine.executor.runner, prompts, ref_outs if ref_outs is not None else outs)
         llm.shutdown()
     del llm
     gc.collect()
-    log(f"  {dtype} quantization={quantization} w8a8={w8a8}: {time.perf_counter() - t0:.0f}s")
+    log(f"  {dtype} quantization={quantization} w8a8={w8a8} weight scales={weight_scales}: "
+        f"{time.perf_counter() - t0:.0f}s")
     return dict(outs=outs, logits=logits)
 
 
@@ -100,6 +127,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--no-w8a8", dest="w8a8", action="store_false", help="skip the emulated FP8 GEMM")
     p.add_argument("--bf16-baseline", action="store_true")
+    p.add_argument("--weight-formats", action="store_true", help="also each weight-scale format alone (fake quant)")
     args = p.parse_args()
     t0 = time.perf_counter()
     log(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads")
@@ -111,6 +139,9 @@ def main() -> None:
     rows = [row(f"fp8 weights ({args.dtype} act)", ref, run(prompts, ref["outs"], args, args.dtype, "fp8"))]
     if args.w8a8:
         rows.append(row("fp8 W8A8 (H100 math)", ref, run(prompts, ref["outs"], args, args.dtype, "fp8", w8a8=True)))
+    for scales in ("tensor", "channel", "block") if args.weight_formats else ():
+        rows.append(row(f"weights per {scales}", ref, run(prompts, ref["outs"], args, args.dtype, None,
+                                                           weight_scales=scales)))
     if args.bf16_baseline:
         rows.append(row("bf16 weights", ref, run(prompts, ref["outs"], args, "bfloat16", None)))
     log(f"\ntotal {time.perf_counter() - t0:.0f}s; reference: {args.dtype} weights, {args.num_prompts} prompts x "
