@@ -11,7 +11,8 @@ Reference: the model's own weights in --dtype. Tests, each over the same chat pr
   the norms unfolded); on the CPU their torch references;
 - bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model;
 - weight formats (--weight-formats): the projections' weights as an e4m3 round trip with one scale per tensor, per
-  output channel or per 128x128 block (activations in --dtype): what each scale format alone costs.
+  checkpoint tensor of a fused one (q / k / v, gate / up: "shard"), per output channel or per 128x128 block
+  (activations in --dtype): what each scale format alone costs.
 Per test: greedy sequences identical to the reference's, the mean fraction of positions equal before the first
 divergence, then teacher-forced along the reference's tokens: max |logit diff|, mean KL(ref || test) per position,
 top-1 agreement and the max |logprob diff| of the reference's top token (nvcli/testing/kv_quality.py).
@@ -97,7 +98,12 @@ def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argpar
             from nvcli.models.layers.linear import LinearBase
 
             for m in llm.engine.executor.runner.model.modules():
-                if isinstance(m, LinearBase):
+                if isinstance(m, LinearBase) and weight_scales == "shard":  # q / k / v, gate / up each on its own
+                    for shard in m.shard_ids():
+                        first, rows = m.shard_rows(shard)
+                        w = m.weight.data[first : first + rows]
+                        w.copy_(fake_quantized(w, "tensor"))
+                elif isinstance(m, LinearBase):
                     m.weight.data.copy_(fake_quantized(m.weight.data, weight_scales))
         greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
@@ -139,7 +145,7 @@ def main() -> None:
     rows = [row(f"fp8 weights ({args.dtype} act)", ref, run(prompts, ref["outs"], args, args.dtype, "fp8"))]
     if args.w8a8:
         rows.append(row("fp8 W8A8 (H100 math)", ref, run(prompts, ref["outs"], args, args.dtype, "fp8", w8a8=True)))
-    for scales in ("tensor", "channel", "block") if args.weight_formats else ():
+    for scales in ("tensor", "shard", "channel", "block") if args.weight_formats else ():
         rows.append(row(f"weights per {scales}", ref, run(prompts, ref["outs"], args, args.dtype, None,
                                                            weight_scales=scales)))
     if args.bf16_baseline:
