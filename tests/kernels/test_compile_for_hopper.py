@@ -1,4 +1,4 @@
-"""The row-scale kernels, the structured-output mask, the sampling-filter floor and the MoE routing kernels (route,
+"""The row-scale kernels (the deferred norm's, and a row-scaled FP8 decode step's), the structured-output mask, the sampling-filter floor and the MoE routing kernels (route,
 align) compile for the H100 (sm_90), on any machine.
 
 The Triton interpreter runs the kernels on the CPU without checking what only the GPU compiler rejects: a jit
@@ -22,6 +22,7 @@ SCRIPT = textwrap.dedent("""
     from nvcli.kernels import (
         activation,
         fp8_gemm,
+        fp8_rows,
         fused_moe,
         moe_route,
         rms_norm,
@@ -52,6 +53,20 @@ SCRIPT = textwrap.dedent("""
              "eps": "fp32", "rs_ptr": rs, "rs_eps": "fp32"},
             dict(GROUP=2, GROUP_PAD=2, HALF=64, PAGE=16, NORM=True, STORE=True, QUANT=False, SCALE_IS_PTR=False,
                  FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block))
+    # a row-scaled FP8 decode step (kernels/fp8_rows.py): the norm and SiLU-and-mul writing their rows quantized,
+    # the attention output's row kernel
+    for block in (16384, 2048):  # the row held whole, and in two passes
+        compile_for_hopper(
+            activation._silu_and_mul_quant_rows_kernel,
+            {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "rs_ptr": "*fp32", "rs_eps": "fp32"},
+            dict(BLOCK=block, ROW_SCALE=True, RS_BLOCK=1, FP8_MAX=448.0, ACT_EPS=1e-10), num_warps=16)
+    compile_for_hopper(
+        rms_norm._rms_norm_kernel,
+        {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "new_res_ptr": "*bf16",
+         "eps": "fp32", "xs_ptr": "*fp32", "qs_ptr": "*fp32"},
+        dict(N=4096, BLOCK=4096, HAS_RES=True, PDL=False, X_SCALE=True, QUANT=True), num_warps=8)
+    compile_for_hopper(fp8_rows._quant_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                       dict(BLOCK=2048, FP8_MAX=448.0, ACT_EPS=1e-10), num_warps=8)
     # FP8 activations, through quantize_groups: the quantization kernel, and SiLU-and-mul writing them
     compile_for_hopper(fp8_gemm._quant_act_kernel,
                        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "eps": "fp32"},
