@@ -13,7 +13,7 @@ import triton.language as tl
 
 from nvcli.kernels.block_fp8 import ACT_EPS, BLOCK, FP8_DTYPE, FP8_MAX, M_ALIGN
 from nvcli.kernels.fp8_gemm import quantize_groups
-from nvcli.kernels.fp8_rows import quantize_row, round_to_e4m3
+from nvcli.kernels.fp8_rows import quantize_row, quantize_with, row_scale_of
 from nvcli.kernels.pdl import launch_kwargs, pdl_start, use_pdl
 from nvcli.kernels.rms_norm import load_row_rstd, row_scale_args
 
@@ -52,10 +52,10 @@ def _silu_and_mul_quant_rows_kernel(x_ptr, q_ptr, s_ptr, rs_ptr, stride_x, strid
         for c in range(0, D, BLOCK):
             h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE)
             amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), ACT_EPS), FP8_MAX)
+        scale = row_scale_of(tl.max(amax, axis=0), ACT_EPS, FP8_MAX)
         for c in range(0, D, BLOCK):
             h = _silu_mul(x_ptr, row, c + offs, c + offs < D, stride_x, D, rstd, ROW_SCALE).to(tl.float32)
-            q = round_to_e4m3(tl.clamp(tl.math.div_rn(h, scale), -FP8_MAX, FP8_MAX))
+            q = quantize_with(h, scale, FP8_MAX)
             tl.store(q_ptr + row.to(tl.int64) * stride_q + c + offs, q.to(q_ptr.dtype.element_ty), mask=c + offs < D)
     tl.store(s_ptr + row, scale)
 

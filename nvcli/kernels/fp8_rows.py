@@ -44,10 +44,22 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def row_scale_of(amax, eps, FP8_MAX: tl.constexpr):
+    """A row's FP8 scale from its largest magnitude: max(amax, eps) / 448, IEEE-rounded."""
+    return tl.math.div_rn(tl.maximum(amax, eps), FP8_MAX)
+
+
+@triton.jit
+def quantize_with(y, scale, FP8_MAX: tl.constexpr):
+    """float32 values y over their row's scale -> e4m3 values, still float32 (cast exactly by the store)."""
+    return round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX))
+
+
+@triton.jit
 def quantize_row(y, eps, FP8_MAX: tl.constexpr):
     """y: one row's values, float32 (masked lanes 0) -> (q: e4m3 values in float32, scale = max(amax, eps) / 448)."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), eps), FP8_MAX)
-    return round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX)), scale
+    scale = row_scale_of(tl.max(tl.abs(y), axis=0), eps, FP8_MAX)
+    return quantize_with(y, scale, FP8_MAX), scale
 
 
 @triton.jit
@@ -64,10 +76,10 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.con
         for c in range(0, K, BLOCK):
             y = tl.load(x_ptr + row * stride_x + c + offs, mask=c + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), ACT_EPS), FP8_MAX)
+        scale = row_scale_of(tl.max(amax, axis=0), ACT_EPS, FP8_MAX)
         for c in range(0, K, BLOCK):
             y = tl.load(x_ptr + row * stride_x + c + offs, mask=c + offs < K, other=0.0).to(tl.float32)
-            q = round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX))
+            q = quantize_with(y, scale, FP8_MAX)
             tl.store(q_ptr + row * stride_q + c + offs, q.to(q_ptr.dtype.element_ty), mask=c + offs < K)
     tl.store(s_ptr + row, scale)
 

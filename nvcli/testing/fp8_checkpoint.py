@@ -6,8 +6,9 @@ mixture-of-experts model, as Qwen publishes Qwen3-MoE FP8) of a safetensors chec
 `quantization_config` to config.json; embeddings, norms, the LM head and a MoE router keep their dtype.
 `write_dequantized_checkpoint` writes the weights such a checkpoint holds (fp8 times scale) as a plain float32
 checkpoint: the reference a float run of transformers gives for the FP8 model. `write_per_tensor_dequantized`
-writes the weights `--quantization fp8` makes of a plain checkpoint (layers/fp8.py: one scale per projection, a fused
-layer's shards brought to the largest of theirs; a MoE block's experts block-wise), dequantized to float32.
+writes the weights `--quantization fp8` makes of a plain checkpoint where it quantizes per tensor (layers/fp8.py: one
+scale per projection, a fused layer's shards brought to the largest of theirs; a MoE block's experts block-wise),
+dequantized to float32.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def write_dequantized_checkpoint(fp8_dir: Path, dst: Path) -> Path:
 
 
 def write_per_tensor_dequantized(src: Path, dst: Path) -> Path:
-    """The weights `--quantization fp8` runs on, for `src`'s plain checkpoint, as a float32 checkpoint in `dst`."""
+    """The weights `--quantization fp8` runs on where it quantizes per tensor, for `src`'s plain checkpoint, as a
+    float32 checkpoint in `dst`."""
     src, dst = Path(src), Path(dst)
     _copy_other_files(src, dst)
     out: dict[str, torch.Tensor] = {}

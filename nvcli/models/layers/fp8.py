@@ -135,11 +135,11 @@ def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict
 
 def row_scaled(state: Optional[Fp8Weights]) -> Optional[torch.Tensor]:
     """The one weight scale of a per-tensor layer whose GEMM runs row-scaled in this forward (kernels/fp8_rows.py: a
-    decode step, one rank, no bias), else None. Under tensor parallelism a row-parallel layer's ranks would each
-    leave their own row scales on a share of the sum, so every projection there keeps the block-scaled GEMM."""
+    decode step, no bias), else None. Only one rank has per-tensor layers (`row_scaled_decode`): under tensor
+    parallelism a row-parallel layer's ranks would each leave their own row scales on a share of the sum."""
     if state is None or state.tensor_scale is None or not _decode_step or state.layer.bias is not None:
         return None
-    return state.tensor_scale if state.tp_size == 1 else None
+    return state.tensor_scale
 
 
 @dataclass

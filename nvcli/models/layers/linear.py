@@ -84,18 +84,17 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
-            if row_scaled(self.fp8) is not None:  # its row scales applied here (no consumer takes them)
-                return self.forward_rows(x).materialize().view(*x.shape[:-1], -1)
+            w_scale = row_scaled(self.fp8)
+            if w_scale is not None:  # its row scales applied here (no consumer takes them)
+                return self.forward_rows(x, w_scale).materialize().view(*x.shape[:-1], -1)
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8.scale_rows, self.fp8.scale_mm)
         return linear(x, self.weight, self.bias)
 
-    def forward_rows(self, x: torch.Tensor) -> RowScaled:
-        """A row-scaled FP8 layer's product (layers/fp8.row_scaled): x's rows quantized each with its own scale,
-        the scales left pending in the output [rows, out]."""
+    def forward_rows(self, x: torch.Tensor, w_scale: torch.Tensor) -> RowScaled:
+        """A row-scaled FP8 layer's product (`w_scale`: layers/fp8.row_scaled's): x's rows quantized each with its
+        own scale, the scales left pending in the output [rows, out]."""
         from nvcli.kernels.fp8_rows import rows_product
 
-        w_scale = row_scaled(self.fp8)
-        assert w_scale is not None
         x2 = x.reshape(-1, x.shape[-1])
         return RowScaled(*rows_product(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight, w_scale))
 
@@ -193,8 +192,9 @@ class RowParallelLinear(LinearBase):
         into a deferred-sum buffer (distributed.partial_target) and the next add+RMSNorm sums it (forward_norm);
         else forward (skinny and FP8 GEMMs, no buffer, rows past its size). A row-scaled FP8 layer
         (layers/fp8.row_scaled, one rank): its rows quantized each with its own scale, the output RowScaled."""
-        if row_scaled(self.fp8) is not None:
-            return self.forward_rows(x)
+        w_scale = row_scaled(self.fp8)
+        if w_scale is not None:
+            return self.forward_rows(x, w_scale)
         if self.fp8 is None and self.tp_size > 1 and x.is_cuda:
             from nvcli.kernels.skinny_gemm import use_skinny
 
