@@ -74,18 +74,25 @@ def fp8_gemm(on: bool) -> Iterator[None]:
 
 
 def fake_quantized(w: torch.Tensor, scales: str) -> torch.Tensor:
-    """w [N, K] through e4m3 and back with one scale per `scales` ("tensor", "channel": output row, "block": 128x128)."""
-    from nvcli.kernels.block_fp8 import FP8_DTYPE, FP8_MAX
+    """w [N, K] through e4m3 and back with one scale per `scales` ("tensor" and "block": 128x128, as
+    kernels/block_fp8.py quantizes; "channel": per output row, the per-tensor rule applied row by row)."""
+    from nvcli.kernels.block_fp8 import (
+        FP8_DTYPE,
+        FP8_MAX,
+        WEIGHT_EPS,
+        dequantize_weight,
+        quantize_weight,
+        quantize_weight_per_tensor,
+    )
 
-    n, k = w.shape
-    pn, pk = -(-n // 128) * 128, -(-k // 128) * 128
-    wf = torch.zeros(pn, pk)
-    wf[:n, :k] = w.float()
-    blocks = wf.view(pn // 128, 128, pk // 128, 128)
-    dims = {"tensor": (0, 1, 2, 3), "channel": (2, 3), "block": (1, 3)}[scales]
-    s = blocks.abs().amax(dim=dims, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    back = ((blocks / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s).view(pn, pk)
-    return back[:n, :k].to(w.dtype)
+    if scales == "tensor":
+        q, s = quantize_weight_per_tensor(w)
+        return (q.float() * s).to(w.dtype)
+    if scales == "block":
+        return dequantize_weight(*quantize_weight(w), w.dtype)
+    wf = w.float()
+    s = wf.abs().amax(dim=1, keepdim=True).clamp(min=WEIGHT_EPS) / FP8_MAX
+    return ((wf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s).to(w.dtype)
 
 
 def run(prompts: list[list[int]], ref_outs: list[list[int]] | None, args: argparse.Namespace, dtype: str,
