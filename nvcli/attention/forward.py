@@ -54,6 +54,7 @@ def paged_attention(
     k_norm: HeadNorm | None = None,
     scale_rows: torch.Tensor | None = None,  # deferred norm on the GPU (models/llama.py): q, k, v scaled by 1 / RMS
     scale_eps: float = 1e-6,
+    qkv_ratios: torch.Tensor | None = None,  # [3] float32 with scale_rows (GPU): q's, k's and v's own factors beside it
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     kv = layer.kv
     assert kv is not None, "the model runner binds each layer's KV cache before its first forward"
@@ -76,13 +77,14 @@ def paged_attention(
         from nvcli.kernels.decode_attention import DecodeRope, paged_decode_attention_triton
 
         rope = DecodeRope(k, v, positions, rotary.cos_sin_cache, meta.slot_mapping, q_w, k_w, eps, scale_rows,
-                          scale_eps)
+                          scale_eps, qkv_ratios)
         return paged_decode_attention_triton(q, kv, meta.block_tables, meta.seq_lens, layer.scale, rope=rope,
                                              order=meta.decode_order)
     from nvcli.kernels.rotary import rope_qk_norm_triton
 
     q, k = rope_qk_norm_triton(q, k, positions, rotary.cos_sin_cache, q_w, k_w, eps, v=v, kv=kv,
-                               slot_mapping=meta.slot_mapping, scale_rows=scale_rows, scale_eps=scale_eps)
+                               slot_mapping=meta.slot_mapping, scale_rows=scale_rows, scale_eps=scale_eps,
+                               qkv_ratios=qkv_ratios)
     # A page is full once its last slot is written, so this step's slots name the pages it filled (kv_layout.py)
     ops.seal_pages(kv, meta.slot_mapping)
     if meta.split is not None:

@@ -73,6 +73,9 @@ class DecodeRope:
     # their norm, so the rotary step first multiplies them by each row's 1 / RMS (rope_qk_norm_store's ROW_SCALE)
     scale_rows: Optional[torch.Tensor] = None
     scale_eps: float = 1e-6
+    # [3] float32 with scale_rows: q's, k's and v's own factors beside it (a row-scaled FP8 qkv projection whose q, k
+    # and v weights kept a scale each, kernels/fp8_rows.py)
+    qkv_ratios: Optional[torch.Tensor] = None
 
 
 @triton.jit
@@ -141,6 +144,7 @@ def _decode_split_kernel(
     stride_rs,
     rs_n,
     rs_eps,
+    ratio_ptr,  # [3] float32 (ROPE_RATIOS)
     stride_knt,
     stride_knh,
     stride_vnt,
@@ -173,6 +177,7 @@ def _decode_split_kernel(
     ROPE_GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     ROPE_ROW_SCALE: tl.constexpr,  # with ROPE: q, k, v are projections of un-normalized rows (DecodeRope.scale_rows)
     RS_BLOCK: tl.constexpr,  # rs_n rounded up to a power of two
+    ROPE_RATIOS: tl.constexpr,  # with ROPE_ROW_SCALE: q, k and v's own factors (DecodeRope.qkv_ratios)
     ROPE_QUANT: tl.constexpr,  # fp8 cache: the store quantizes
     FP8_MAX: tl.constexpr,
     L2_PREFETCH: tl.constexpr,  # PDL: prefetch the program's K/V lines into L2 before waiting
@@ -247,14 +252,14 @@ def _decode_split_kernel(
         rope_qk_norm_store(
             seq.to(tl.int64), kvh, owner,
             q_ptr, q_rot_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr,
-            slot_ptr, k_scale, v_scale, eps, rs_ptr, stride_rs, rs_n, rs_eps,
+            slot_ptr, k_scale, v_scale, eps, rs_ptr, stride_rs, rs_n, rs_eps, ratio_ptr,
             stride_qs, stride_qh, HEAD_DIM * GROUP * num_kv_heads, HEAD_DIM, stride_knt, stride_knh, stride_vnt,
             stride_vnh,
             # V_T: the new token's V goes into its open page token-major (kv_layout.py), sealed once full
             stride_kb, stride_kt, stride_kh, stride_vb, HEAD_DIM if V_T else stride_vt, stride_vh,
             1 if V_T else stride_vd,
             GROUP, ROPE_GROUP_PAD, HEAD_DIM // 2, PAGE, ROPE_NORM, True, ROPE_QUANT, FP8_MAX, V_T, ROPE_ROW_SCALE,
-            RS_BLOCK,
+            RS_BLOCK, ROPE_RATIOS,
         )
         tl.debug_barrier()
         q_ptr = q_rot_ptr
@@ -508,13 +513,16 @@ def paged_decode_attention_triton(
         q_rot = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
         row_scale = r.scale_rows is not None
         rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(r.scale_rows, num_seqs, q)
+        ratios = r.qkv_ratios is not None
+        assert not ratios or (row_scale and r.qkv_ratios.shape == (3,) and r.qkv_ratios.dtype == torch.float32)
         rope_args = (q_rot, r.k, r.v, r.positions, r.cos_sin_cache, r.q_weight if norm else r.cos_sin_cache,
                      r.k_weight if norm else r.cos_sin_cache, r.slot_mapping, r.eps, rs_ptr, rs_stride, rs_n,
-                     r.scale_eps, r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1))
+                     r.scale_eps, r.qkv_ratios if ratios else r.cos_sin_cache, r.k.stride(0), r.k.stride(1),
+                     r.v.stride(0), r.v.stride(1))
     else:
-        norm = row_scale = False
+        norm = row_scale = ratios = False
         rs_block = 16
-        rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, q, 0, 1, 0.0, 0, 0, 0, 0)  # unused
+        rope_args = (q, q, q, seq_lens, seq_lens, q, q, seq_lens, 0.0, q, 0, 1, 0.0, q, 0, 0, 0, 0)  # unused
     if order is not None:
         assert order.shape == (num_seqs,) and order.dtype == torch.int32
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
@@ -561,6 +569,7 @@ def paged_decode_attention_triton(
         ROPE_GROUP_PAD=triton.next_power_of_2(group),
         ROPE_ROW_SCALE=row_scale,
         RS_BLOCK=rs_block,
+        ROPE_RATIOS=ratios,
         ROPE_QUANT=fp8,
         FP8_MAX=FP8_E4M3_MAX if kv.dtype == torch.float8_e4m3fn else 57344.0,
         L2_PREFETCH=pdl and num_seqs <= L2_PREFETCH_MAX_SEQS and head_dim * kv.k.element_size() % 128 == 0,

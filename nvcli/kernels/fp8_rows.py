@@ -126,9 +126,14 @@ def rows_linear_ref(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, ou
     return ((q.float() @ wq.float().T) * w_scale.float()).to(out_dtype)
 
 
-def apply_row_scale(y: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """y [M, N] times each row's pending scale [M], rounded to y's dtype (what the consuming kernels compute)."""
-    return y if scale is None else (y.float() * scale[:, None]).to(y.dtype)
+def apply_row_scale(y: torch.Tensor, scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+    """y [M, N] times each row's pending scale [M] (and each column's factor [N], where a fused weight's parts kept
+    a scale each: the two multiplied first), rounded to y's dtype: what the consuming kernels compute."""
+    if scale is None:
+        return y
+    factor = scale[:, None] if col_scale is None else scale[:, None] * col_scale[None, :]
+    return (y.float() * factor).to(y.dtype)
 
 
 def rows_product(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,11 +35,12 @@ def rope_qk_norm_store(
     k_scale, v_scale, eps,
     rs_ptr, stride_rs, rs_n, rs_eps,  # ROW_SCALE: the token's hidden row [rs_n] (the layer's input, before its norm),
     # or its 1 / RMS precomputed (rms_norm.load_row_rstd)
+    ratio_ptr,  # [3] float32 (RATIOS): q's, k's and v's factors beside the row scale
     stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     STORE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, SEAL: tl.constexpr = False,
-    ROW_SCALE: tl.constexpr = False, RS_BLOCK: tl.constexpr = 16,
+    ROW_SCALE: tl.constexpr = False, RS_BLOCK: tl.constexpr = 16, RATIOS: tl.constexpr = False,
 ):
     """Token t, KV head kvh: norm + rotate its query heads into q_out (may be q itself), and its key (and
     value) into the cache slot or back in place. Shared by the rotary kernel and the decode-attention kernel (which
@@ -48,7 +49,8 @@ def rope_qk_norm_store(
     its page written in this launch): a token that fills its page seals it. ROW_SCALE (deferred RMSNorm,
     models/llama.py): q, k and v are projections of the un-normalized row, so each is first multiplied by the
     row's 1 / RMS, computed here from the row itself or read precomputed (the norm's weight is folded into the
-    projection)."""
+    projection). RATIOS (with ROW_SCALE; a row-scaled FP8 qkv projection whose q, k and v weights kept a scale each,
+    kernels/fp8_rows.py): q, k and v each take their own factor times the row's."""
     offs = tl.arange(0, HALF)  # [HALF]
     offs_g = tl.arange(0, GROUP_PAD)  # [GROUP_PAD]
     g_mask = (offs_g < GROUP)[:, None]
@@ -73,14 +75,20 @@ def rope_qk_norm_store(
     k1 = tl.load(k_base).to(tl.float32)  # [HALF]
     k2 = tl.load(k_base + HALF).to(tl.float32)
     if ROW_SCALE:  # rounded like the torch path: the scaled projection in the model dtype
-        r_rstd = load_row_rstd(rs_ptr + t * stride_rs, rs_n, rs_eps, RS_BLOCK)
-        q1 = (q1 * r_rstd).to(dtype).to(tl.float32)
-        q2 = (q2 * r_rstd).to(dtype).to(tl.float32)
-        k1 = (k1 * r_rstd).to(dtype).to(tl.float32)
-        k2 = (k2 * r_rstd).to(dtype).to(tl.float32)
+        r_q = load_row_rstd(rs_ptr + t * stride_rs, rs_n, rs_eps, RS_BLOCK)
+        r_k = r_q
+        r_v = r_q
+        if RATIOS:  # the factors first, in float32, as fp8_rows.apply_row_scale multiplies
+            r_k = r_q * tl.load(ratio_ptr + 1)
+            r_v = r_q * tl.load(ratio_ptr + 2)
+            r_q = r_q * tl.load(ratio_ptr)
+        q1 = (q1 * r_q).to(dtype).to(tl.float32)
+        q2 = (q2 * r_q).to(dtype).to(tl.float32)
+        k1 = (k1 * r_k).to(dtype).to(tl.float32)
+        k2 = (k2 * r_k).to(dtype).to(tl.float32)
         if STORE:
-            v1 = (v1.to(tl.float32) * r_rstd).to(v1.dtype)
-            v2 = (v2.to(tl.float32) * r_rstd).to(v2.dtype)
+            v1 = (v1.to(tl.float32) * r_v).to(v1.dtype)
+            v2 = (v2.to(tl.float32) * r_v).to(v2.dtype)
     if NORM:
         # Round like the torch path: normalized value in the model dtype, then times the weight.
         q_rstd = tl.rsqrt((tl.sum(q1 * q1, axis=1) + tl.sum(q2 * q2, axis=1)) / (2 * HALF) + eps)[:, None]
@@ -140,6 +148,7 @@ def _rope_store_kernel(
     stride_rs,
     rs_n,
     rs_eps,
+    ratio_ptr,  # [3] float32 (RATIOS)
     stride_qt,
     stride_qh,
     stride_kt,
@@ -165,16 +174,17 @@ def _rope_store_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (see pdl.py)
     ROW_SCALE: tl.constexpr,
     RS_BLOCK: tl.constexpr,
+    RATIOS: tl.constexpr,
 ):
     pdl_start(PDL)
     ks, vs = load_scales(k_scale_ptr, v_scale_ptr, k_scale_val, v_scale_val, SCALE_IS_PTR)
     rope_qk_norm_store(
         tl.program_id(0).to(tl.int64), tl.program_id(1), True,
         q_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ks, vs,
-        eps, rs_ptr, stride_rs, rs_n, rs_eps,
+        eps, rs_ptr, stride_rs, rs_n, rs_eps, ratio_ptr,
         stride_qt, stride_qh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX, False, ROW_SCALE, RS_BLOCK,
+        GROUP, GROUP_PAD, HALF, PAGE, NORM, STORE, QUANT, FP8_MAX, False, ROW_SCALE, RS_BLOCK, RATIOS,
     )
 
 
@@ -192,6 +202,7 @@ def rope_qk_norm_triton(
     slot_mapping: torch.Tensor | None = None,  # [num_tokens], -1 = skip
     scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden] or [num_tokens] precomputed: see the docstring
     scale_eps: float = 1e-6,
+    qkv_ratios: torch.Tensor | None = None,  # [3] float32 with scale_rows: q's, k's and v's factors beside it
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Norm + rotary on q and k; with `kv` the rotated k and v go to the cache instead of back into k.
     `scale_rows` (deferred RMSNorm, models/llama.py; needs the cache store, which is where v is scaled): q, k and
@@ -219,6 +230,8 @@ def rope_qk_norm_triton(
         cache_strides = (k.stride(0), k.stride(1), k.stride(2), k.stride(0), k.stride(1), k.stride(2), 1)
         quant, k_scale, v_scale = False, None, None
     assert scale_rows is None or store, "scale_rows scales v on its way to the cache: pass kv"
+    assert qkv_ratios is None or (scale_rows is not None and qkv_ratios.shape == (3,)
+                                  and qkv_ratios.dtype == torch.float32), "qkv_ratios: [3] float32 with scale_rows"
     rs_ptr, rs_stride, rs_n, rs_block = row_scale_args(scale_rows, num_tokens, q)
     ks_ptr, vs_ptr, ks_val, vs_val, scale_is_ptr = scale_args(k_scale, v_scale, positions)
     group = num_heads // num_kv_heads
@@ -228,7 +241,7 @@ def rope_qk_norm_triton(
         q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
         k_cache, v_cache, slot_mapping, ks_ptr, vs_ptr, ks_val, vs_val,
         eps,
-        rs_ptr, rs_stride, rs_n, scale_eps,
+        rs_ptr, rs_stride, rs_n, scale_eps, qkv_ratios if qkv_ratios is not None else cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *cache_strides,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HALF=head_dim // 2,
@@ -237,6 +250,7 @@ def rope_qk_norm_triton(
         PDL=pdl,
         ROW_SCALE=scale_rows is not None,
         RS_BLOCK=rs_block,
+        RATIOS=qkv_ratios is not None,
         num_warps=1 if group * head_dim <= 512 else 2,
         **launch_kwargs(pdl),
     )

@@ -85,7 +85,7 @@ class DecoderAttention(nn.Module):
         row-scaled FP8 GEMM's (its row scale applied in the rotary kernels). `partial`: o_proj may leave its sum
         across the ranks (or its row scale) to the caller's next add+RMSNorm (forward_partial)."""
         if isinstance(qkv, RowScaled):
-            heads = self.attention_heads(positions, qkv.values, meta, qkv.scale)
+            heads = self.attention_heads(positions, qkv.values, meta, qkv.scale, qkv_ratios=qkv.ratios)
         else:
             heads = self.attention_heads(positions, qkv, meta)
         return self.o_proj.forward_partial(heads) if partial else self.o_proj(heads)
@@ -98,19 +98,26 @@ class DecoderAttention(nn.Module):
         scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized (or
         # their 1 / RMS precomputed, [num_tokens] float32: layers.norm.row_scale)
         scale_eps: float = 1e-6,
+        qkv_ratios: torch.Tensor | None = None,  # [3] float32 with scale_rows: q's, k's and v's own factors beside
+        # it (a row-scaled FP8 qkv_proj whose parts kept a scale each, layers/fp8.RowScaled)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], before o_proj
         """q/k norm, rotary, KV store and attention (what runs is the step's attention plan, in `meta`); with
         `scale_rows` (deferred norm) q, k and v are first scaled by each row's 1 / RMS (inside the rotary kernels on
         the GPU)."""
-        if scale_rows is not None and not use_triton(qkv):
-            qkv = (qkv.float() * row_scale(scale_rows, scale_eps)).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if scale_rows is not None and not use_triton(qkv):
+            factor = row_scale(scale_rows, scale_eps)
+            if qkv_ratios is not None:
+                sizes = torch.tensor([q_size, kv_size, kv_size], device=qkv_ratios.device)
+                factor = factor * qkv_ratios.repeat_interleave(sizes)[None, :]
+            qkv = (qkv.float() * factor).to(qkv.dtype)
+            scale_rows = qkv_ratios = None
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        o = self.attn(q, k, v, positions, meta, self.rotary_emb, q_norm, k_norm, scale_rows, scale_eps)
+        o = self.attn(q, k, v, positions, meta, self.rotary_emb, q_norm, k_norm, scale_rows, scale_eps, qkv_ratios)
         return o.flatten(1)
 
 

@@ -7,8 +7,7 @@ mixture-of-experts model, as Qwen publishes Qwen3-MoE FP8) of a safetensors chec
 `write_dequantized_checkpoint` writes the weights such a checkpoint holds (fp8 times scale) as a plain float32
 checkpoint: the reference a float run of transformers gives for the FP8 model. `write_per_tensor_dequantized`
 writes the weights `--quantization fp8` makes of a plain checkpoint where it quantizes per tensor (layers/fp8.py: one
-scale per projection, a fused layer's shards brought to the largest of theirs; a MoE block's experts block-wise),
-dequantized to float32.
+scale per checkpoint tensor; a MoE block's experts block-wise), dequantized to float32.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from safetensors.torch import save_file
 
 from nvcli.kernels.block_fp8 import (
     FP8_DTYPE,
-    FP8_MAX,
     dequantize_weight,
     quantize_weight,
     quantize_weight_per_tensor,
@@ -34,8 +32,6 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme"
                        "weight_block_size": [128, 128]}
 # every decoder projection, a mixture-of-experts block's per-expert tensors too (not its router, `mlp.gate`)
 PROJECTION = re.compile(r"\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.(q|k|v|o|gate|up|down)_proj\.weight$")
-# the checkpoint tensors one fused layer holds: q / k / v (qkv_proj) and gate / up (gate_up_proj) of one block
-FUSED = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -95,7 +91,6 @@ def write_per_tensor_dequantized(src: Path, dst: Path) -> Path:
     src, dst = Path(src), Path(dst)
     _copy_other_files(src, dst)
     out: dict[str, torch.Tensor] = {}
-    groups: dict[str, list[str]] = {}
     for name, t in _tensors(src).items():
         match = PROJECTION.search(name)
         if match is None:
@@ -103,16 +98,8 @@ def write_per_tensor_dequantized(src: Path, dst: Path) -> Path:
         elif "experts" in match.group(1):
             out[name] = dequantize_weight(*quantize_weight(t), torch.float32)
         else:
-            proj = match.group(2)
-            groups.setdefault(name[: match.start(2)] + FUSED.get(proj, proj), []).append(name)
-            out[name] = t
-    for names in groups.values():
-        quantized = {name: quantize_weight_per_tensor(out[name]) for name in names}
-        common = max(scale for _, scale in quantized.values())
-        for name, (q, scale) in quantized.items():
-            if any(bool(s != common) for _, s in quantized.values()):  # layers/fp8.Fp8Weights.unify_scale
-                q = ((q.float() * scale) / common.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            out[name] = q.float() * common
+            q, scale = quantize_weight_per_tensor(t)
+            out[name] = q.float() * scale
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = "float32"

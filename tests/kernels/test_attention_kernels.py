@@ -425,6 +425,46 @@ def test_decode_with_fused_rope_scales_unnormalized_rows(norm: bool, num_splits:
     assert not torch.allclose(vc.cpu(), v_cache)  # the new (scaled) values did land
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_takes_q_k_and_v_factors_beside_the_row_scale(norm: bool) -> None:
+    """A row-scaled FP8 qkv projection whose q, k and v weights kept a scale each (kernels/fp8_rows.py): the row's
+    scale (precomputed, [rows]) times q's, k's and v's own factor, in the decode kernel's rotary step and in the
+    separate rotary kernel alike: the same as rotating rows scaled beforehand (float32, one rounding each)."""
+    from nvcli.kernels.decode_attention import DecodeRope
+    from nvcli.kernels.rotary import rope_qk_norm_triton
+
+    k_cache, v_cache, tables, qkv, positions, slots, rope, qw, kw, seq_lens, views = _decode_rope_case(53, norm)
+    row = torch.tensor([0.25, 3.0, 0.7, 1.0])
+    ratios = torch.tensor([1.0, 0.375, 0.0625])  # q, k, v: v's far from 1 shows in attention and the stored V
+    q_cols, kv_cols = 4 * HEAD_DIM, 2 * HEAD_DIM
+    cols = ratios.repeat_interleave(torch.tensor([q_cols, kv_cols, kv_cols]))
+    pre = _dev(qkv.float() * (row[:, None] * cols[None, :]))
+    ref_kc, ref_vc = _dev(k_cache.clone()), _dev(v_cache.clone())
+    q, k, v = views(pre)
+    rope_qk_norm_triton(q, k, _dev(positions), _dev(rope.cos_sin_cache), _dev(qw), _dev(kw), 1e-6, v=v,
+                        kv=PagedKV(ref_kc, ref_vc), slot_mapping=_dev(slots))
+    ref = paged_decode_attention_triton(q, PagedKV(ref_kc, ref_vc), tables, seq_lens, SCALE, block_n=16)
+
+    kc, vc = _dev(k_cache.clone()), _dev(v_cache.clone())
+    q, k, v = views(_dev(qkv.clone()))
+    r = DecodeRope(k, v, _dev(positions), _dev(rope.cos_sin_cache), _dev(slots), _dev(qw), _dev(kw), 1e-6,
+                   scale_rows=_dev(row), qkv_ratios=_dev(ratios))
+    out = paged_decode_attention_triton(q, PagedKV(kc, vc), tables, seq_lens, SCALE, block_n=16, rope=r)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc.cpu(), ref_kc.cpu(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(vc.cpu(), ref_vc.cpu(), atol=2e-5, rtol=2e-5)
+
+    kc2, vc2 = _dev(k_cache.clone()), _dev(v_cache.clone())
+    q2, k2, v2 = views(_dev(qkv.clone()))
+    rope_qk_norm_triton(q2, k2, _dev(positions), _dev(rope.cos_sin_cache), _dev(qw), _dev(kw), 1e-6, v=v2,
+                        kv=PagedKV(kc2, vc2), slot_mapping=_dev(slots), scale_rows=_dev(row),
+                        qkv_ratios=_dev(ratios))
+    q_ref, _, _ = views(pre)
+    torch.testing.assert_close(q2.cpu(), q_ref.cpu(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(kc2.cpu(), ref_kc.cpu(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(vc2.cpu(), ref_vc.cpu(), atol=2e-5, rtol=2e-5)
+
+
 # ----------------------------------------------------------------------------- decode rows beside prompt chunks
 
 

@@ -52,14 +52,23 @@ SCRIPT = textwrap.dedent("""
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_scale_val": "fp32", "v_scale_val": "fp32",
              "eps": "fp32", "rs_ptr": rs, "rs_eps": "fp32"},
             dict(GROUP=2, GROUP_PAD=2, HALF=64, PAGE=16, NORM=True, STORE=True, QUANT=False, SCALE_IS_PTR=False,
-                 FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block))
-    # a row-scaled FP8 decode step (kernels/fp8_rows.py): the norm and SiLU-and-mul writing their rows quantized,
-    # the attention output's row kernel
+                 FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block, RATIOS=False))
+    # a row-scaled FP8 decode step (kernels/fp8_rows.py): q / k / v and gate / up factors beside the row scale, the
+    # norm and SiLU-and-mul writing their rows quantized, the attention output's row kernel
+    compile_for_hopper(
+        rotary._rope_store_kernel,
+        {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "cos_sin_ptr": "*fp32",
+         "qw_ptr": "*bf16", "kw_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64",
+         "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_scale_val": "fp32", "v_scale_val": "fp32",
+         "eps": "fp32", "rs_ptr": "*fp32", "rs_eps": "fp32", "ratio_ptr": "*fp32"},
+        dict(GROUP=2, GROUP_PAD=2, HALF=64, PAGE=16, NORM=True, STORE=True, QUANT=False, SCALE_IS_PTR=False,
+             FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=1, RATIOS=True))
     for block in (16384, 2048):  # the row held whole, and in two passes
         compile_for_hopper(
             activation._silu_and_mul_quant_rows_kernel,
-            {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "rs_ptr": "*fp32", "rs_eps": "fp32"},
-            dict(BLOCK=block, ROW_SCALE=True, RS_BLOCK=1, FP8_MAX=448.0, ACT_EPS=1e-10), num_warps=16)
+            {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "rs_ptr": "*fp32", "ratio_ptr": "*fp32",
+             "rs_eps": "fp32"},
+            dict(BLOCK=block, ROW_SCALE=True, RS_BLOCK=1, RATIOS=True, FP8_MAX=448.0, ACT_EPS=1e-10), num_warps=16)
     compile_for_hopper(
         rms_norm._rms_norm_kernel,
         {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "new_res_ptr": "*bf16",

@@ -140,16 +140,40 @@ def test_the_gpu_product_matches_the_reference(m: int) -> None:
     assert torch.allclose(got, want, rtol=2e-2, atol=1e-2 * want.abs().max().item())
 
 
-def _layer(kind: str, in_features: int, out_features: int):
-    from nvcli.models.layers.fp8 import Fp8Spec, finish_fp8_layers, fp8_projections
-    from nvcli.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+def test_silu_quantized_per_row_takes_gate_and_up_factors() -> None:
+    """A gate_up weight whose gate and up kept a scale each: SiLU-and-mul scales gate by the row's scale times
+    gate's factor and up by up's (float32: one rounding each, as scaling the projection first)."""
+    d = 300
+    x = _data((5, 2 * d), 4, torch.float32)
+    scale = torch.rand(5) * 2 + 0.05
+    ratios = torch.tensor([1.0, 0.4375])
+    cols = ratios.repeat_interleave(torch.tensor([d, d]))
+    got = silu_quant_rows(x, scale, ratios=ratios)
+    assert _same(got, fp8_rows.quantize_rows_ref(silu_and_mul_triton(fp8_rows.apply_row_scale(x, scale, cols))))
+    assert not _same(got, silu_quant_rows(x, scale))  # up's factor did count
 
-    with fp8_projections(Fp8Spec(checkpoint=False)):
-        layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(in_features, out_features)
+
+def _layer(kind: str, in_features: int, out_features: int):
+    """A --quantization fp8 layer as where the row path runs: "column", "row", or "merged" (gate_up of two
+    out_features parts loaded one by one, the second 8x the first's magnitude: each keeps its own scale)."""
+    from nvcli.models.layers.fp8 import Fp8Spec, finish_fp8_layers, fp8_projections
+    from nvcli.models.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+    with fp8_projections(Fp8Spec(checkpoint=False, per_tensor=True)):
+        if kind == "merged":
+            layer = MergedColumnParallelLinear(in_features, [out_features, out_features])
+        else:
+            layer = (ColumnParallelLinear if kind == "column" else RowParallelLinear)(in_features, out_features)
     layer.to(DEVICE)
-    layer.fp8.load_dummy(torch.Generator(device=DEVICE).manual_seed(0))
+    if kind == "merged":
+        gen = torch.Generator().manual_seed(0)
+        for part, size in ((0, 0.02), (1, 0.16)):
+            layer.weight_loader(layer.weight, torch.randn(out_features, in_features, generator=gen) * size, part)
+    else:
+        layer.fp8.load_dummy(torch.Generator(device=DEVICE).manual_seed(0))
     finish_fp8_layers(layer, keep=True, dtype=torch.bfloat16)
-    layer.fp8.tensor_scale = layer.fp8.unify_scale()  # as where the tensor-scaled GEMM runs
+    # as where the tensor-scaled GEMM runs
+    layer.fp8.tensor_scale, layer.fp8.shard_ratios, layer.fp8.col_ratios = layer.fp8.shard_scales()
     return layer
 
 
@@ -162,9 +186,27 @@ def _close(got, want: torch.Tensor) -> None:
 
 
 def _reference(rows: torch.Tensor, layer) -> torch.Tensor:
-    """The row-scaled product in float32: rows quantized per row, times the per-tensor weight."""
+    """The row-scaled product in float32: rows quantized per row, times the weight as its parts' scales dequantize
+    it (kernels/block_fp8.py: the block scales hold each part's)."""
+    from nvcli.kernels.block_fp8 import dequantize_weight
+
     q, s = fp8_rows.quantize_rows_ref(rows)
-    return fp8_rows.rows_linear_ref(q, layer.weight, layer.fp8.tensor_scale, torch.float32) * s[:, None]
+    w = dequantize_weight(layer.weight, layer.weight_scale, torch.float32, layer.fp8.scale_rows)
+    return (q.float() @ w.T) * s[:, None]
+
+
+def test_a_fused_layers_parts_keep_their_own_scales_and_the_output_carries_their_ratios() -> None:
+    from nvcli.models.layers.fp8 import decode_steps
+
+    layer = _layer("merged", 256, 128)
+    ratios = layer.fp8.shard_ratios
+    assert ratios is not None and ratios.tolist()[1] == 1.0 and 0.05 < ratios.tolist()[0] < 0.25  # gate's is smaller
+    x = _data((6, 256), 8, torch.bfloat16).to(DEVICE)
+    w = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
+    with decode_steps(True):
+        y, new_res = layer.forward_norm(x, None, w, 1e-6)
+    assert torch.equal(y.ratios, ratios) and y.col_scale.shape == (256,)
+    _close(y, _reference(rms_norm.rms_norm_triton(x, w, 1e-6)[0], layer))
 
 
 def test_a_decode_steps_norm_then_projection_leaves_the_row_scales_pending() -> None:

@@ -31,6 +31,8 @@ class Attention(nn.Module):
         k_norm: HeadNorm | None = None,
         scale_rows: torch.Tensor | None = None,
         scale_eps: float = 1e-6,
+        qkv_ratios: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Per-head norm and rotary of q and k, the KV store, then attention over the cache (attention/forward.py)."""
-        return paged_attention(self, q, k, v, positions, meta, rotary, q_norm, k_norm, scale_rows, scale_eps)
+        return paged_attention(self, q, k, v, positions, meta, rotary, q_norm, k_norm, scale_rows, scale_eps,
+                               qkv_ratios)

@@ -7,9 +7,9 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
   each projection's weight is fp8 and `<name>.weight_scale_inv` holds its block scales;
 * `--quantization fp8` on a bf16 / fp32 checkpoint (or dummy weights): each tensor is quantized as it loads, on the
   layer's device. Where decode steps run row-scaled (below) with one scale for the whole tensor (vLLM's online
-  FP8), written into every block's scale; after loading a fused layer's shards are brought to one scale (the
-  largest: the others are requantized), so the layer is per-tensor quantized as a whole. Elsewhere (tensor
-  parallelism, the CPU, GPUs without that GEMM) per 128 x 128 block, exactly as a checkpoint would store it.
+  FP8), written into every block's scale; a fused layer's parts (q / k / v, gate / up) keep one each, and the
+  kernels that consume a decode step's output apply their ratios to the largest (`RowScaled.ratios`). Elsewhere
+  (tensor parallelism, the CPU, GPUs without that GEMM) per 128 x 128 block, exactly as a checkpoint stores it.
 
 A per-tensor layer runs decode steps (`decode_steps`: no prompt token in the step) on one rank through cuBLASLt's
 tensor-scaled FP8 GEMM with each activation row quantized with its own scale, which the GEMM leaves pending in its
@@ -44,7 +44,6 @@ from nvcli.config import ConfigError
 from nvcli.kernels.block_fp8 import (
     BLOCK,
     FP8_DTYPE,
-    FP8_MAX,
     dequantize_weight,
     fp8_linear_ref,
     quantize_weight,
@@ -150,11 +149,15 @@ class RowScaled:
 
     values: torch.Tensor  # [rows, N] in the model dtype
     scale: torch.Tensor  # [rows] float32
+    # a fused weight whose parts (q / k / v, gate / up) kept a scale each: each part's factor [parts] (what the
+    # rotary and SiLU kernels take) and each column's [N]; None where the parts share one scale
+    ratios: Optional[torch.Tensor] = None
+    col_scale: Optional[torch.Tensor] = None
 
     def materialize(self) -> torch.Tensor:
         from nvcli.kernels.fp8_rows import apply_row_scale
 
-        return apply_row_scale(self.values, self.scale)
+        return apply_row_scale(self.values, self.scale, self.col_scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -201,8 +204,11 @@ class Fp8Weights:
         self.scaled: set[Any] = set()  # shards whose scales are set (from the checkpoint or by quantizing)
         # the scales in cuBLASLt's layout, set after loading where its block-scaled GEMM runs (finish_fp8_layers)
         self.scale_mm: Optional[torch.Tensor] = None
-        # a per-tensor layer's one scale [1], set after loading where the tensor-scaled GEMM runs (finish_fp8_layers)
+        # a per-tensor layer's scales, set after loading where the tensor-scaled GEMM runs (finish_fp8_layers,
+        # shard_scales): the GEMM's [1], each part's ratio to it [parts] and each column's [out] (None if all 1)
         self.tensor_scale: Optional[torch.Tensor] = None
+        self.shard_ratios: Optional[torch.Tensor] = None
+        self.col_ratios: Optional[torch.Tensor] = None
 
     def _write_scale(self, block_scale: torch.Tensor, offset: int, rows: int) -> None:
         """Scales of `rows` rows from `offset`, given per 128 rows from the first ([ceil(rows / 128), kb])."""
@@ -233,17 +239,23 @@ class Fp8Weights:
         q, scale = quantize_weight_per_tensor(w)
         return q, scale.reshape(1, 1).expand(_cdiv(w.shape[0], BLOCK), _cdiv(w.shape[1], BLOCK))
 
-    def unify_scale(self) -> torch.Tensor:
-        """A per-tensor layer's shards (q / k / v, gate / up: quantized one by one as they loaded) brought to the
-        largest of their scales, each shard's weight requantized to it -> the layer's one scale [1]."""
+    def shard_scales(self) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """A per-tensor layer's scales once loaded: each checkpoint tensor (q / k / v, gate / up) keeps the one it was
+        quantized with (a fused weight of one scale would cost its smaller parts precision: benchmarks/RESULTS.md).
+        -> (the largest [1], which the tensor-scaled GEMM takes; each part's ratio to it [parts], in row order; the
+        same per output row of the weight [out]); the ratios None where every part has the largest."""
         scale = self.layer.weight_scale
-        common = scale.max()
-        if bool((scale != common).any()):
-            weight = self.layer.weight.data
-            w = dequantize_weight(weight, scale, torch.float32, self.scale_rows)
-            weight.copy_((w / common).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
-            scale.fill_(common)
-        return common.reshape(1).clone()
+        parts = sorted(self.shards.values())  # (first row, rows)
+        per_part = torch.stack([scale[first // self.scale_rows, 0] for first, _ in parts])
+        for (first, rows), s in zip(parts, per_part):  # invariant: a part's rows all carry its scale
+            rows_of = scale[first // self.scale_rows : _cdiv(first + rows, self.scale_rows)]
+            assert bool((rows_of == s).all()), "a per-tensor part shares a scale block with another"
+        common = per_part.max().reshape(1).clone()
+        if bool((per_part == common).all()):
+            return common, None, None
+        ratios = (per_part / common).contiguous()
+        sizes = torch.tensor([rows for _, rows in parts], device=ratios.device)
+        return common, ratios, ratios.repeat_interleave(sizes).contiguous()
 
     def load_scale(self, scale: torch.Tensor, shard: Any, name: str) -> None:
         """A checkpoint's `weight_scale_inv` [ceil(rows / 128), ceil(in / 128)] of the whole tensor: this rank's
@@ -297,12 +309,12 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
             continue
         state.check_loaded(name)
         count += 1
-        scale = state.unify_scale() if state.per_tensor else None
+        scales = state.shard_scales() if state.per_tensor else None
         if keep:
             weight = module.weight
-            if scale is not None:
+            if scales is not None:
                 if tensor_gemm_eligible(*weight.shape) and tensor_gemm_supported(weight.device, dtype):
-                    state.tensor_scale = scale
+                    state.tensor_scale, state.shard_ratios, state.col_ratios = scales
             if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype,
                                                                                           state.scale_rows):
                 state.scale_mm = cublas_weight_scales(module.weight_scale, state.scale_rows)

@@ -96,7 +96,8 @@ class LinearBase(nn.Module):
         from nvcli.kernels.fp8_rows import rows_product
 
         x2 = x.reshape(-1, x.shape[-1])
-        return RowScaled(*rows_product(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight, w_scale))
+        values, scale = rows_product(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight, w_scale)
+        return RowScaled(values, scale, self.fp8.shard_ratios, self.fp8.col_ratios)
 
     def forward_norm(self, x: torch.Tensor | Partial | RowScaled, residual: torch.Tensor | None,
                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor | RowScaled, torch.Tensor]:
@@ -113,14 +114,17 @@ class LinearBase(nn.Module):
         from nvcli.kernels.rms_norm import rms_norm_triton
 
         x_scale = None
-        if isinstance(x, RowScaled):
+        if isinstance(x, RowScaled):  # a row-parallel projection's: one part (o_proj, down_proj), no column factors
+            assert x.col_scale is None
             x, x_scale = x.values, x.scale
         w_scale = row_scaled(self.fp8)
         if w_scale is not None:
             from nvcli.kernels.fp8_rows import rows_linear_gpu
 
             q, q_scale, residual = rms_norm_triton(x, norm_weight, eps, residual, x_scale, quantize=True)
-            return RowScaled(rows_linear_gpu(q, self.weight, w_scale, x.dtype), q_scale), residual
+            state = self.fp8
+            return RowScaled(rows_linear_gpu(q, self.weight, w_scale, x.dtype), q_scale, state.shard_ratios,
+                             state.col_ratios), residual
         if self.fp8 is None and x_scale is None:
             from nvcli.kernels.skinny_gemm import norm_linear
 
@@ -220,13 +224,16 @@ class RowParallelLinear(LinearBase):
             from nvcli.kernels.activation import silu_and_mul_quant_rows_triton
             from nvcli.kernels.fp8_rows import rows_linear_gpu
 
-            values, scale = (gate_up.values, gate_up.scale) if isinstance(gate_up, RowScaled) else (gate_up, None)
-            q, q_scale = silu_and_mul_quant_rows_triton(values.reshape(-1, values.shape[-1]), scale)
+            if isinstance(gate_up, RowScaled):
+                values, scale, ratios = gate_up.values, gate_up.scale, gate_up.ratios
+            else:
+                values, scale, ratios = gate_up, None, None
+            q, q_scale = silu_and_mul_quant_rows_triton(values.reshape(-1, values.shape[-1]), scale, ratios=ratios)
             return RowScaled(rows_linear_gpu(q, self.weight, w_scale, values.dtype), q_scale)
         if isinstance(gate_up, RowScaled):
             from nvcli.kernels.activation import silu_and_mul_triton
 
-            return self.forward(silu_and_mul_triton(gate_up.values, gate_up.scale))
+            return self.forward(silu_and_mul_triton(gate_up.materialize()))
         if self.fp8 is not None:  # SiLU-and-mul writes the FP8 GEMM's quantized input
             from nvcli.kernels.activation import silu_and_mul_quant_triton
             from nvcli.kernels.fp8_gemm import fp8_gemm_quantized
