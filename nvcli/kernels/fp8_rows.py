@@ -121,53 +121,6 @@ def rows_linear_gpu(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, ou
     return out[0] if isinstance(out, tuple) else out
 
 
-@triton.jit
-def _rows_gemm_kernel(a_ptr, w_ptr, ws_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # programs of one column tile are adjacent (row tiles fastest): they stream the same weight tile through L2
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = tl.program_id(0) % num_m
-    pid_n = tl.program_id(0) // num_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K-major
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-        else:
-            k_ok = offs_k < K - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    acc = acc * tl.load(ws_ptr)
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def rows_linear_triton(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
-                       block_m: int, block_n: int, block_k: int = 128, num_warps: int = 4,
-                       num_stages: int = 4) -> torch.Tensor:
-    """rows_linear_gpu's product, the row scales pending, by a Triton kernel that streams the weight once per
-    column tile: q [M, K] fp8 with contiguous rows, wq [N, K] fp8, w_scale [1] float32."""
-    (m, k), n = q.shape, wq.shape[0]
-    assert q.stride(-1) == 1 and wq.stride(-1) == 1
-    out = torch.empty((m, n), dtype=out_dtype, device=q.device)
-    if m:
-        grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-        _rows_gemm_kernel[grid](q, wq, w_scale, out, m, n, k, q.stride(0), wq.stride(0), out.stride(0),
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-                                num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
 def rows_linear_ref(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """What rows_linear_gpu computes, in float32 (the CPU path and the tests' reference)."""
     return ((q.float() @ wq.float().T) * w_scale.float()).to(out_dtype)
