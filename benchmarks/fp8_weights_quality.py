@@ -6,9 +6,8 @@
 Reference: the model's own weights in --dtype. Tests, each over the same chat prompts, greedy:
 - fp8 weights: the weights --quantization fp8 gives one H100 (one scale per weight), dequantized once at load,
   activations in --dtype (under tensor parallelism and on the CPU the flag keeps 128x128 blocks: --weight-formats);
-- fp8 W8A8: the FP8 GEMMs as an H100 runs them (activations also quantized: per row in decode steps,
-  kernels/fp8_rows.py, per token per 128 columns in prompt steps, kernels/fp8_gemm.py; the projections kept FP8 and
-  the norms unfolded); on the CPU their torch references;
+- fp8 W8A8: the FP8 GEMMs as an H100 runs them (activations also quantized, per row: kernels/fp8_rows.py; the
+  projections kept FP8 and the norms unfolded); on the CPU their torch references;
 - bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model;
 - weight formats (--weight-formats): the projections' weights as an e4m3 round trip with one scale per tensor, per
   checkpoint tensor of a fused one (q / k / v, gate / up: "shard"), per output channel or per 128x128 block
@@ -60,17 +59,17 @@ def fp8_gemm(on: bool) -> Iterator[None]:
     import nvcli.kernels.fp8_rows as fp8_rows
     import nvcli.models.layers.fp8 as fp8_layers
 
-    saved = block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported, fp8_layers.row_scaled_decode
+    saved = block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported, fp8_layers.row_scaled_gemms
     supported = saved[1]
     block_fp8.fp8_gemm_supported = lambda device: on
-    # on the CPU, the weights and decode steps as one H100 has them: per tensor, decode steps row-scaled
-    # (kernels/fp8_rows.py) through the torch reference
+    # on the CPU, the weights and GEMMs as one H100 has them: per tensor, row-scaled (kernels/fp8_rows.py) through
+    # the torch reference
     fp8_rows.tensor_gemm_supported = lambda device, dtype: device.type == "cpu" or supported(device, dtype)
-    fp8_layers.row_scaled_decode = lambda device, dtype, tp: tp == 1
+    fp8_layers.row_scaled_gemms = lambda device, dtype, tp: tp == 1
     try:
         yield
     finally:
-        block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported, fp8_layers.row_scaled_decode = saved
+        block_fp8.fp8_gemm_supported, fp8_rows.tensor_gemm_supported, fp8_layers.row_scaled_gemms = saved
 
 
 def fake_quantized(w: torch.Tensor, scales: str) -> torch.Tensor:

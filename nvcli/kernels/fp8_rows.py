@@ -1,7 +1,8 @@
-"""Row-scaled FP8 for decode steps: activations quantized with one scale per row, the weight with one per tensor.
+"""Row-scaled FP8: activations quantized with one scale per row (token), the weight with one per tensor.
 
-A decode step's FP8 projection runs cuBLASLt's tensor-scaled GEMM, which streams the weight far faster than the
-block-scaled one at a few hundred rows (benchmarks/RESULTS.md), but takes one scale for all of A. So A's rows are
+A per-tensor FP8 projection runs cuBLASLt's tensor-scaled GEMM, which streams the weight far faster than the
+block-scaled one at a few hundred rows and runs prompt steps faster too (benchmarks/RESULTS.md), but takes one
+scale for all of A. So A's rows are
 quantized each with its own scale s_i = max(amax_i, 1e-10) / 448, the GEMM runs with A's scale 1, and its output
 y'_i = (q_i @ q_w.T) * s_w leaves the row scale pending: the true row is s_i * y'_i, which the kernel that consumes
 y' applies as it loads it (the add+RMSNorm kernel's `x_scale`, SiLU-and-mul's and the rotary kernels' precomputed

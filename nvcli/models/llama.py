@@ -37,7 +37,7 @@ from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.activation import SiluAndMul
 from nvcli.models.layers.attention import Attention
 from nvcli.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nvcli.models.layers.fp8 import RowScaled, decode_steps
+from nvcli.models.layers.fp8 import RowScaled
 from nvcli.models.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -272,9 +272,8 @@ class DecoderModel(nn.Module):
             return x, None
         residual = torch.zeros_like(x) if not self.layers else None
         begin_forward()
-        with decode_steps(meta.decode_only):
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual, meta)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
         x = reduced(x)  # the last layer's down projection, if not yet summed across the ranks
         if isinstance(x, RowScaled):  # ... or not yet scaled (a row-scaled FP8 down projection)
             x = x.materialize()

@@ -77,7 +77,7 @@ def test_quantization_flag_quantizes_attention_per_tensor_where_decode_runs_row_
     (write_per_tensor_dequantized writes those weights)."""
     import nvcli.models.layers.fp8 as fp8_layers
 
-    monkeypatch.setattr(fp8_layers, "row_scaled_decode", lambda device, dtype, tp: tp == 1)
+    monkeypatch.setattr(fp8_layers, "row_scaled_gemms", lambda device, dtype, tp: tp == 1)
     plain, _, _ = checkpoints("tiny")
     assert greedy(plain, quantization="fp8") == hf_greedy(write_per_tensor_dequantized(plain, tmp_path / "ref"))
 

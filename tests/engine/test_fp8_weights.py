@@ -1,7 +1,7 @@
 """FP8 weights on the CPU: a block-wise FP8 checkpoint gives HF transformers' greedy tokens on the weights it holds,
 dequantized (at --tp 2 over gloo too); --quantization fp8 on a float checkpoint those of its quantized weights: block-
-wise, or per tensor where decode steps run row-scaled; there decode steps take the row-scaled path and prompt steps
-the block-scaled one; bad settings fail with one line naming the flag."""
+wise, or per tensor where the GEMMs run row-scaled, and then every step takes the row-scaled path; bad settings fail
+with one line naming the flag."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def row_scaled_here(monkeypatch) -> None:
     per tensor."""
     import nvcli.models.layers.fp8 as fp8_layers
 
-    monkeypatch.setattr(fp8_layers, "row_scaled_decode", lambda device, dtype, tp: tp == 1)
+    monkeypatch.setattr(fp8_layers, "row_scaled_gemms", lambda device, dtype, tp: tp == 1)
 
 
 def test_quantization_flag_matches_hf_on_its_per_tensor_quantized_weights(checkpoints, per_tensor,
@@ -229,10 +229,11 @@ def test_a_missing_scale_is_named(checkpoints, tmp_path: Path) -> None:
         LLM(str(broken), **ENGINE)
 
 
-def test_decode_steps_run_row_scaled_and_prompt_steps_block_scaled(checkpoints, monkeypatch) -> None:
-    """Where the tensor-scaled FP8 GEMM runs, a --quantization fp8 layer (one scale per weight) computes decode steps
-    with each activation row quantized with its own scale (kernels/fp8_rows.py) and steps with prompt tokens per
-    token and 128 columns; on the CPU each path runs its torch reference."""
+def test_every_step_of_a_per_tensor_layer_runs_row_scaled(checkpoints, monkeypatch) -> None:
+    """Where the tensor-scaled FP8 GEMM runs, a --quantization fp8 layer (one scale per weight) computes every step,
+    prompt and decode alike, with each activation row quantized with its own scale (kernels/fp8_rows.py); where it
+    does not, the layers are block-wise and every step quantizes per token and 128 columns. On the CPU each path
+    runs its torch reference."""
     import nvcli.kernels.block_fp8 as block_fp8
     import nvcli.kernels.fp8_rows as fp8_rows
     import nvcli.models.layers.fp8 as fp8_layers
@@ -257,35 +258,35 @@ def test_decode_steps_run_row_scaled_and_prompt_steps_block_scaled(checkpoints, 
     monkeypatch.setattr(fp8_rows, "rows_product", row_path)
     monkeypatch.setattr(fp8_layers, "fp8_linear_ref", block_path)
     plain, _, _ = checkpoints("qwen3")
-    runs = {}
+    prompt_tokens = sum(len(p) for p in PROMPTS)
     for row_scaled in (False, True):
-        # per-tensor weights both times (the same prompt steps); the second run's layers also take the row path
-        monkeypatch.setattr(fp8_layers, "row_scaled_decode", lambda device, dtype, tp: True)
+        monkeypatch.setattr(fp8_layers, "row_scaled_gemms", lambda device, dtype, tp, on=row_scaled: on)
         monkeypatch.setattr(fp8_rows, "tensor_gemm_supported", lambda device, dtype, on=row_scaled: on)
         rows["row"].clear()
         rows["block"].clear()
         llm = LLM(str(plain), quantization="fp8", **ENGINE)
         qkv = llm.engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == FP8_DTYPE and (qkv.fp8.tensor_scale is not None) == row_scaled
-        runs[row_scaled] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         llm.shutdown()
-        parts = [qkv.weight_scale[first // qkv.fp8.scale_rows, 0] for first, _ in sorted(qkv.fp8.shards.values())]
-        assert torch.equal(qkv.weight_scale.unique().sort().values, torch.stack(parts).unique().sort().values)
-    # the row-scaled run: prompts of 5-40 tokens block-scaled, decode steps (1-3 rows) row-scaled in every projection
-    assert rows["block"] and min(rows["block"]) >= 5, rows["block"]
-    assert rows["row"] and max(rows["row"]) <= len(PROMPTS), rows["row"]
-    assert len(rows["row"]) >= 4 * (MAX_TOKENS - 1)
+        assert all(len(t) == MAX_TOKENS for t in out)
+        taken = rows["row" if row_scaled else "block"]
+        assert not rows["block" if row_scaled else "row"], rows
+        # the prompt step (every prompt token) and the decode steps (1-3 rows), in every projection
+        assert max(taken) == prompt_tokens and min(taken) <= len(PROMPTS), taken
+        assert len(taken) >= 4 * MAX_TOKENS
+        if row_scaled:
+            parts = [qkv.weight_scale[first // qkv.fp8.scale_rows, 0] for first, _ in sorted(qkv.fp8.shards.values())]
+            assert torch.equal(qkv.weight_scale.unique().sort().values, torch.stack(parts).unique().sort().values)
     assert max(errors) < 0.08, max(errors)  # per-row against per-token, per-128-column activation scales
-    # the prompt steps are the same in both runs: every first token agrees
-    assert [t[0] for t in runs[True]] == [t[0] for t in runs[False]], runs
 
 
-def test_the_flag_quantizes_per_tensor_only_where_decode_runs_row_scaled() -> None:
+def test_the_flag_quantizes_per_tensor_only_where_the_gemms_run_row_scaled() -> None:
     """One scale per weight costs quality (benchmarks/RESULTS.md): only one rank on a GPU whose tensor-scaled FP8 GEMM
     works takes it; tensor parallelism and the CPU keep 128 x 128 blocks."""
-    from nvcli.models.layers.fp8 import fp8_spec, row_scaled_decode
+    from nvcli.models.layers.fp8 import fp8_spec, row_scaled_gemms
 
-    assert not row_scaled_decode(torch.device("cpu"), torch.bfloat16, 1)
-    assert not row_scaled_decode(torch.device("cuda"), torch.bfloat16, 2)  # no GPU is asked: TP decides first
+    assert not row_scaled_gemms(torch.device("cpu"), torch.bfloat16, 1)
+    assert not row_scaled_gemms(torch.device("cuda"), torch.bfloat16, 2)  # no GPU is asked: TP decides first
     assert fp8_spec("fp8", None, torch.device("cpu"), torch.bfloat16, 1).per_tensor is False
     assert fp8_spec(None, QUANTIZATION_CONFIG, torch.device("cuda"), torch.bfloat16, 1).per_tensor is False

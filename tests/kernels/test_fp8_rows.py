@@ -1,6 +1,6 @@
-"""Row-scaled FP8 decode projections (kernels/fp8_rows.py): every kernel that quantizes rows (the per-row kernel, the
+"""Row-scaled FP8 projections (kernels/fp8_rows.py): every kernel that quantizes rows (the per-row kernel, the
 add+RMSNorm kernel, SiLU-and-mul) gives quantize_rows_ref's bits, the norm applies a pending row scale as the torch
-reference does, and an FP8 layer's decode-step paths (forward_norm, forward_partial, forward_silu_mul) leave the
+reference does, and a per-tensor FP8 layer's paths (forward_norm, forward_partial, forward_silu_mul) leave the
 reference product's rows with their scales pending (Triton interpreter and torch._scaled_mm on the CPU, or the
 GPU)."""
 
@@ -196,44 +196,36 @@ def _reference(rows: torch.Tensor, layer) -> torch.Tensor:
 
 
 def test_a_fused_layers_parts_keep_their_own_scales_and_the_output_carries_their_ratios() -> None:
-    from nvcli.models.layers.fp8 import decode_steps
-
     layer = _layer("merged", 256, 128)
     ratios = layer.fp8.shard_ratios
     assert ratios is not None and ratios.tolist()[1] == 1.0 and 0.05 < ratios.tolist()[0] < 0.25  # gate's is smaller
     x = _data((6, 256), 8, torch.bfloat16).to(DEVICE)
     w = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
-    with decode_steps(True):
-        y, new_res = layer.forward_norm(x, None, w, 1e-6)
+    y, new_res = layer.forward_norm(x, None, w, 1e-6)
     assert torch.equal(y.ratios, ratios) and y.col_scale.shape == (256,)
     _close(y, _reference(rms_norm.rms_norm_triton(x, w, 1e-6)[0], layer))
 
 
-def test_a_decode_steps_norm_then_projection_leaves_the_row_scales_pending() -> None:
-    from nvcli.models.layers.fp8 import RowScaled, decode_steps
+def test_a_norm_then_projection_leaves_the_row_scales_pending() -> None:
+    from nvcli.models.layers.fp8 import RowScaled
 
     layer = _layer("column", 256, 128)
     x, res = _data((6, 256), 5, torch.bfloat16).to(DEVICE), _data((6, 256), 6, torch.bfloat16).to(DEVICE)
     x_scale = (torch.rand(6) + 0.5).to(DEVICE)
     w = torch.ones(256, dtype=torch.bfloat16, device=DEVICE)
-    with decode_steps(True):
-        y, new_res = layer.forward_norm(RowScaled(x, x_scale), res, w, 1e-6)
+    y, new_res = layer.forward_norm(RowScaled(x, x_scale), res, w, 1e-6)
     _, want_res = rms_norm.rms_norm_triton(fp8_rows.apply_row_scale(x, x_scale), w, 1e-6, res)
     _near(new_res, want_res)
     _close(y, _reference(rms_norm.rms_norm_triton(new_res, w, 1e-6)[0], layer))  # the norm of its own sum
-    with decode_steps(False):  # a step with prompt tokens: the block-scaled GEMM, a plain tensor
-        y, _ = layer.forward_norm(x, res, w, 1e-6)
-    assert isinstance(y, torch.Tensor)
 
 
-def test_a_decode_steps_silu_then_down_projection_leaves_the_row_scales_pending() -> None:
-    from nvcli.models.layers.fp8 import RowScaled, decode_steps
+def test_a_silu_then_down_projection_leaves_the_row_scales_pending() -> None:
+    from nvcli.models.layers.fp8 import RowScaled
 
     layer = _layer("row", 1280, 128)
     gate_up = _data((6, 2 * 1280), 7, torch.bfloat16).to(DEVICE)
     scale = (torch.rand(6) + 0.5).to(DEVICE)
-    with decode_steps(True):
-        y = layer.forward_silu_mul(RowScaled(gate_up, scale))
-        o = layer.forward_partial(gate_up[:, :1280].contiguous())
+    y = layer.forward_silu_mul(RowScaled(gate_up, scale))
+    o = layer.forward_partial(gate_up[:, :1280].contiguous())
     _close(y, _reference(activation.silu_and_mul_triton(gate_up, scale), layer))
     _close(o, _reference(gate_up[:, :1280], layer))

@@ -6,16 +6,16 @@ Two ways in, one format (kernels/block_fp8.py: float8_e4m3fn, one float32 scale 
 * an FP8 checkpoint (config.json `quantization_config` with quant_method fp8, as Qwen and DeepSeek publish them):
   each projection's weight is fp8 and `<name>.weight_scale_inv` holds its block scales;
 * `--quantization fp8` on a bf16 / fp32 checkpoint (or dummy weights): each tensor is quantized as it loads, on the
-  layer's device. Where decode steps run row-scaled (below) with one scale for the whole tensor (vLLM's online
-  FP8), written into every block's scale; a fused layer's parts (q / k / v, gate / up) keep one each, and the
-  kernels that consume a decode step's output apply their ratios to the largest (`RowScaled.ratios`). Elsewhere
-  (tensor parallelism, the CPU, GPUs without that GEMM) per 128 x 128 block, exactly as a checkpoint stores it.
+  layer's device. Where the GEMMs run row-scaled (below) with one scale for the whole tensor (vLLM's online FP8),
+  written into every block's scale; a fused layer's parts (q / k / v, gate / up) keep one each, and the kernels
+  that consume the output apply their ratios to the largest (`RowScaled.ratios`). Elsewhere (tensor parallelism,
+  the CPU, GPUs without that GEMM) per 128 x 128 block, exactly as a checkpoint stores it.
 
-A per-tensor layer runs decode steps (`decode_steps`: no prompt token in the step) on one rank through cuBLASLt's
-tensor-scaled FP8 GEMM with each activation row quantized with its own scale, which the GEMM leaves pending in its
-output (kernels/fp8_rows.py, `RowScaled`): at decode sizes that GEMM streams the weight 1.3-2.4x faster than the
-block-scaled one (benchmarks/RESULTS.md). Other steps keep per-token, per 128-column activation scales and the
-block-scaled GEMM (the weight's block scales are all its one scale).
+A per-tensor layer runs every step on one rank through cuBLASLt's tensor-scaled FP8 GEMM with each activation row
+(token) quantized with its own scale, which the GEMM leaves pending in its output (kernels/fp8_rows.py,
+`RowScaled`): at decode sizes that GEMM streams the weight 1.3-2.4x faster than the block-scaled one, and prompt
+steps run 6% faster than with per-token, per-128-column activation scales, for a small quality cost
+(benchmarks/RESULTS.md). Block-wise layers quantize their activations per token and 128 columns (kernels/fp8_gemm.py).
 
 The layers to quantize are the model's tensor-parallel projections (q/k/v, o, gate/up, down), built inside
 `fp8_projections(spec)`, and a mixture-of-experts block's experts (layers/moe_fp8.py, per expert tensor);
@@ -56,14 +56,13 @@ from nvcli.kernels.ops import use_triton
 class Fp8Spec:
     """How a model's projections are FP8: `checkpoint` True when the checkpoint stores them so (scales beside the
     weights), False when they are quantized as they load (--quantization fp8); `per_tensor`: quantized with one scale
-    per weight (`row_scaled_decode`), else per 128 x 128 block."""
+    per weight (`row_scaled_gemms`), else per 128 x 128 block."""
 
     checkpoint: bool
     per_tensor: bool = False
 
 
 _active: Optional[Fp8Spec] = None
-_decode_step = False
 
 
 @contextmanager
@@ -77,17 +76,6 @@ def fp8_projections(spec: Optional[Fp8Spec]) -> Iterator[None]:
         _active = before
 
 
-@contextmanager
-def decode_steps(decode_only: bool) -> Iterator[None]:
-    """Within: whether the forward being run (or captured) is a decode step, every row one generated token."""
-    global _decode_step
-    before, _decode_step = _decode_step, decode_only
-    try:
-        yield
-    finally:
-        _decode_step = before
-
-
 def active_fp8() -> Optional[Fp8Spec]:
     """The spec projections constructed now take (layers/linear.py)."""
     return _active
@@ -97,16 +85,16 @@ def fp8_spec(quantization: Optional[str], checkpoint: Optional[Mapping[str, Any]
              dtype: torch.dtype, tp: int) -> Optional[Fp8Spec]:
     """The FP8 spec of a model: from its checkpoint's quantization_config (ModelConfig.quantization, already checked
     to be block-wise fp8) or the --quantization flag (EngineConfig.quantization); None for neither. The flag
-    quantizes per tensor where decode steps then run row-scaled (`row_scaled_decode`), else as a checkpoint is."""
+    quantizes per tensor where the GEMMs then run row-scaled (`row_scaled_gemms`), else as a checkpoint is."""
     if checkpoint is None and quantization is None:
         return None
     if checkpoint is not None:
         return Fp8Spec(checkpoint=True)
-    return Fp8Spec(checkpoint=False, per_tensor=row_scaled_decode(device, dtype, tp))
+    return Fp8Spec(checkpoint=False, per_tensor=row_scaled_gemms(device, dtype, tp))
 
 
-def row_scaled_decode(device: torch.device, dtype: torch.dtype, tp: int) -> bool:
-    """Whether --quantization fp8's decode steps can run row-scaled (kernels/fp8_rows.py: one rank, a GPU whose
+def row_scaled_gemms(device: torch.device, dtype: torch.dtype, tp: int) -> bool:
+    """Whether --quantization fp8's GEMMs can run row-scaled (kernels/fp8_rows.py: one rank, a GPU whose
     tensor-scaled FP8 GEMM runs right), which needs one scale per weight. Elsewhere the weights keep 128 x 128 blocks,
     which cost less quality (benchmarks/RESULTS.md) and run as fast there."""
     if tp != 1 or device.type != "cuda":
@@ -133,10 +121,11 @@ def check_tp_split(quantization: Optional[Mapping[str, Any]], row_parallel: dict
 
 
 def row_scaled(state: Optional[Fp8Weights]) -> Optional[torch.Tensor]:
-    """The one weight scale of a per-tensor layer whose GEMM runs row-scaled in this forward (kernels/fp8_rows.py: a
-    decode step, no bias), else None. Only one rank has per-tensor layers (`row_scaled_decode`): under tensor
-    parallelism a row-parallel layer's ranks would each leave their own row scales on a share of the sum."""
-    if state is None or state.tensor_scale is None or not _decode_step or state.layer.bias is not None:
+    """The one weight scale of a per-tensor layer, whose GEMM runs row-scaled (kernels/fp8_rows.py), else None; a
+    layer with a bias (Qwen2's q / k / v) runs block-scaled. Only one rank has per-tensor layers (`row_scaled_gemms`):
+    under tensor parallelism a row-parallel layer's ranks would each leave their own row scales on a share of the
+    sum."""
+    if state is None or state.tensor_scale is None or state.layer.bias is not None:
         return None
     return state.tensor_scale
 
