@@ -59,7 +59,7 @@ def _symmetric_off_on_gloo(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         ok = distributed.init_symmetric_all_reduce(1024, torch.float32, torch.device("cpu"))
-        ok = ok or distributed.init_deferred_sums(1024, torch.float32, torch.device("cpu"))
+        ok = ok or distributed.init_deferred_sums(1024, torch.float32, torch.device("cpu"), 512)
         ok = ok or distributed.partial_target(4, 8, torch.float32, torch.device("cpu")) is not None
         x = torch.full((4, 8), float(rank + 1))
         y = distributed.all_reduce(x)
@@ -152,7 +152,7 @@ def test_symmetric_all_reduce_matches_nccl_on_two_gpus(tmp_path: Path) -> None:
     assert eager and big and graphed and same
 
 
-def _deferred_matches_two_shot(rank: int, world: int, port: int, out: str) -> None:
+def _deferred_matches_rank_ordered_sums(rank: int, world: int, port: int, out: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
@@ -161,18 +161,25 @@ def _deferred_matches_two_shot(rank: int, world: int, port: int, out: str) -> No
 
         device = torch.device("cuda", rank)
         ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
-        ok = ok and distributed.init_deferred_sums(256 * 512, torch.bfloat16, device)
+        ok = ok and distributed.init_deferred_sums(256 * 512, torch.bfloat16, device, 50 * 512)
         g = torch.Generator(device="cuda").manual_seed(rank)
-        parts = torch.randn(6, 100, 512, generator=g, device="cuda", dtype=torch.bfloat16)  # six sums in a row
         common = torch.Generator(device="cuda").manual_seed(99)
-        residual = torch.randn(100, 512, generator=common, device="cuda", dtype=torch.bfloat16)
         weight = 1 + 0.1 * torch.randn(512, generator=common, device="cuda", dtype=torch.bfloat16)
         eye = torch.eye(512, device="cuda", dtype=torch.bfloat16)
         same = True
         distributed.begin_forward()
-        for part in parts:  # the buffers in turn, each refilled while a peer may just have read the other
-            want_normed, want_res = rms_norm_triton(distributed.all_reduce(part.clone()), weight, 1e-6, residual)
-            p = distributed.partial_target(100, 512, torch.bfloat16, device)
+        # eight sums in a row, the buffers in turn (each refilled while a peer may just have read the other), one
+        # shot (40 rows) and two shots (100, 7 and 3: fewer rows than some ranks own) interleaved
+        for rows in (40, 100, 100, 40, 7, 40, 3, 100):
+            part = torch.randn(rows, 512, generator=g, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(rows, 512, generator=common, device="cuda", dtype=torch.bfloat16)
+            shares = [torch.empty_like(part) for _ in range(world)]
+            dist.all_gather(shares, part)
+            total = shares[0].float()
+            for share in shares[1:]:  # rank order, fp32, rounded once
+                total += share.float()
+            want_normed, want_res = rms_norm_triton(total.to(torch.bfloat16), weight, 1e-6, residual)
+            p = distributed.partial_target(rows, 512, torch.bfloat16, device)
             assert p is not None
             torch.mm(part, eye, out=p.local)
             normed, new_res = distributed.sum_add_norm(p, residual, weight, 1e-6)
@@ -188,14 +195,17 @@ def _deferred_matches_two_shot(rank: int, world: int, port: int, out: str) -> No
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_deferred_sums_match_the_two_shot_all_reduce_then_the_norm(tmp_path: Path) -> None:
-    """Two ranks: a projection's share written into a deferred-sum buffer and summed inside the add+RMSNorm kernel
-    (distributed.sum_add_norm) gives the bits of the two-shot all-reduce followed by add+RMSNorm, six times in a
-    row (the two buffers in turn)."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_deferred_sums_are_the_rank_ordered_sum_then_the_norm(world: int, tmp_path: Path) -> None:
+    """A projection's share written into a deferred-sum buffer and summed inside the add+RMSNorm path
+    (distributed.sum_add_norm), in one shot or two, gives on every rank the bits of the shares summed in rank order
+    and then add+RMSNorm."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     out = tmp_path / "deferred.pt"
-    mp.start_processes(_deferred_matches_two_shot, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(_deferred_matches_rank_ordered_sums, args=(world, free_port(), str(out)), nprocs=world,
+                       start_method="spawn")
     ok, same = torch.load(out).tolist()
     assert ok, "symmetric memory or the deferred sums did not set up (see the log for why)"
     assert same

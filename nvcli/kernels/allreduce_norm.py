@@ -9,7 +9,15 @@ rank reads all WORLD buffers itself (one shot), in rank order, and per row
 
 exactly as kernels/rms_norm.py rounds (without `weight`: out = s, and x = s + residual where there is one). Every
 rank adds the same values in the same order, so all ranks get the same bits, as the replicated residual stream
-needs. One program per row; the peers' rows are read over NVLink through their mapped addresses (up to 8 ranks).
+needs. The peers' rows are read over NVLink through their mapped addresses (up to 8 ranks), in one of two ways:
+
+* one shot (`sum_add_norm_triton`): one program per row reads the row's share from every rank. A rank reads
+  (WORLD - 1) x rows x N peer elements, in only `rows` programs: for few rows.
+* two shots, a barrier between them (distributed.sum_add_norm): `reduce_owned_rows_triton` on each rank sums the
+  rows it owns (`owned_rows`: a contiguous WORLD-th of them) from every rank's share, in rank order, over many
+  programs, and writes each sum back into its own buffer in place of its share; then `gather_add_norm_triton`
+  reads each row's sum from its owner and adds and normalizes it. A rank reads 2 (WORLD - 1) / WORLD x rows x N
+  peer elements, and an owner's sum is the one-shot sum, bit for bit.
 """
 
 from __future__ import annotations
@@ -94,5 +102,123 @@ def sum_add_norm_triton(
         *ptrs, residual if residual is not None else first, weight if weight is not None else first, out, new_res,
         eps, N=n, BLOCK=block, WORLD=len(parts), HAS_RES=residual is not None, NORM=weight is not None,
         num_warps=8 if block >= 1024 else 4,
+    )
+    return out, new_res
+
+
+def owned_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the rows `rank` sums in the two-shot path: consecutive blocks of ceil(rows / world)."""
+    per = triton.cdiv(rows, world) if rows else 1
+    return min(rank * per, rows), min((rank + 1) * per, rows)
+
+
+REDUCE_BLOCK = 1024  # columns a program of the two-shot reduction sums
+
+
+@triton.jit
+def _reduce_owned_kernel(p0, p1, p2, p3, p4, p5, p6, p7, own_ptr, first_row, N: tl.constexpr, BLOCK: tl.constexpr,
+                         WORLD: tl.constexpr):
+    row = first_row + tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    base = row * N + offs
+    acc = tl.load(p0 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 1:
+        acc += tl.load(p1 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 2:
+        acc += tl.load(p2 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 3:
+        acc += tl.load(p3 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 4:
+        acc += tl.load(p4 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 5:
+        acc += tl.load(p5 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 6:
+        acc += tl.load(p6 + base, mask=mask, other=0.0).to(tl.float32)
+    if WORLD > 7:
+        acc += tl.load(p7 + base, mask=mask, other=0.0).to(tl.float32)
+    tl.store(own_ptr + base, acc.to(own_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_owned_rows_triton(parts: Sequence[torch.Tensor], rank: int) -> None:
+    """The two-shot path's first shot on `rank`: the rank-ordered sum of the rows it owns (owned_rows), rounded to
+    the parts' dtype, written over those rows of parts[rank]. The other ranks' buffers are only read."""
+    first = parts[0]
+    rows, n = first.shape
+    lo, hi = owned_rows(rows, len(parts), rank)
+    if hi <= lo or n == 0:
+        return
+    block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
+    ptrs = list(parts) + [first] * (MAX_WORLD - len(parts))
+    _reduce_owned_kernel[(hi - lo, triton.cdiv(n, block))](*ptrs, parts[rank], lo, N=n, BLOCK=block,
+                                                           WORLD=len(parts), num_warps=4)
+
+
+@triton.jit
+def _gather_add_norm_kernel(p0, p1, p2, p3, p4, p5, p6, p7, res_ptr, w_ptr, out_ptr, new_res_ptr, eps, per,
+                            N: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr,
+                            NORM: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    base = row * N + offs
+    owner = row // per  # whose buffer holds this row's sum
+    src = p0
+    if WORLD > 1:
+        if owner == 1:
+            src = p1
+    if WORLD > 2:
+        if owner == 2:
+            src = p2
+    if WORLD > 3:
+        if owner == 3:
+            src = p3
+    if WORLD > 4:
+        if owner == 4:
+            src = p4
+    if WORLD > 5:
+        if owner == 5:
+            src = p5
+    if WORLD > 6:
+        if owner == 6:
+            src = p6
+    if WORLD > 7:
+        if owner == 7:
+            src = p7
+    x = tl.load(src + base, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + base, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if NORM:
+        tl.store(new_res_ptr + base, x, mask=mask)
+        tl.store(out_ptr + base, norm_row(x, w_ptr, offs, mask, eps, N).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + base, x, mask=mask)
+
+
+def gather_add_norm_triton(
+    parts: Sequence[torch.Tensor],  # every rank's buffer after reduce_owned_rows_triton ran on every rank
+    residual: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two-shot path's second shot: each row's sum read from its owner's buffer, then sum_add_norm_triton's
+    add and norm (the same outputs, the same bits)."""
+    assert 1 <= len(parts) <= MAX_WORLD, f"{len(parts)} ranks: at most {MAX_WORLD}"
+    first = parts[0]
+    rows, n = first.shape
+    assert all(p.shape == (rows, n) and p.is_contiguous() and p.dtype == first.dtype for p in parts)
+    assert residual is None or (residual.shape == (rows, n) and residual.is_contiguous())
+    assert weight is None or (weight.shape == (n,) and weight.is_contiguous())
+    out = torch.empty((rows, n), dtype=first.dtype, device=first.device)
+    new_res = torch.empty_like(out) if weight is not None else out
+    if rows == 0:
+        return out, new_res
+    ptrs = list(parts) + [first] * (MAX_WORLD - len(parts))
+    block = triton.next_power_of_2(n)
+    _gather_add_norm_kernel[(rows,)](
+        *ptrs, residual if residual is not None else first, weight if weight is not None else first, out, new_res,
+        eps, triton.cdiv(rows, len(parts)), N=n, BLOCK=block, WORLD=len(parts), HAS_RES=residual is not None,
+        NORM=weight is not None, num_warps=8 if block >= 1024 else 4,
     )
     return out, new_res

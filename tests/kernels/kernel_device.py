@@ -31,6 +31,8 @@ def _to_device(x: Any) -> Any:
         return x.to(DEVICE)  # keeps a dims-major view's strides (dense storage)
     if isinstance(x, PagedKV):
         return PagedKV(x.k.to(DEVICE), x.v.to(DEVICE), _to_device(x.k_scale), _to_device(x.v_scale))
+    if isinstance(x, list):  # tensors standing in for peers' buffers
+        return [_to_device(v) for v in x]
     return x
 
 
@@ -39,6 +41,9 @@ def _copy_back(a: Any, moved: Any) -> None:
     the CPU originals."""
     if isinstance(a, torch.Tensor):
         a.copy_(moved.cpu())
+    elif isinstance(a, list):
+        for v, m in zip(a, moved):
+            _copy_back(v, m)
     elif isinstance(a, PagedKV):
         a.k.copy_(moved.k.cpu())
         a.v.copy_(moved.v.cpu())
