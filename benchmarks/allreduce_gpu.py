@@ -88,10 +88,8 @@ def _worker(rank: int, world: int, port: int, hidden: int, rows: list[int], iter
 
 def _engine_paths(rank: int, hidden: int, rows: list[int], iters: int) -> dict[str, float]:
     """A row-parallel projection's sum and the add+RMSNorm after it, as the engine runs them: `engine-two-shot+norm`
-    (copy into the symmetric buffer, two-shot all-reduce, copy out, add+RMSNorm kernel) against the deferred sums
-    (the GEMM already wrote the buffer; distributed.sum_add_norm): `deferred-one-shot+norm` (a barrier and the fused
-    sum+add+RMSNorm kernel) and `deferred-two-shot+norm` (a barrier, each rank's sum of its own rows, a barrier,
-    every row read from its owner with the add+RMSNorm)."""
+    (copy into the symmetric buffer, two-shot all-reduce, copy out, add+RMSNorm kernel) against `deferred+norm`
+    (the GEMM already wrote the buffer: a barrier and the fused sum+add+RMSNorm kernel, distributed.sum_add_norm)."""
     from nvcli import distributed
     from nvcli.kernels.rms_norm import rms_norm_triton
 
@@ -99,7 +97,7 @@ def _engine_paths(rank: int, hidden: int, rows: list[int], iters: int) -> dict[s
     device = torch.device("cuda", rank)
     if not distributed.init_symmetric_all_reduce(max(rows) * hidden, torch.bfloat16, device):
         return results
-    deferred = distributed.init_deferred_sums(max(rows) * hidden, torch.bfloat16, device, 0)
+    deferred = distributed.init_deferred_sums(max(rows) * hidden, torch.bfloat16, device)
     weight = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
     try:
         for r in rows:
@@ -108,12 +106,12 @@ def _engine_paths(rank: int, hidden: int, rows: list[int], iters: int) -> dict[s
             results[f"engine-two-shot+norm rows={r}"] = _graph_time_us(
                 lambda x=x, residual=residual: rms_norm_triton(distributed.all_reduce(x), weight, 1e-6, residual),
                 iters)
-            for two_shot in (False, True) if deferred else ():
-                def op(r=r, residual=residual, two_shot=two_shot):
+            if deferred:
+                def op(r=r, residual=residual):
                     p = distributed.partial_target(r, hidden, torch.bfloat16, device)
-                    return distributed.sum_add_norm(p, residual, weight, 1e-6, two_shot=two_shot)
+                    return distributed.sum_add_norm(p, residual, weight, 1e-6)
                 distributed.begin_forward()
-                results[f"deferred-{'two' if two_shot else 'one'}-shot+norm rows={r}"] = _graph_time_us(op, iters)
+                results[f"deferred+norm rows={r}"] = _graph_time_us(op, iters)
                 distributed.end_forward()
     finally:
         distributed.release_deferred_sums()

@@ -38,8 +38,6 @@ _single_rank = False
 # symmetric-memory handle, every rank's buffer mapped here, in rank order); the next one to use
 _deferred: list[tuple[torch.Tensor, Any, list[torch.Tensor]]] = []
 _deferred_next = 0
-# Sums of up to this many elements take the one-shot path, larger ones two shots (sum_add_norm)
-_one_shot_max_elems = 0
 
 
 def tp_rank() -> int:
@@ -204,12 +202,11 @@ class Partial:
         return self.parts[tp_rank()]
 
 
-def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device, one_shot_max_elems: int) -> bool:
+def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Set up partial_target's two peer-mapped buffers of `max_elems` elements (collective, right after
-    init_symmetric_all_reduce); sums of up to `one_shot_max_elems` elements take the one-shot path, larger ones two
-    shots (sum_add_norm). False, with every sum through all_reduce, off CUDA, on one rank, or where anything fails
-    (no symmetric memory, a handle without peer views or barriers, a wrong sum in the check)."""
-    global _deferred, _deferred_next, _one_shot_max_elems
+    init_symmetric_all_reduce). False, with every sum through all_reduce, off CUDA, on one rank, or where anything
+    fails (no symmetric memory, a handle without peer views or barriers, a wrong sum in the check)."""
+    global _deferred, _deferred_next
     if device.type != "cuda" or tp_size() == 1 or max_elems < 8 or tp_size() > 8:
         return False
     if not _rendezvous_in_step(device):
@@ -229,12 +226,12 @@ def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device,
     if not _ranks_agree(bool(made), device):
         return False
     ok = False
-    try:  # each rank's buffer holds rank + 1: every rank must read the sum 1 + 2 + ... + world, by either path
-        world, rows, n = tp_size(), 2 * tp_size() + 1, 64
-        for (buf, handle, views), two_shot in ((made[0], False), (made[1], False), (made[0], True), (made[1], True)):
-            buf[: rows * n].fill_(float(tp_rank() + 1))
-            p = Partial(tuple(v[: rows * n].view(rows, n) for v in views), handle)
-            total, _ = sum_add_norm(p, None, None, two_shot=two_shot)
+    try:  # each rank's buffer holds rank + 1: every rank must read the sum 1 + 2 + ... + world
+        world, n = tp_size(), 64
+        for buf, handle, views in made:
+            buf[:n].fill_(float(tp_rank() + 1))
+            p = Partial(tuple(v[:n].view(1, n) for v in views), handle)
+            total, _ = sum_add_norm(p, None, None)
             ok = bool((total == float(world * (world + 1) // 2)).all().item())
             handle.barrier(channel=1)
             if not ok:
@@ -244,7 +241,7 @@ def init_deferred_sums(max_elems: int, dtype: torch.dtype, device: torch.device,
         ok = False
     if not _ranks_agree(ok, device):
         return False
-    _deferred, _deferred_next, _one_shot_max_elems = made, 0, one_shot_max_elems
+    _deferred, _deferred_next = made, 0
     return True
 
 
@@ -282,25 +279,14 @@ def partial_target(rows: int, cols: int, dtype: torch.dtype, device: torch.devic
     return Partial(tuple(v[: rows * cols].view(rows, cols) for v in views), handle)
 
 
-def sum_add_norm(p: Partial, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float = 1e-6,
-                 two_shot: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_add_norm(p: Partial, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float = 1e-6
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(sum + residual), sum + residual) of a Partial, every rank the same bits (kernels/allreduce_norm.py);
-    without `weight`: (sum + residual, the same). A barrier first: every rank's share is written. One shot up to
-    init_deferred_sums' size, two shots above (`two_shot` forces either: the start-up check, benchmarks): each rank
-    sums the rows it owns into its own buffer, a second barrier, then every rank reads each row's sum from its
-    owner. The same bits either way."""
-    from nvcli.kernels import allreduce_norm
+    without `weight`: (sum + residual, the same). A barrier first: every rank's share is written."""
+    from nvcli.kernels.allreduce_norm import sum_add_norm_triton
 
     p.handle.barrier(channel=0)
-    if two_shot is None:
-        two_shot = p.local.numel() > _one_shot_max_elems
-    if not two_shot:
-        return allreduce_norm.sum_add_norm_triton(p.parts, residual, weight, eps)
-    # Its own rows are the only part of this rank's buffer it writes, and the only part of it no peer reads before
-    # the next barrier; after that barrier every peer has finished reading its shares from this buffer too.
-    allreduce_norm.reduce_owned_rows_triton(p.parts, tp_rank())
-    p.handle.barrier(channel=2)
-    return allreduce_norm.gather_add_norm_triton(p.parts, residual, weight, eps)
+    return sum_add_norm_triton(p.parts, residual, weight, eps)
 
 
 def reduced(x: torch.Tensor | Partial) -> torch.Tensor:

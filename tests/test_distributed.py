@@ -59,7 +59,7 @@ def _symmetric_off_on_gloo(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         ok = distributed.init_symmetric_all_reduce(1024, torch.float32, torch.device("cpu"))
-        ok = ok or distributed.init_deferred_sums(1024, torch.float32, torch.device("cpu"), 512)
+        ok = ok or distributed.init_deferred_sums(1024, torch.float32, torch.device("cpu"))
         ok = ok or distributed.partial_target(4, 8, torch.float32, torch.device("cpu")) is not None
         x = torch.full((4, 8), float(rank + 1))
         y = distributed.all_reduce(x)
@@ -161,15 +161,14 @@ def _deferred_matches_rank_ordered_sums(rank: int, world: int, port: int, out: s
 
         device = torch.device("cuda", rank)
         ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
-        ok = ok and distributed.init_deferred_sums(256 * 512, torch.bfloat16, device, 50 * 512)
+        ok = ok and distributed.init_deferred_sums(256 * 512, torch.bfloat16, device)
         g = torch.Generator(device="cuda").manual_seed(rank)
         common = torch.Generator(device="cuda").manual_seed(99)
         weight = 1 + 0.1 * torch.randn(512, generator=common, device="cuda", dtype=torch.bfloat16)
         eye = torch.eye(512, device="cuda", dtype=torch.bfloat16)
         same = True
         distributed.begin_forward()
-        # eight sums in a row, the buffers in turn (each refilled while a peer may just have read the other), one
-        # shot (40 rows) and two shots (100, 7 and 3: fewer rows than some ranks own) interleaved
+        # eight sums in a row, the buffers in turn (each refilled while a peer may just have read the other)
         for rows in (40, 100, 100, 40, 7, 40, 3, 100):
             part = torch.randn(rows, 512, generator=g, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn(rows, 512, generator=common, device="cuda", dtype=torch.bfloat16)
@@ -198,8 +197,8 @@ def _deferred_matches_rank_ordered_sums(rank: int, world: int, port: int, out: s
 @pytest.mark.parametrize("world", [2, 4])
 def test_deferred_sums_are_the_rank_ordered_sum_then_the_norm(world: int, tmp_path: Path) -> None:
     """A projection's share written into a deferred-sum buffer and summed inside the add+RMSNorm path
-    (distributed.sum_add_norm), in one shot or two, gives on every rank the bits of the shares summed in rank order
-    and then add+RMSNorm."""
+    (distributed.sum_add_norm) gives on every rank the bits of the shares summed in rank order and then
+    add+RMSNorm."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

@@ -114,10 +114,10 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
 # Decode and small mixed steps all-reduce through symmetric memory (distributed.init_symmetric_all_reduce); larger
 # prefill chunks keep NCCL, which is bandwidth-optimal there. The buffer holds this many rows of hidden_size.
 SYMM_ALL_REDUCE_MAX_ROWS = 2048
-# Rows up to which a row-parallel projection's sum is deferred into the next add+RMSNorm (distributed.Partial) in
-# one shot, over the square of the tensor-parallel size: 256 at TP 2, 64 at TP 4; two shots above, up to
-# SYMM_ALL_REDUCE_MAX_ROWS
-ONE_SHOT_SUM_ROWS = 1024
+# Rows up to which a row-parallel projection's sum is deferred into the next add+RMSNorm (distributed.Partial): at TP
+# 2 as many as the symmetric all-reduce takes; from TP 3 on, 1,024 over the square of the tensor-parallel size (64
+# at TP 4)
+DEFERRED_SUM_ROWS = 1024
 
 
 def _init_dist(config: EngineConfig, model_config: ModelConfig, rank: int, port: int) -> None:
@@ -132,12 +132,14 @@ def _init_dist(config: EngineConfig, model_config: ModelConfig, rank: int, port:
         rows = min(config.max_num_batched_tokens, SYMM_ALL_REDUCE_MAX_ROWS)
         distributed.init_symmetric_all_reduce(rows * model_config.hidden_size, startup.pick_dtype(config, "cuda"),
                                               torch.device("cuda", rank))
-        # A deferred sum read in one shot (every peer's whole share) saves the two-shot path's second barrier while
-        # rows x (ranks - 1) stays small (benchmarks/allreduce_gpu.py: at TP 2 one-shot trails torch's two-shot
-        # all-reduce by ~6 us at 256 rows, at TP 4 by ~10 at 128); two shots above
-        one_shot_rows = ONE_SHOT_SUM_ROWS // config.tensor_parallel_size ** 2
-        distributed.init_deferred_sums(rows * model_config.hidden_size, startup.pick_dtype(config, "cuda"),
-                                       torch.device("cuda", rank), one_shot_rows * model_config.hidden_size)
+        # Deferred sums read every peer's whole share (one shot), against the two-shot all-reduce's half and
+        # half. At TP 2 both read one share, and the one shot, without the copies and the separate norm, takes
+        # 56-63% of the all-reduce path's time from 64 to 2,048 rows; from TP 3 on it reads more and wins only
+        # while rows x (ranks - 1) stays small (benchmarks/allreduce_gpu.py, benchmarks/RESULTS.md)
+        tp = config.tensor_parallel_size
+        deferred_rows = rows if tp == 2 else min(config.max_num_batched_tokens, DEFERRED_SUM_ROWS // tp ** 2)
+        distributed.init_deferred_sums(deferred_rows * model_config.hidden_size, startup.pick_dtype(config, "cuda"),
+                                       torch.device("cuda", rank))
 
 
 def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: str, rank: int, port: int, shm_name: str,

@@ -208,8 +208,9 @@ def test_a_second_tp_engine_in_one_process_runs_on_the_gpus(tmp_path: Path) -> N
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_on_gpus_matches_tp1_in_float32(tp: int, tmp_path: Path) -> None:
     """float32 greedy at --tp N on N GPUs gives TP 1's tokens, CUDA graphs on, over a streamed job whose decode
-    steps run 1-160 rows and most of whose steps carry prompt chunks: every row-parallel sum is deferred, in one shot
-    (up to 1,024 / N^2 rows) or in two, in decode and mixed graphs alike."""
+    steps run 1-160 rows and most of whose steps carry prompt chunks of up to 1,024 tokens: row-parallel sums
+    deferred into the next norm (up to 1,024 / N^2 rows, or at TP 2 up to 2,048) and summed by the symmetric-memory
+    all-reduce, in decode and mixed graphs alike."""
     import random
 
     import torch

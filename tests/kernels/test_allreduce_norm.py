@@ -46,9 +46,20 @@ def test_sum_add_norm_is_the_rank_ordered_sum_then_the_add_rmsnorm_kernel(world:
     out, new_res = on_device(sum_add_norm_triton)(parts, residual, weight, 1e-6)
     want_out, want_res = on_device(rms_norm_triton)(alone, weight, 1e-6, residual)
     assert torch.equal(new_res, want_res)
-    assert torch.equal(out, want_out)
+    _same_norm(out, want_out)
     out, new_res = on_device(sum_add_norm_triton)(parts, None, weight, 1e-6)  # no residual: the sum is the residual
-    assert torch.equal(new_res, alone) and torch.equal(out, on_device(rms_norm_triton)(alone, weight, 1e-6)[0])
+    assert torch.equal(new_res, alone)
+    _same_norm(out, on_device(rms_norm_triton)(alone, weight, 1e-6)[0])
+
+
+def _same_norm(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The two kernels' normed rows: the same bits, but for float32 on a GPU, where the two kernels' row layouts sum
+    the squares in different orders (1 / RMS within a float32 ulp or two); every rank runs the same kernel, so the
+    ranks still agree bit for bit."""
+    if got.dtype == torch.float32 and not INTERPRETED:
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
 
 
 def test_no_rows_and_too_many_ranks() -> None:
@@ -59,37 +70,3 @@ def test_no_rows_and_too_many_ranks() -> None:
     with pytest.raises(AssertionError, match="at most"):
         sum_add_norm_triton([torch.zeros(1, 32)] * (MAX_WORLD + 1), None, None)
 
-
-@pytest.mark.parametrize("world, rows, n", [(1, 3, 64), (2, 5, 96), (4, 2, 256), (4, 9, 2000), (8, 17, 48)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", [True, False])
-def test_two_shots_give_every_rank_the_one_shot_bits(world: int, rows: int, n: int, dtype: torch.dtype,
-                                                     norm: bool) -> None:
-    """Every rank's first shot over its own rows, then each rank's second: all ranks get the one-shot kernel's
-    outputs bit for bit (fewer rows than ranks and rows that do not divide evenly included)."""
-    from nvcli.kernels.allreduce_norm import (
-        gather_add_norm_triton,
-        reduce_owned_rows_triton,
-        sum_add_norm_triton,
-    )
-
-    parts = _parts(world, rows, n, dtype, seed=world * 10 + rows)
-    gen = torch.Generator().manual_seed(2)
-    residual = torch.randn(rows, n, generator=gen).to(dtype)
-    weight = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype) if norm else None
-    want = on_device(sum_add_norm_triton)(parts, residual, weight, 1e-6)
-    buffers = [p.clone() for p in parts]  # the peer-mapped buffers, written in place by the first shot
-    for rank in range(world):
-        on_device(reduce_owned_rows_triton)(buffers, rank)
-    got = on_device(gather_add_norm_triton)(buffers, residual, weight, 1e-6)  # the same call on every rank
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def test_owned_rows_cover_every_row_once() -> None:
-    from nvcli.kernels.allreduce_norm import owned_rows
-
-    for rows in (0, 1, 3, 4, 5, 64, 255, 2048):
-        for world in (1, 2, 3, 4, 8):
-            spans = [owned_rows(rows, world, r) for r in range(world)]
-            covered = [i for lo, hi in spans for i in range(lo, hi)]
-            assert covered == list(range(rows)), (rows, world, spans)

@@ -1,5 +1,5 @@
-"""The row-scale kernels (the deferred norm's, and a row-scaled FP8 decode step's), the structured-output mask, the
-sampling-filter floor, the MoE routing kernels (route, align) and the two-shot deferred sum's kernels compile for the H100 (sm_90), on any machine.
+"""The row-scale kernels (the deferred norm's, and a row-scaled FP8 decode step's), the structured-output mask, the sampling-filter floor and the MoE routing kernels (route,
+align) compile for the H100 (sm_90), on any machine.
 
 The Triton interpreter runs the kernels on the CPU without checking what only the GPU compiler rejects: a jit
 function reading a global that is not a `tl.constexpr`, a type error in a branch the tests' shapes do not take.
@@ -21,7 +21,6 @@ SCRIPT = textwrap.dedent("""
 
     from nvcli.kernels import (
         activation,
-        allreduce_norm,
         fp8_gemm,
         fp8_rows,
         fused_moe,
@@ -107,15 +106,6 @@ SCRIPT = textwrap.dedent("""
         compile_for_hopper(moe_route._moe_route_kernel, {"logits_ptr": logits, "weights_ptr": logits, "ids_ptr": "*i64"},
                            dict(**moe_route.route_constexprs(experts, top_k), ROWS=8, RENORMALIZE=True,
                                 EXACT_EXP=True), num_warps=2)
-    # the two-shot deferred sum (tensor parallelism): the first shot, and the second picking each row's owner
-    ps = {f"p{i}": "*bf16" for i in range(allreduce_norm.MAX_WORLD)}
-    compile_for_hopper(allreduce_norm._reduce_owned_kernel, ps | {"own_ptr": "*bf16"},
-                       dict(N=8192, BLOCK=allreduce_norm.REDUCE_BLOCK, WORLD=4))
-    for world in (2, 8):
-        compile_for_hopper(allreduce_norm._gather_add_norm_kernel,
-                           ps | {"res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "new_res_ptr": "*bf16",
-                                 "eps": "fp32"},
-                           dict(N=4096, BLOCK=4096, WORLD=world, HAS_RES=True, NORM=True), num_warps=8)
     print("compiled")
 """)
 
