@@ -48,12 +48,13 @@ import torch
 # Kernel (or, on CPU, operator) name -> category: the first category with a substring of the lower-cased name wins.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("all-reduce", ("nccl", "allreduce", "all_reduce", "one_shot", "two_shot", "multimem", "symm_mem",
-                    "cross_device", "gloo", "c10d::")),
+                    "cross_device", "gloo", "c10d::", "_sum_add_norm_kernel")),
     ("attention", ("_decode_split_kernel", "_prefill_kernel", "_shared_prefix_decode_kernel", "_store_kvcache_kernel",
                    "_seal_pages_kernel", "attention", "flash", "scaled_dot_product")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "_skinny_gemm_kernel", "_fp8_gemm_kernel",
-              "_quant_act_kernel", "_invariant_matmul_kernel", "_gate_up_kernel", "_down_kernel", "splitk", "sm90_",
-              "sm80_", "ampere_", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")),
+              "_quant_act_kernel", "_quant_rows_kernel", "_invariant_matmul_kernel", "_gate_up_kernel", "_down_kernel",
+              "splitk", "sm90_", "sm80_", "ampere_", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_mm")),
     ("sampling", ("_sample_", "_filter_floor_kernel", "_logprob_", "_apply_penalties_kernel",
                   "_apply_token_bitmask_kernel", "aten::exponential", "aten::argmax", "aten::multinomial")),
     ("copies", ("memcpy", "memset")),
@@ -64,7 +65,8 @@ ORDER = [name for name, _ in CATEGORIES] + ["other"]
 NOTES = {
     "attention": "decode / prefill / shared-prefix attention and the paged KV store (rope+store is under norm)",
     "gemm": "cuBLAS / cutlass / nvjet and our Triton GEMMs (skinny, FP8 with its activation quantisation, MoE)",
-    "all-reduce": "NCCL (all-reduces, the logits' gather) / symmetric memory on rank 0, waits for other ranks included",
+    "all-reduce": "NCCL (all-reduces, the logits' gather) / symmetric memory / the deferred sums' barriers and "
+                  "sum+add+RMSNorm kernel, on rank 0, waits for other ranks included",
 }
 
 
