@@ -67,7 +67,8 @@ def _rms_norm_kernel(
     if HAS_RES:
         r = tl.load(res_ptr + outer * stride_r0 + sub * stride_r1 + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(new_res_ptr + row * N + offs, x, mask=mask)  # new residual: contiguous
+    if HAS_RES or X_SCALE:  # the new residual (contiguous): x + residual, or the scaled x
+        tl.store(new_res_ptr + row * N + offs, x, mask=mask)
     y = norm_row(x, w_ptr, offs, mask, eps, N).to(x_ptr.dtype.element_ty)
     if QUANT:  # what quantize_rows_triton makes of the normed row in the model dtype, bit for bit
         q, scale = quantize_row(y.to(tl.float32), ACT_EPS, FP8_MAX)
@@ -146,7 +147,8 @@ def rms_norm_triton(
     x_scale: Optional[torch.Tensor] = None,  # [rows] float32: x's rows times these first (2-D x)
     quantize: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """(RMSNorm(x + residual), x + residual); without residual the second item is x itself. `quantize`: (the
+    """(RMSNorm(x + residual), x + residual); without residual the second item is x itself (with `x_scale`, the
+    scaled x, stored by the kernel). `quantize`: (the
     normed rows quantized per row as fp8, their scales [rows] float32, x + residual) instead, as
     kernels/fp8_rows.quantize_rows_triton quantizes the model-dtype output."""
     n = x.shape[-1]
@@ -160,14 +162,13 @@ def rms_norm_triton(
             residual = residual.contiguous()
     shape = x.shape
     out = torch.empty(shape, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
-    new_res = torch.empty(shape, dtype=x.dtype, device=x.device) if residual is not None else x
     rows = x.numel() // n
-    scales = torch.empty(rows if quantize else 0, dtype=torch.float32, device=x.device)
     if x_scale is not None:
         assert x.dim() == 2 and x_scale.shape == (rows,) and x_scale.dtype == torch.float32, "x_scale: [rows] fp32"
-        if residual is None:  # the new residual is the scaled x, which the kernel stores
-            residual = torch.zeros_like(x)
-            new_res = torch.empty(shape, dtype=x.dtype, device=x.device)
+    # the new residual: x + residual, or the scaled x, which the kernel stores; else x itself
+    stored = residual is not None or x_scale is not None
+    new_res = torch.empty(shape, dtype=x.dtype, device=x.device) if stored else x
+    scales = torch.empty(rows if quantize else 0, dtype=torch.float32, device=x.device)
     if rows == 0:
         return (out, scales, new_res) if quantize else (out, new_res)
     inner, sx0, sx1 = _row_strides(x)
