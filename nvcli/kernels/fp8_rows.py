@@ -127,6 +127,11 @@ def rows_linear_ref(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, ou
     return ((q.float() @ wq.float().T) * w_scale.float()).to(out_dtype)
 
 
+def rows_linear(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The row-scaled product of rows already quantized: rows_linear_gpu on a GPU, its reference elsewhere."""
+    return (rows_linear_gpu if q.is_cuda else rows_linear_ref)(q, wq, w_scale, out_dtype)
+
+
 def apply_row_scale(y: torch.Tensor, scale: Optional[torch.Tensor], col_scale: Optional[torch.Tensor] = None
                     ) -> torch.Tensor:
     """y [M, N] times each row's pending scale [M] (and each column's factor [N], where a fused weight's parts kept
@@ -141,11 +146,8 @@ def rows_product(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> tu
     """x [M, K] quantized per row and times the per-tensor fp8 weight: (the product with its row scales pending
     [M, N] in x's dtype, the row scales [M]). The Triton quantization and cuBLASLt on a GPU, the references
     elsewhere (the same bits for the quantization)."""
-    if x.is_cuda:
-        q, scale = quantize_rows_triton(x)
-        return rows_linear_gpu(q, wq, w_scale, x.dtype), scale
-    q, scale = quantize_rows_ref(x)
-    return rows_linear_ref(q, wq, w_scale, x.dtype), scale
+    q, scale = quantize_rows_triton(x) if x.is_cuda else quantize_rows_ref(x)
+    return rows_linear(q, wq, w_scale, x.dtype), scale
 
 
 def tensor_gemm_eligible(n: int, k: int) -> bool:

@@ -99,6 +99,14 @@ class LinearBase(nn.Module):
         values, scale = rows_product(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.weight, w_scale)
         return RowScaled(values, scale, self.fp8.shard_ratios, self.fp8.col_ratios)
 
+    def _rows_output(self, q: torch.Tensor, q_scale: torch.Tensor, w_scale: torch.Tensor,
+                     dtype: torch.dtype) -> RowScaled:
+        """forward_rows' output for rows its producer already quantized (q, their scales)."""
+        from nvcli.kernels.fp8_rows import rows_linear
+
+        return RowScaled(rows_linear(q, self.weight, w_scale, dtype), q_scale, self.fp8.shard_ratios,
+                         self.fp8.col_ratios)
+
     def forward_norm(self, x: torch.Tensor | Partial | RowScaled, residual: torch.Tensor | None,
                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor | RowScaled, torch.Tensor]:
         """(self(RMSNorm(x + residual)), x + residual) on the GPU: for a few rows one skinny-GEMM kernel with the norm
@@ -119,12 +127,8 @@ class LinearBase(nn.Module):
             x, x_scale = x.values, x.scale
         w_scale = row_scaled(self.fp8)
         if w_scale is not None:
-            from nvcli.kernels.fp8_rows import rows_linear_gpu
-
             q, q_scale, residual = rms_norm_triton(x, norm_weight, eps, residual, x_scale, quantize=True)
-            state = self.fp8
-            return RowScaled(rows_linear_gpu(q, self.weight, w_scale, x.dtype), q_scale, state.shard_ratios,
-                             state.col_ratios), residual
+            return self._rows_output(q, q_scale, w_scale, x.dtype), residual
         if self.fp8 is None and x_scale is None:
             from nvcli.kernels.skinny_gemm import norm_linear
 
@@ -222,14 +226,13 @@ class RowParallelLinear(LinearBase):
         w_scale = row_scaled(self.fp8)
         if w_scale is not None:
             from nvcli.kernels.activation import silu_and_mul_quant_rows_triton
-            from nvcli.kernels.fp8_rows import rows_linear_gpu
 
             if isinstance(gate_up, RowScaled):
                 values, scale, ratios = gate_up.values, gate_up.scale, gate_up.ratios
             else:
                 values, scale, ratios = gate_up, None, None
             q, q_scale = silu_and_mul_quant_rows_triton(values.reshape(-1, values.shape[-1]), scale, ratios=ratios)
-            return RowScaled(rows_linear_gpu(q, self.weight, w_scale, values.dtype), q_scale)
+            return self._rows_output(q, q_scale, w_scale, values.dtype)
         if isinstance(gate_up, RowScaled):
             from nvcli.kernels.activation import silu_and_mul_triton
 
