@@ -298,12 +298,11 @@ def finish_fp8_layers(model: nn.Module, keep: bool, dtype: torch.dtype) -> int:
             continue
         state.check_loaded(name)
         count += 1
-        scales = state.shard_scales() if state.per_tensor else None
         if keep:
             weight = module.weight
-            if scales is not None:
-                if tensor_gemm_eligible(*weight.shape) and tensor_gemm_supported(weight.device, dtype):
-                    state.tensor_scale, state.shard_ratios, state.col_ratios = scales
+            if (state.per_tensor and tensor_gemm_eligible(*weight.shape)
+                    and tensor_gemm_supported(weight.device, dtype)):
+                state.tensor_scale, state.shard_ratios, state.col_ratios = state.shard_scales()
             if cublas_eligible(*weight.shape, state.scale_rows) and cublas_supported(weight.device, dtype,
                                                                                           state.scale_rows):
                 state.scale_mm = cublas_weight_scales(module.weight_scale, state.scale_rows)
