@@ -16,6 +16,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -50,6 +51,19 @@ def _copy_other_files(src: Path, dst: Path) -> None:
             shutil.copy(f, dst / f.name)
 
 
+def _save(out: dict[str, torch.Tensor], src: Path, dst: Path, **config_changes: Any) -> Path:
+    """`out` as dst's one safetensors file, and src's config.json with `config_changes` (None: the key removed)."""
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
 def write_fp8_checkpoint(src: Path, dst: Path) -> Path:
     """`src`'s checkpoint in `dst` with its decoder projections in block-wise FP8 (one safetensors file)."""
     src, dst = Path(src), Path(dst)
@@ -60,11 +74,7 @@ def write_fp8_checkpoint(src: Path, dst: Path) -> Path:
             out[name], out[name + "_scale_inv"] = quantize_weight(t)
         else:
             out[name] = t.contiguous()
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = QUANTIZATION_CONFIG
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return _save(out, src, dst, quantization_config=QUANTIZATION_CONFIG)
 
 
 def write_dequantized_checkpoint(fp8_dir: Path, dst: Path) -> Path:
@@ -77,12 +87,7 @@ def write_dequantized_checkpoint(fp8_dir: Path, dst: Path) -> Path:
         if name.endswith("_scale_inv"):
             continue
         out[name] = dequantize_weight(t, tensors[name + "_scale_inv"], torch.float32) if t.dtype == FP8_DTYPE else t
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config.pop("quantization_config", None)
-    config["torch_dtype"] = "float32"
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return _save(out, fp8_dir, dst, quantization_config=None, torch_dtype="float32")
 
 
 def write_per_tensor_dequantized(src: Path, dst: Path) -> Path:
@@ -100,8 +105,4 @@ def write_per_tensor_dequantized(src: Path, dst: Path) -> Path:
         else:
             q, scale = quantize_weight_per_tensor(t)
             out[name] = q.float() * scale
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["torch_dtype"] = "float32"
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return _save(out, src, dst, torch_dtype="float32")
