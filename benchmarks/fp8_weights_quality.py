@@ -1,11 +1,12 @@
-"""Quality cost of FP8 weights (--quantization fp8: one scale per weight) on SmolLM2-135M-Instruct; runs on the CPU.
+"""Quality cost of FP8 weights (--quantization fp8) on SmolLM2-135M-Instruct; runs on the CPU.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/fp8_weights_quality.py --device cpu [--num-prompts 32]
         [--max-tokens 64] [--dtype float32] [--no-w8a8] [--bf16-baseline] [--weight-formats]
 
 Reference: the model's own weights in --dtype. Tests, each over the same chat prompts, greedy:
-- fp8 weights: the weights --quantization fp8 gives one H100 (one scale per weight), dequantized once at load,
-  activations in --dtype (under tensor parallelism and on the CPU the flag keeps 128x128 blocks: --weight-formats);
+- fp8 weights: the weights --quantization fp8 gives one H100 (one scale per checkpoint tensor), dequantized once at
+  load, activations in --dtype (under tensor parallelism and on the CPU the flag keeps 128x128 blocks:
+  --weight-formats);
 - fp8 W8A8: the FP8 GEMMs as an H100 runs them (activations also quantized, per row: kernels/fp8_rows.py; the
   projections kept FP8 and the norms unfolded); on the CPU their torch references;
 - bf16 weights (--bf16-baseline): the model in bfloat16, the noise floor of a 16-bit model;
