@@ -71,7 +71,7 @@ def test_quantization_flag_quantizes_experts_at_load_and_matches_hf(checkpoints)
     assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
 
 
-def test_quantization_flag_quantizes_attention_per_tensor_where_decode_runs_row_scaled(checkpoints, tmp_path: Path,
+def test_quantization_flag_quantizes_attention_per_tensor_where_the_gemms_run_row_scaled(checkpoints, tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """As on one GPU with the tensor-scaled FP8 GEMM: the attention projections per tensor, the experts block-wise
     (write_per_tensor_dequantized writes those weights)."""

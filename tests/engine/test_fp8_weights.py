@@ -105,7 +105,7 @@ def per_tensor(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_quantization_flag_matches_hf_on_quantized_then_dequantized_weights(checkpoints) -> None:
-    """Where decode steps cannot run row-scaled (here: the CPU), each tensor is quantized as an FP8 checkpoint
+    """Where the GEMMs cannot run row-scaled (here: the CPU), each tensor is quantized as an FP8 checkpoint
     stores it, in 128 x 128 blocks."""
     plain, _, dequantized = checkpoints("qwen3")
     assert greedy(plain, quantization="fp8") == hf_greedy(dequantized)
@@ -128,7 +128,7 @@ def test_quantization_flag_quantizes_at_load_and_dequantizes_on_the_cpu(checkpoi
 
 @pytest.fixture
 def row_scaled_here(monkeypatch) -> None:
-    """As where decode steps run row-scaled (one GPU with the tensor-scaled FP8 GEMM): --quantization fp8 quantizes
+    """As where the GEMMs run row-scaled (one GPU with the tensor-scaled FP8 GEMM): --quantization fp8 quantizes
     per tensor."""
     import nvcli.models.layers.fp8 as fp8_layers
 
@@ -230,7 +230,7 @@ def test_a_missing_scale_is_named(checkpoints, tmp_path: Path) -> None:
 
 
 def test_every_step_of_a_per_tensor_layer_runs_row_scaled(checkpoints, monkeypatch) -> None:
-    """Where the tensor-scaled FP8 GEMM runs, a --quantization fp8 layer (one scale per weight) computes every step,
+    """Where the tensor-scaled FP8 GEMM runs, a --quantization fp8 layer (one scale per tensor) computes every step,
     prompt and decode alike, with each activation row quantized with its own scale (kernels/fp8_rows.py); where it
     does not, the layers are block-wise and every step quantizes per token and 128 columns. On the CPU each path
     runs its torch reference."""
