@@ -197,9 +197,28 @@ def reach_decode(engine, batch: int, budget: int, prompt_len: int) -> int:
                      "used; the KV cache may be too small for --batch x --prompt-len: lower them")
 
 
-def timed(engine, steps: int, on_gpu: bool, sync_each: bool) -> dict:
-    """Wall ms per step over `steps` decode steps, the device synchronised at both ends (and after each step with
-    `sync_each`); the engine's own host phases per step; checks that every step was a decode step of the same batch."""
+def queue_prompts(engine, args, rng: random.Random) -> int:
+    """Queue enough one-token requests of --prompt-len random ids for every prompt step the phase times and profiles
+    to carry a full --max-num-batched-tokens (chunked prefill fills each step); returns the tokens per step."""
+    from nvcli.sampling_params import SamplingParams
+
+    one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
+    for i in range(requests(args, engine.config.max_num_batched_tokens)):
+        engine.add_request([rng.randint(0, 10000) for _ in range(args.prompt_len)], one, request_id=f"profile-{i}")
+    return engine.config.max_num_batched_tokens
+
+
+def requests(args, budget: int) -> int:
+    """How many requests the phase adds: --batch decoding ones, or enough prompts to fill every prompt step."""
+    if args.phase == "decode":
+        return args.batch
+    return math.ceil((args.warm_steps + 2 * args.steps + args.profile_steps + 2) * budget / args.prompt_len)
+
+
+def timed(engine, steps: int, on_gpu: bool, sync_each: bool, prompt_tokens: int = 0) -> dict:
+    """Wall ms per step over `steps` steps, the device synchronised at both ends (and after each step with
+    `sync_each`); the engine's own host phases per step; checks that every step was a decode step of the same batch
+    (or, with `prompt_tokens`, a prompt step of that many tokens)."""
     s0 = engine.stats()
     host = []
     sync(on_gpu)
@@ -213,7 +232,12 @@ def timed(engine, steps: int, on_gpu: bool, sync_each: bool) -> dict:
     sync(on_gpu)
     wall = (time.perf_counter() - t0) / steps
     s1 = engine.stats()
-    if s1.num_decode_steps - s0.num_decode_steps != steps or s1.num_running != s0.num_running:
+    if prompt_tokens:
+        if s1.num_decode_steps != s0.num_decode_steps or s1.prompt_tokens - s0.prompt_tokens != steps * prompt_tokens:
+            print(f"WARNING: the window was not {steps} prompt steps of {prompt_tokens} tokens "
+                  f"({s1.num_decode_steps - s0.num_decode_steps} decode steps, "
+                  f"{s1.prompt_tokens - s0.prompt_tokens} prompt tokens)", flush=True)
+    elif s1.num_decode_steps - s0.num_decode_steps != steps or s1.num_running != s0.num_running:
         print(f"WARNING: the window was not {steps} decode steps of {s0.num_running} requests "
               f"({s1.num_decode_steps - s0.num_decode_steps} decode steps, {s1.num_running} running, "
               f"{s1.num_preemptions - s0.num_preemptions} preemptions)", flush=True)
@@ -248,14 +272,14 @@ def run(args) -> dict:
     try:
         return measure(args, engine, on_gpu)
     finally:
-        drain(engine, args.batch)
+        drain(engine, requests(args, engine.config.max_num_batched_tokens))
         engine.shutdown()
 
 
-def drain(engine, batch: int) -> None:
+def drain(engine, count: int) -> None:
     """Abort the requests and step until nothing is in flight, so that no rank is mid-step at shutdown."""
     try:
-        for i in range(batch):
+        for i in range(count):
             engine.abort(f"profile-{i}")
         for _ in range(1000):
             if not engine.has_unfinished():
@@ -279,24 +303,29 @@ def measure(args, engine, on_gpu: bool) -> dict:
         raise SystemExit(f"--prompt-len {args.prompt_len} leaves no room below max_model_len {max_len}")
     rng = random.Random(0)
     gen0 = engine.stats().generation_tokens
-    sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_len - args.prompt_len)
-    for i in range(args.batch):
-        engine.add_request([rng.randint(0, 10000) for _ in range(args.prompt_len)], sp, request_id=f"profile-{i}")
-    t0 = time.perf_counter()
-    n = reach_decode(engine, args.batch, engine.config.max_num_batched_tokens, args.prompt_len)
-    row("prefill", f"{n} steps to every request decoding ({time.perf_counter() - t0:.2f} s)")
+    if args.phase == "prompt":
+        tokens = queue_prompts(engine, args, rng)
+        what, rate = f"prompt step, {tokens} tokens", "prompt tok/s"
+    else:
+        tokens = 0
+        sp = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=max_len - args.prompt_len)
+        for i in range(args.batch):
+            engine.add_request([rng.randint(0, 10000) for _ in range(args.prompt_len)], sp, request_id=f"profile-{i}")
+        t0 = time.perf_counter()
+        n = reach_decode(engine, args.batch, engine.config.max_num_batched_tokens, args.prompt_len)
+        row("prefill", f"{n} steps to every request decoding ({time.perf_counter() - t0:.2f} s)")
+        what, rate = f"decode step, batch {args.batch}", "tok/s"
     for _ in range(args.warm_steps):
         engine.step()
-    piped = timed(engine, args.steps, on_gpu, sync_each=False)
-    serial = timed(engine, args.steps, on_gpu, sync_each=True)
-    row(f"decode step, batch {args.batch}, pipelined", f"{piped['wall_ms']:.3f} ms/step wall ({args.steps} steps, "
-        f"synchronised at both ends; {1000 * args.batch / piped['wall_ms']:,.0f} tok/s); host in step(): schedule "
-        f"{piped['schedule_ms']:.3f}, collect (waits included) {piped['collect_ms']:.3f}, postprocess "
-        f"{piped['postprocess_ms']:.3f} ms/step")
-    row(f"decode step, batch {args.batch}, synchronised after each", f"{serial['wall_ms']:.3f} ms/step wall "
-        f"(no host/device overlap)")
+    piped = timed(engine, args.steps, on_gpu, sync_each=False, prompt_tokens=tokens)
+    serial = timed(engine, args.steps, on_gpu, sync_each=True, prompt_tokens=tokens)
+    per_step = tokens or args.batch
+    row(f"{what}, pipelined", f"{piped['wall_ms']:.3f} ms/step wall ({args.steps} steps, synchronised at both ends; "
+        f"{1000 * per_step / piped['wall_ms']:,.0f} {rate}); host in step(): schedule {piped['schedule_ms']:.3f}, "
+        f"collect (waits included) {piped['collect_ms']:.3f}, postprocess {piped['postprocess_ms']:.3f} ms/step")
+    row(f"{what}, synchronised after each", f"{serial['wall_ms']:.3f} ms/step wall (no host/device overlap)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    context = args.prompt_len + (engine.stats().generation_tokens - gen0) / args.batch
+    context = args.prompt_len + (0 if tokens else (engine.stats().generation_tokens - gen0) / args.batch)
     sync(on_gpu)
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -322,7 +351,8 @@ def measure(args, engine, on_gpu: bool) -> dict:
         tops = "; ".join(f"{t['name'][:60]} {t['ms']:.3f} ms x{t['calls_per_step']:.0f}" for t in d["top"])
         row(f"{c}", f"{d['ms']:.3f} ms/step, {d['events_per_step']:.0f} per step" + (f" [{tops}]" if tops else ""))
     return {
-        "model": args.model, "tp": args.tp, "batch": args.batch, "prompt_len": args.prompt_len,
+        "model": args.model, "tp": args.tp, "phase": args.phase, "batch": args.batch, "prompt_tokens": tokens,
+        "prompt_len": args.prompt_len,
         "context_tokens_per_request": context, "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "torch": torch.__version__, "engine_args": {k: v for k, v in engine_args(args).items() if v is not None},
         "cuda_graphs": on_gpu and not args.enforce_eager, "steps": args.steps, "profile_steps": args.profile_steps,
@@ -342,8 +372,10 @@ def table(res: dict) -> str:
     def line(name: str, ms: float, note: str = "") -> str:
         return f"| {name} | {ms:.3f} | {100 * ms / wall:.1f}% | {note} |"
 
-    head = (f"{res['model']} TP={res['tp']}, batch {res['batch']}, ~{res['context_tokens_per_request']:.0f}-token "
-            f"contexts, {res['device']}, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; {res['units']} of rank 0")
+    step = (f"prompt steps of {res['prompt_tokens']} tokens ({res['prompt_len']}-token prompts)"
+            if res["phase"] == "prompt" else
+            f"batch {res['batch']}, ~{res['context_tokens_per_request']:.0f}-token contexts")
+    head = (f"{res['model']} TP={res['tp']}, {step}, {res['device']}, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; {res['units']} of rank 0")
     out = [head, "", "| category | ms/step | % of wall | what |", "| --- | --- | --- | --- |"]
     out += [line(c, res["categories"][c]["ms"], NOTES.get(c, "")) for c in ORDER]
     out.append(line("GPU busy" if res["device"] != "cpu" else "busy", res["busy_ms"],
@@ -358,7 +390,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b", help="preset, tiny-<arch> or a model directory")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=256, help="requests decoding together")
+    ap.add_argument("--phase", choices=("decode", "prompt"), default="decode",
+                    help="decode: steady decode steps of --batch requests; prompt: prompt steps of "
+                         "--max-num-batched-tokens tokens each (one-token requests of --prompt-len)")
+    ap.add_argument("--batch", type=int, default=256, help="requests decoding together (--phase decode)")
     ap.add_argument("--prompt-len", type=int, default=600, help="random token ids per prompt")
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed (twice: pipelined, synchronised)")
     ap.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled")
