@@ -251,6 +251,11 @@ def release_deferred_sums() -> None:
     _deferred = []
 
 
+def deferred_capacity() -> int:
+    """Elements each deferred-sum buffer holds in this process (0: every sum through all_reduce)."""
+    return _deferred[0][0].numel() if _deferred else 0
+
+
 def begin_forward() -> None:
     """A model forward starts: its partial_target calls take the buffers in turn from the first, so a forward (and
     a CUDA graph captured from one) always uses them in the same order."""

@@ -114,10 +114,12 @@ def unpack_step(buf: np.ndarray) -> tuple[int, StepInput | None]:
 # Decode and small mixed steps all-reduce through symmetric memory (distributed.init_symmetric_all_reduce); larger
 # prefill chunks keep NCCL, which is bandwidth-optimal there. The buffer holds this many rows of hidden_size.
 SYMM_ALL_REDUCE_MAX_ROWS = 2048
-# Rows up to which a row-parallel projection's sum is deferred into the next add+RMSNorm (distributed.Partial): at TP
-# 2 as many as the symmetric all-reduce takes; from TP 3 on, 1,024 over the square of the tensor-parallel size (64
-# at TP 4)
+# Rows up to which a row-parallel projection's sum is deferred into the next add+RMSNorm (distributed.Partial): from
+# TP 3 on, 1,024 over the square of the tensor-parallel size (64 at TP 4); at TP 2 every step's, prompt steps
+# included, up to DEFERRED_SUM_ROWS_TP2 (two buffers of that many rows of hidden_size per GPU: 268 MB for a hidden
+# size of 4,096)
 DEFERRED_SUM_ROWS = 1024
+DEFERRED_SUM_ROWS_TP2 = 16384
 
 
 def _init_dist(config: EngineConfig, model_config: ModelConfig, rank: int, port: int) -> None:
@@ -134,10 +136,12 @@ def _init_dist(config: EngineConfig, model_config: ModelConfig, rank: int, port:
                                               torch.device("cuda", rank))
         # Deferred sums read every peer's whole share (one shot), against the two-shot all-reduce's half and
         # half. At TP 2 both read one share, and the one shot, without the copies and the separate norm, takes
-        # 56-63% of the all-reduce path's time from 64 to 2,048 rows; from TP 3 on it reads more and wins only
-        # while rows x (ranks - 1) stays small (benchmarks/allreduce_gpu.py, benchmarks/RESULTS.md)
+        # 56-63% of the symmetric all-reduce path's time from 64 to 2,048 rows, and at 4,096-16,384 rows 62-68%
+        # of NCCL's all-reduce and the norm after it; from TP 3 on it reads more and wins only while
+        # rows x (ranks - 1) stays small (benchmarks/allreduce_gpu.py, benchmarks/RESULTS.md)
         tp = config.tensor_parallel_size
-        deferred_rows = rows if tp == 2 else min(config.max_num_batched_tokens, DEFERRED_SUM_ROWS // tp ** 2)
+        most = DEFERRED_SUM_ROWS_TP2 if tp == 2 else DEFERRED_SUM_ROWS // tp ** 2
+        deferred_rows = min(config.max_num_batched_tokens, most)
         distributed.init_deferred_sums(deferred_rows * model_config.hidden_size, startup.pick_dtype(config, "cuda"),
                                        torch.device("cuda", rank))
 

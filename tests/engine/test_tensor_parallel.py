@@ -209,7 +209,7 @@ def test_a_second_tp_engine_in_one_process_runs_on_the_gpus(tmp_path: Path) -> N
 def test_tp_on_gpus_matches_tp1_in_float32(tp: int, tmp_path: Path) -> None:
     """float32 greedy at --tp N on N GPUs gives TP 1's tokens, CUDA graphs on, over a streamed job whose decode
     steps run 1-160 rows and most of whose steps carry prompt chunks of up to 1,024 tokens: row-parallel sums
-    deferred into the next norm (up to 1,024 / N^2 rows, or at TP 2 up to 2,048) and summed by the symmetric-memory
+    deferred into the next norm (up to 1,024 / N^2 rows, at TP 2 every step's) and summed by the symmetric-memory
     all-reduce, in decode and mixed graphs alike."""
     import random
 
@@ -232,3 +232,36 @@ def test_tp_on_gpus_matches_tp1_in_float32(tp: int, tmp_path: Path) -> None:
         finally:
             llm.shutdown()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_large_prompt_steps_at_tp2_on_gpus_match_tp1_in_float32(tmp_path: Path) -> None:
+    """Prompt steps of up to 8,192 tokens, past the CUDA graphs and the symmetric all-reduce's 2,048 rows, defer
+    their row-parallel sums into the next add+RMSNorm at --tp 2 (tp_executor.DEFERRED_SUM_ROWS_TP2): float32 greedy
+    gives TP 1's tokens. In a fresh process: an engine after an earlier tensor-parallel one in the same process keeps
+    NCCL for its sums (distributed._rendezvous_in_step), and the buffers' size is checked on rank 0, this process."""
+    from nvcli.testing.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "qwen3", num_attention_heads=8, num_key_value_heads=4)
+    prompts = [[(7 * i + 13 * j) % 900 + 10 for j in range(700)] for i in range(12)]
+    script = textwrap.dedent(f"""
+        import json
+        from nvcli import LLM, SamplingParams
+        from nvcli.distributed import deferred_capacity
+        outs, capacity = [], None
+        for size in (1, 2):
+            llm = LLM({str(model)!r}, device="cuda", dtype="float32", tensor_parallel_size=size,
+                      num_kvcache_blocks=1024, max_model_len=1024, max_num_batched_tokens=8192)
+            if size == 2:
+                capacity = deferred_capacity()
+            outs.append([o.outputs[0].token_ids for o in llm.generate({prompts!r},
+                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))])
+            llm.shutdown()
+        print(json.dumps([capacity, outs]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    capacity, (tp1, tp2) = json.loads(proc.stdout.strip().splitlines()[-1])
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    assert capacity == 8192 * hidden
+    assert tp1 == tp2 and all(len(t) == 16 for t in tp1)
