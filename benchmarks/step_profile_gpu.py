@@ -129,6 +129,8 @@ def profile_events(prof, on_gpu: bool) -> tuple[list[tuple[str, float, float, fl
     if on_gpu and device and not keep:  # an activity type named otherwise: keep all but the known non-work spans
         print(f"WARNING: no GPU event of the expected activity types {WORK[1:]}: {types}", flush=True)
         keep = [e for e in device if getattr(e, "activity_type", None) not in NOT_WORK]
+    if on_gpu:  # the profiler's GPU-side spans of c10d collectives, beside the NCCL kernels they wrap
+        keep = [e for e in keep if not e.name.startswith("nccl:")]
     out = []
     for e in keep:
         start, end = e.time_range.start, e.time_range.end
