@@ -205,6 +205,32 @@ def test_a_second_tp_engine_in_one_process_runs_on_the_gpus(tmp_path: Path) -> N
     assert first == second and all(len(t) == 12 for t in first)
 
 
+def _greedy_tp1_then_tp(model: Path, prompts: list[list[int]], max_tokens: list[int], tp: int,
+                        **engine) -> tuple[int, list, list]:
+    """float32 greedy tokens of the prompts at TP 1, then at --tp `tp` on the GPUs, in a fresh process: an engine
+    built after an earlier tensor-parallel one in the same process keeps NCCL for its sums
+    (distributed._rendezvous_in_step), which would leave the peer-mapped paths untested. Returns the deferred-sum
+    buffer's size in elements as rank 0 (that process) set it up, and both runs' tokens."""
+    script = textwrap.dedent(f"""
+        import json
+        from nvcli import LLM, SamplingParams
+        from nvcli.distributed import deferred_capacity
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in {max_tokens!r}]
+        outs, capacity = [], None
+        for size in (1, {tp}):
+            llm = LLM({str(model)!r}, device="cuda", dtype="float32", tensor_parallel_size=size, **{engine!r})
+            if size > 1:
+                capacity = deferred_capacity()
+            outs.append([o.outputs[0].token_ids for o in llm.generate({prompts!r}, params)])
+            llm.shutdown()
+        print(json.dumps([capacity, outs]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    capacity, (tp1, tpn) = json.loads(proc.stdout.strip().splitlines()[-1])
+    return capacity, tp1, tpn
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_on_gpus_matches_tp1_in_float32(tp: int, tmp_path: Path) -> None:
     """float32 greedy at --tp N on N GPUs gives TP 1's tokens, CUDA graphs on, over a streamed job whose decode
@@ -219,49 +245,28 @@ def test_tp_on_gpus_matches_tp1_in_float32(tp: int, tmp_path: Path) -> None:
         pytest.skip(f"needs {tp} GPUs")
     from nvcli.testing.tiny_models import make_tiny_model
 
-    model = str(make_tiny_model(tmp_path / "m", "qwen3", num_attention_heads=8, num_key_value_heads=4))
+    model = make_tiny_model(tmp_path / "m", "qwen3", num_attention_heads=8, num_key_value_heads=4)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(3, 120))] for _ in range(400)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 48), ignore_eos=True) for _ in prompts]
-    outs = []
-    for size in (1, tp):
-        llm = LLM(model, device="cuda", dtype="float32", tensor_parallel_size=size, num_kvcache_blocks=2048,
-                  max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=160)
-        try:
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        finally:
-            llm.shutdown()
-    assert outs[0] == outs[1]
+    max_tokens = [rng.randint(4, 48) for _ in prompts]
+    capacity, tp1, tpn = _greedy_tp1_then_tp(model, prompts, max_tokens, tp, num_kvcache_blocks=2048,
+                                             max_model_len=256, max_num_batched_tokens=1024, max_num_seqs=160)
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    assert capacity == (1024 if tp == 2 else 1024 // tp**2) * hidden
+    assert tp1 == tpn and [len(t) for t in tp1] == max_tokens
 
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_large_prompt_steps_at_tp2_on_gpus_match_tp1_in_float32(tmp_path: Path) -> None:
     """Prompt steps of up to 8,192 tokens, past the CUDA graphs and the symmetric all-reduce's 2,048 rows, defer
     their row-parallel sums into the next add+RMSNorm at --tp 2 (tp_executor.DEFERRED_SUM_ROWS_TP2): float32 greedy
-    gives TP 1's tokens. In a fresh process: an engine after an earlier tensor-parallel one in the same process keeps
-    NCCL for its sums (distributed._rendezvous_in_step), and the buffers' size is checked on rank 0, this process."""
+    gives TP 1's tokens."""
     from nvcli.testing.tiny_models import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", "qwen3", num_attention_heads=8, num_key_value_heads=4)
     prompts = [[(7 * i + 13 * j) % 900 + 10 for j in range(700)] for i in range(12)]
-    script = textwrap.dedent(f"""
-        import json
-        from nvcli import LLM, SamplingParams
-        from nvcli.distributed import deferred_capacity
-        outs, capacity = [], None
-        for size in (1, 2):
-            llm = LLM({str(model)!r}, device="cuda", dtype="float32", tensor_parallel_size=size,
-                      num_kvcache_blocks=1024, max_model_len=1024, max_num_batched_tokens=8192)
-            if size == 2:
-                capacity = deferred_capacity()
-            outs.append([o.outputs[0].token_ids for o in llm.generate({prompts!r},
-                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))])
-            llm.shutdown()
-        print(json.dumps([capacity, outs]))
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    capacity, (tp1, tp2) = json.loads(proc.stdout.strip().splitlines()[-1])
+    capacity, tp1, tp2 = _greedy_tp1_then_tp(model, prompts, [16] * len(prompts), 2, num_kvcache_blocks=1024,
+                                             max_model_len=1024, max_num_batched_tokens=8192)
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     assert capacity == 8192 * hidden
     assert tp1 == tp2 and all(len(t) == 16 for t in tp1)
