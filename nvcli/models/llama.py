@@ -84,10 +84,10 @@ class DecoderAttention(nn.Module):
         """Everything after the qkv projection: qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], or a
         row-scaled FP8 GEMM's (its row scale applied in the rotary kernels). `partial`: o_proj may leave its sum
         across the ranks (or its row scale) to the caller's next add+RMSNorm (forward_partial)."""
-        if isinstance(qkv, RowScaled):
+        if isinstance(qkv, RowScaled) and use_triton(qkv.values):
             heads = self.attention_heads(positions, qkv.values, meta, qkv.scale, qkv_ratios=qkv.ratios)
-        else:
-            heads = self.attention_heads(positions, qkv, meta)
+        else:  # the torch path: a row-scaled output takes its row and part scales first
+            heads = self.attention_heads(positions, qkv.materialize() if isinstance(qkv, RowScaled) else qkv, meta)
         return self.o_proj.forward_partial(heads) if partial else self.o_proj(heads)
 
     def attention_heads(
@@ -98,20 +98,15 @@ class DecoderAttention(nn.Module):
         scale_rows: torch.Tensor | None = None,  # [num_tokens, hidden]: qkv projects these rows un-normalized (or
         # their 1 / RMS precomputed, [num_tokens] float32: layers.norm.row_scale)
         scale_eps: float = 1e-6,
-        qkv_ratios: torch.Tensor | None = None,  # [3] float32 with scale_rows: q's, k's and v's own factors beside
-        # it (a row-scaled FP8 qkv_proj whose parts kept a scale each, layers/fp8.RowScaled)
+        qkv_ratios: torch.Tensor | None = None,  # [3] float32 with scale_rows (GPU): q's, k's and v's own factors
+        # beside it (a row-scaled FP8 qkv_proj whose parts kept a scale each, layers/fp8.RowScaled)
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim], before o_proj
         """q/k norm, rotary, KV store and attention (what runs is the step's attention plan, in `meta`); with
         `scale_rows` (deferred norm) q, k and v are first scaled by each row's 1 / RMS (inside the rotary kernels on
         the GPU)."""
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if scale_rows is not None and not use_triton(qkv):
-            factor = row_scale(scale_rows, scale_eps)
-            if qkv_ratios is not None:
-                sizes = torch.tensor([q_size, kv_size, kv_size], device=qkv_ratios.device)
-                factor = factor * qkv_ratios.repeat_interleave(sizes)[None, :]
-            qkv = (qkv.float() * factor).to(qkv.dtype)
-            scale_rows = qkv_ratios = None
+            qkv = (qkv.float() * row_scale(scale_rows, scale_eps)).to(qkv.dtype)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
