@@ -1,10 +1,11 @@
 """Where a steady decode step's time goes (issue #57): GEMMs, attention, all-reduce, norms and elementwise, sampling,
-copies and the host, per step, at any tensor-parallel size.
+copies and the host, per step, at any tensor-parallel size; with `--phase prompt`, a prompt step's.
 
 B requests (`--batch`, default 256) of C random token ids (`--prompt-len`, default 600; DESIGN.md's workload averages
 ~560) on dummy weights of a model preset, max_tokens up to max_model_len, ignore_eos: the engine steps until every
-request is decoding, then
-1. times `--steps` decode steps (default 20) with the device synchronised at both ends of the window (the pipelined
+request is decoding (`--phase prompt`: one-token requests of C ids, enough that every step below prefills
+`--max-num-batched-tokens` tokens), then
+1. times `--steps` such steps (default 20) with the device synchronised at both ends of the window (the pipelined
    period, async scheduling's overlap of host and device included), then as many synchronised after every step
    (no overlap: host + device in series);
 2. profiles `--profile-steps` more (default 10) with torch.profiler (CPU + CUDA activities) in this process, which
@@ -24,6 +25,8 @@ kernels' time includes waiting for the slower rank, and rank 0 alone is profiled
         --trace $OUT/tp$tp.trace.json || echo "TP=$tp FAILED"; done                  # all three, 4 GPUs, one call
     PYTHONPATH=. python3 benchmarks/step_profile_gpu.py --model qwen3-8b --tp 2 --quantization fp8 --kv-cache-dtype fp8
     PYTHONPATH=. python3 benchmarks/step_profile_gpu.py --model llama-3-70b --tp 4 --json llama70b-tp4.json
+    PYTHONPATH=. python3 benchmarks/step_profile_gpu.py --model qwen3-8b --tp 2 --phase prompt --prompt-len 1024
+                                                   # prompt steps of --max-num-batched-tokens (16,384) tokens
     PYTHONPATH=. python3 benchmarks/step_profile_gpu.py --device cpu --model tiny-qwen3 --tp 2 --batch 4 \\
         --prompt-len 24 --steps 3 --profile-steps 2                                  # CPU: code paths only
 
@@ -377,7 +380,8 @@ def table(res: dict) -> str:
     step = (f"prompt steps of {res['prompt_tokens']} tokens ({res['prompt_len']}-token prompts)"
             if res["phase"] == "prompt" else
             f"batch {res['batch']}, ~{res['context_tokens_per_request']:.0f}-token contexts")
-    head = (f"{res['model']} TP={res['tp']}, {step}, {res['device']}, CUDA graphs {'on' if res['cuda_graphs'] else 'off'}; {res['units']} of rank 0")
+    graphs = "on" if res["cuda_graphs"] else "off"
+    head = f"{res['model']} TP={res['tp']}, {step}, {res['device']}, CUDA graphs {graphs}; {res['units']} of rank 0"
     out = [head, "", "| category | ms/step | % of wall | what |", "| --- | --- | --- | --- |"]
     out += [line(c, res["categories"][c]["ms"], NOTES.get(c, "")) for c in ORDER]
     out.append(line("GPU busy" if res["device"] != "cpu" else "busy", res["busy_ms"],
@@ -397,9 +401,9 @@ def main(argv: list[str] | None = None) -> None:
                          "--max-num-batched-tokens tokens each (one-token requests of --prompt-len)")
     ap.add_argument("--batch", type=int, default=256, help="requests decoding together (--phase decode)")
     ap.add_argument("--prompt-len", type=int, default=600, help="random token ids per prompt")
-    ap.add_argument("--steps", type=int, default=20, help="decode steps timed (twice: pipelined, synchronised)")
-    ap.add_argument("--profile-steps", type=int, default=10, help="decode steps profiled")
-    ap.add_argument("--warm-steps", type=int, default=3, help="decode steps before timing")
+    ap.add_argument("--steps", type=int, default=20, help="steps timed (twice: pipelined, synchronised)")
+    ap.add_argument("--profile-steps", type=int, default=10, help="steps profiled")
+    ap.add_argument("--warm-steps", type=int, default=3, help="steps before timing")
     ap.add_argument("--top", type=int, default=3, help="kernel names listed per category")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")

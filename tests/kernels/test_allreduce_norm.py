@@ -69,4 +69,3 @@ def test_no_rows_and_too_many_ranks() -> None:
     assert out.shape == (0, 32)
     with pytest.raises(AssertionError, match="at most"):
         sum_add_norm_triton([torch.zeros(1, 32)] * (MAX_WORLD + 1), None, None)
-

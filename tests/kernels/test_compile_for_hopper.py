@@ -1,5 +1,5 @@
-"""The row-scale kernels (the deferred norm's, and a row-scaled FP8 decode step's), the structured-output mask, the sampling-filter floor and the MoE routing kernels (route,
-align) compile for the H100 (sm_90), on any machine.
+"""The row-scale kernels (the deferred norm's, and a row-scaled FP8 layer's), the structured-output mask, the
+sampling-filter floor and the MoE routing kernels (route, align) compile for the H100 (sm_90), on any machine.
 
 The Triton interpreter runs the kernels on the CPU without checking what only the GPU compiler rejects: a jit
 function reading a global that is not a `tl.constexpr`, a type error in a branch the tests' shapes do not take.
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
              "eps": "fp32", "rs_ptr": rs, "rs_eps": "fp32"},
             dict(GROUP=2, GROUP_PAD=2, HALF=64, PAGE=16, NORM=True, STORE=True, QUANT=False, SCALE_IS_PTR=False,
                  FP8_MAX=448.0, PDL=False, ROW_SCALE=True, RS_BLOCK=rs_block, RATIOS=False))
-    # a row-scaled FP8 decode step (kernels/fp8_rows.py): q / k / v and gate / up factors beside the row scale, the
+    # a row-scaled FP8 layer (kernels/fp8_rows.py): q / k / v and gate / up factors beside the row scale, the
     # norm and SiLU-and-mul writing their rows quantized, the attention output's row kernel
     compile_for_hopper(
         rotary._rope_store_kernel,
