@@ -159,14 +159,40 @@ def release_symmetric_all_reduce() -> None:
     _symm_buf, _symm_group = None, ""
 
 
+def _symmetric(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The symmetric buffer where all_reduce sums a tensor of this size and type, else None (NCCL / gloo)."""
+    buf = _symm_buf
+    if (buf is None or _rank_ordered_sums or device.type != "cuda" or dtype != buf.dtype or numel > buf.numel()
+            or (numel * buf.element_size()) % 16):  # the kernel's 16-byte vectors
+        return None
+    return buf
+
+
+def reduce_target(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Where a row-parallel GEMM writes its [rows, cols] share to be summed in place (summed_in_place): a view of
+    the symmetric buffer when all_reduce would sum such a tensor through it, else None."""
+    if tp_size() == 1:
+        return None
+    buf = _symmetric(rows * cols, dtype, device)
+    return None if buf is None else buf[: rows * cols].view(rows, cols)
+
+
+def summed_in_place(view: torch.Tensor) -> Partial:
+    """The all-reduce of a reduce_target view, in the symmetric buffer itself: no copy in, no copy out. Returned as
+    a one-part Partial with no handle, whose consumer (sum_add_norm, reduced) reads the sum from the buffer. It must
+    do so before the next all_reduce refills the buffer: a row-parallel projection's output is consumed by the next
+    add+RMSNorm, and no all-reduce runs in between."""
+    torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", _symm_group)
+    return Partial((view,), None)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum x over the tensor-parallel ranks, in place; returns x."""
     if tp_size() == 1:
         return x
     if not _rank_ordered_sums:
-        buf = _symm_buf
-        if (buf is not None and x.is_cuda and x.dtype == buf.dtype and x.numel() <= buf.numel()
-                and (x.numel() * x.element_size()) % 16 == 0):  # the kernel's 16-byte vectors
+        buf = _symmetric(x.numel(), x.dtype, x.device)
+        if buf is not None:
             # Two-shot: each element is summed by exactly one rank (its owner of that slice) and then copied to
             # every rank, so all ranks get identical bits, as the replicated residual stream needs. Stream-ordered
             # copies in and out of a view of the fixed buffer: no host sync, no allocation, CUDA-graph capturable;
@@ -191,10 +217,11 @@ class Partial:
     """This rank's share of a row-parallel projection, not yet summed across the ranks: [rows, cols] in one of the
     deferred-sum buffers (partial_target). Its consumer sums it (sum_add_norm, reduced) before anything else is
     written there: the buffers are used in turn, and the barrier of a sum keeps the next-but-one write away from
-    peers still reading."""
+    peers still reading. With one part and no handle, the sum itself, in the symmetric all-reduce's buffer
+    (summed_in_place)."""
 
-    parts: tuple[torch.Tensor, ...]  # every rank's [rows, cols] view, rank order
-    handle: Any  # the buffer's symmetric-memory handle (its barrier)
+    parts: tuple[torch.Tensor, ...]  # every rank's [rows, cols] view, rank order; or the summed view alone
+    handle: Any  # the buffer's symmetric-memory handle (its barrier); None: parts is the sum
 
     @property
     def local(self) -> torch.Tensor:
@@ -287,10 +314,12 @@ def partial_target(rows: int, cols: int, dtype: torch.dtype, device: torch.devic
 def sum_add_norm(p: Partial, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float = 1e-6
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(sum + residual), sum + residual) of a Partial, every rank the same bits (kernels/allreduce_norm.py);
-    without `weight`: (sum + residual, the same). A barrier first: every rank's share is written."""
+    without `weight`: (sum + residual, the same). A barrier first (not for a sum in place): every rank's share is
+    written."""
     from nvcli.kernels.allreduce_norm import sum_add_norm_triton
 
-    p.handle.barrier(channel=0)
+    if p.handle is not None:
+        p.handle.barrier(channel=0)
     return sum_add_norm_triton(p.parts, residual, weight, eps)
 
 

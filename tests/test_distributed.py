@@ -208,3 +208,74 @@ def test_deferred_sums_are_the_rank_ordered_sum_then_the_norm(world: int, tmp_pa
     ok, same = torch.load(out).tolist()
     assert ok, "symmetric memory or the deferred sums did not set up (see the log for why)"
     assert same
+
+
+def _in_place_matches_all_reduce_then_norm(rank: int, world: int, port: int, out: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    try:
+        from nvcli.kernels.rms_norm import rms_norm_triton
+
+        device = torch.device("cuda", rank)
+        ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
+        g = torch.Generator(device="cuda").manual_seed(rank)
+        common = torch.Generator(device="cuda").manual_seed(99)
+        weight = 1 + 0.1 * torch.randn(512, generator=common, device="cuda", dtype=torch.bfloat16)
+        eye = torch.eye(512, device="cuda", dtype=torch.bfloat16)
+
+        def layer(part: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """A row-parallel GEMM into the buffer, its sum in place, the next add+RMSNorm reading it."""
+            target = distributed.reduce_target(part.shape[0], 512, torch.bfloat16, device)
+            assert target is not None
+            torch.mm(part, eye, out=target)
+            return distributed.sum_add_norm(distributed.summed_in_place(target), residual, weight, 1e-6)
+
+        same, agree = True, True
+        sequence = [(torch.randn(rows, 512, generator=g, device="cuda", dtype=torch.bfloat16),
+                     torch.randn(rows, 512, generator=common, device="cuda", dtype=torch.bfloat16))
+                    for rows in (40, 256, 100, 8, 256, 64)]
+        for part, residual in sequence:  # each sum refills the buffer the previous one was read from
+            want = rms_norm_triton(distributed.all_reduce(part.clone()), weight, 1e-6, residual)
+            got = layer(part, residual)
+            same = same and all(torch.equal(a, b) for a, b in zip(got, want))
+            gathered = [torch.empty_like(got[0]) for _ in range(world)]
+            dist.all_gather(gathered, got[0])
+            agree = agree and all(torch.equal(gathered[0], t) for t in gathered)
+        # two sums in a row inside one CUDA graph (o_proj then down_proj of a decode step), replayed
+        (a, ra), (b, rb) = sequence[1], sequence[4]
+        want_a, want_b = layer(a, ra), layer(b, rb)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(a, ra)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_a, out_b = layer(a, ra), layer(b, rb)
+        graph.replay()
+        torch.cuda.synchronize()
+        graphed = all(torch.equal(x, y) for x, y in zip(out_a + out_b, want_a + want_b))
+        results = torch.tensor([ok, same, agree, graphed])
+        if rank == 0:
+            torch.save(results, out)
+        del graph
+    finally:
+        distributed.release_symmetric_all_reduce()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sum_in_place_is_the_all_reduce_then_the_norm(world: int, tmp_path: Path) -> None:
+    """A projection's share written into the symmetric all-reduce's buffer, summed there and read by the add+RMSNorm
+    (distributed.summed_in_place, no copies) gives the bits of all_reduce then add+RMSNorm, on every rank, eager
+    and replayed from a CUDA graph, each sum refilling the buffer the one before was read from."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    out = tmp_path / "in_place.pt"
+    mp.start_processes(_in_place_matches_all_reduce_then_norm, args=(world, free_port(), str(out)), nprocs=world,
+                       start_method="spawn")
+    ok, same, agree, graphed = torch.load(out).tolist()
+    assert ok, "symmetric memory did not set up (see the log for why)"
+    assert same and agree and graphed

@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nvcli.distributed import Partial, all_reduce, partial_target, sum_add_norm, tp_rank, tp_size
+from nvcli.distributed import (
+    Partial,
+    all_reduce,
+    partial_target,
+    reduce_target,
+    sum_add_norm,
+    summed_in_place,
+    tp_rank,
+    tp_size,
+)
 from nvcli.kernels.block_fp8 import FP8_DTYPE
 from nvcli.kernels.ops import use_triton
 from nvcli.models.layers.fp8 import Fp8Weights, RowScaled, active_fp8, fp8_linear, row_scaled
@@ -198,7 +207,9 @@ class RowParallelLinear(LinearBase):
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor | Partial | RowScaled:
         """forward, leaving the sum across the ranks to the consumer where it can: cuBLAS writes this rank's share
         into a deferred-sum buffer (distributed.partial_target) and the next add+RMSNorm sums it (forward_norm);
-        else forward (skinny and FP8 GEMMs, no buffer, rows past its size). A row-scaled FP8 layer
+        past that buffer's rows, into the symmetric all-reduce's buffer, summed there in place and read from there by
+        the next add+RMSNorm (distributed.summed_in_place: no copy in or out); else forward (skinny and FP8 GEMMs,
+        rows past both buffers). A row-scaled FP8 layer
         (layers/fp8.row_scaled, one rank): its rows quantized each with its own scale, the output RowScaled."""
         w_scale = row_scaled(self.fp8)
         if w_scale is not None:
@@ -207,15 +218,16 @@ class RowParallelLinear(LinearBase):
             from nvcli.kernels.skinny_gemm import use_skinny
 
             if not use_skinny(x, self.weight):
-                rows = x.numel() // x.shape[-1]
-                p = partial_target(rows, self.weight.shape[0], x.dtype, x.device)
-                if p is not None:
+                rows, cols = x.numel() // x.shape[-1], self.weight.shape[0]
+                p = partial_target(rows, cols, x.dtype, x.device)
+                target = p.local if p is not None else reduce_target(rows, cols, x.dtype, x.device)
+                if target is not None:
                     x2 = x.reshape(rows, x.shape[-1])
                     if self.bias is None:
-                        torch.mm(x2, self.weight.t(), out=p.local)
+                        torch.mm(x2, self.weight.t(), out=target)
                     else:
-                        torch.addmm(self.bias, x2, self.weight.t(), out=p.local)
-                    return p
+                        torch.addmm(self.bias, x2, self.weight.t(), out=target)
+                    return p if p is not None else summed_in_place(target)
         return self.forward(x)
 
     def forward_silu_mul(self, gate_up: torch.Tensor | RowScaled) -> torch.Tensor | RowScaled:
