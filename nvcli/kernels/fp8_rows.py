@@ -16,7 +16,11 @@ miss real bits; the GPU's cast rounds the same way, so there the step changes no
 
 The GEMM is torch._scaled_mm (cuBLASLt, tensor-wise scales): compute capability 8.9+ and a torch build with FP8
 GEMMs (`tensor_gemm_supported` probes once per device and dtype), K and N multiples of 16 (`tensor_gemm_eligible`;
-M is free). Nothing here imports nvcli.engine.
+M is free). It runs with fast accumulation: the whole K loop stays in the FP8 MMA's own accumulator instead of
+being added into fp32 registers every few steps (vLLM's per-tensor FP8 GEMMs on Hopper do the same). On an H200
+that took the Qwen3-8B shape's DESIGN workload from 1.24-1.25x to 1.27-1.28x bf16; its error, against the exact
+product of the FP8 operands, is rms 1.5-3e-3 of the output's rms, a twelfth to a twentieth of what FP8
+quantization itself costs (3.6e-2; benchmarks/fp8_accum_gpu.py, RESULTS.md). Nothing here imports nvcli.engine.
 """
 
 from __future__ import annotations
@@ -114,16 +118,19 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def rows_linear_gpu(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """(q @ wq.T) * w_scale [M, N] in out_dtype, the rows' own scales left pending: cuBLASLt's tensor-scaled FP8
-    GEMM (torch._scaled_mm) with A's scale 1. q [M, K] fp8, wq [N, K] fp8, w_scale [1] float32."""
+    GEMM (torch._scaled_mm) with A's scale 1, fast accumulation (module docstring). q [M, K] fp8, wq [N, K] fp8,
+    w_scale [1] float32."""
     n = wq.shape[0]
     if q.shape[0] == 0:
         return torch.empty((0, n), dtype=out_dtype, device=q.device)
-    out = torch._scaled_mm(q, wq.t(), scale_a=_one(q.device), scale_b=w_scale.reshape(1), out_dtype=out_dtype)
+    out = torch._scaled_mm(q, wq.t(), scale_a=_one(q.device), scale_b=w_scale.reshape(1), out_dtype=out_dtype,
+                           use_fast_accum=True)
     return out[0] if isinstance(out, tuple) else out
 
 
 def rows_linear_ref(q: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """What rows_linear_gpu computes, in float32 (the CPU path and the tests' reference)."""
+    """What rows_linear_gpu computes, accumulated in float32 (the CPU path and the tests' reference; the GPU's fast
+    accumulation differs from it by a fraction of the FP8 quantization's own error)."""
     return ((q.float() @ wq.float().T) * w_scale.float()).to(out_dtype)
 
 
