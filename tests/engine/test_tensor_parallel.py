@@ -235,8 +235,8 @@ def _greedy_tp1_then_tp(model: Path, prompts: list[list[int]], max_tokens: list[
 def test_tp_on_gpus_matches_tp1_in_float32(tp: int, tmp_path: Path) -> None:
     """float32 greedy at --tp N on N GPUs gives TP 1's tokens, CUDA graphs on, over a streamed job whose decode
     steps run 1-160 rows and most of whose steps carry prompt chunks of up to 1,024 tokens: row-parallel sums
-    deferred into the next norm (up to 1,024 / N^2 rows, at TP 2 every step's) and summed by the symmetric-memory
-    all-reduce, in decode and mixed graphs alike."""
+    deferred into the next norm (up to 1,024 / N^2 rows, at TP 2 every step's) and, past them, summed in place in
+    the symmetric-memory all-reduce's buffer, in decode and mixed graphs alike."""
     import random
 
     import torch
