@@ -6,7 +6,8 @@ projection of a preset and row count, on this GPU: time and error.
 Hopper's FP8 MMA accumulates with a narrower sum than fp32; without fast accumulation cuBLASLt adds each run of
 MMAs into fp32 registers every few K steps (more instructions), with it the whole K loop stays in the MMA's
 accumulator (vLLM's per-tensor FP8 GEMMs on Hopper use CUTLASS's FP8FastAccum schedules). Per (projection, rows):
-- microseconds per call of each mode, the weight rotated over copies that exceed L2 (decode-like: weight from HBM);
+- microseconds per call of each mode inside a CUDA graph, the weight rotated over copies that exceed L2
+  (decode-like: the weight from HBM);
 - each mode's error against the exact product of the same FP8 operands (float64), as max |err| / rms(exact) and
   rms(err) / rms(exact), float32 output; and for scale the error FP8 quantization itself makes (the exact product
   of the quantized operands against the float product of the unquantized ones).
@@ -27,32 +28,33 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fp8_gemm_gpu import projection_shapes  # noqa: E402
 from nvcli.kernels.block_fp8 import quantize_weight_per_tensor  # noqa: E402
-from nvcli.kernels.fp8_rows import quantize_rows_ref  # noqa: E402
+from nvcli.kernels.fp8_rows import _one, quantize_rows_ref  # noqa: E402
 
 
 def gemm(q: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
-    one = torch.ones(1, dtype=torch.float32, device=q.device)
-    out = torch._scaled_mm(q, wq.t(), scale_a=one, scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast)
+    out = torch._scaled_mm(q, wq.t(), scale_a=_one(q.device), scale_b=ws, out_dtype=out_dtype, use_fast_accum=fast)
     return out[0] if isinstance(out, tuple) else out
 
 
-def time_us(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def time_gemm(q: torch.Tensor, wqs: list[torch.Tensor], ws: torch.Tensor, fast: bool, calls: int = 40) -> float:
+    """Microseconds per bf16-output call: `calls` calls cycling over the weight copies (the weight streams from HBM),
+    captured in one CUDA graph and replayed, so that the host's launch cost is not timed."""
+    for w in wqs:
+        gemm(q, w, ws, torch.bfloat16, fast)
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            gemm(q, wqs[i % len(wqs)], ws, torch.bfloat16, fast)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(5):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
-def time_gemm(q: torch.Tensor, wqs: list[torch.Tensor], ws: torch.Tensor, fast: bool) -> float:
-    """Microseconds per bf16-output call, each call on the next weight copy (the weight streams from HBM)."""
-    turn = iter(range(1 << 30))
-    return time_us(lambda: gemm(q, wqs[next(turn) % len(wqs)], ws, torch.bfloat16, fast))
+    return start.elapsed_time(end) * 1e3 / (5 * calls)
 
 
 def rel(err: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
