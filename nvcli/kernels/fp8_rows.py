@@ -17,10 +17,10 @@ miss real bits; the GPU's cast rounds the same way, so there the step changes no
 The GEMM is torch._scaled_mm (cuBLASLt, tensor-wise scales): compute capability 8.9+ and a torch build with FP8
 GEMMs (`tensor_gemm_supported` probes once per device and dtype), K and N multiples of 16 (`tensor_gemm_eligible`;
 M is free). It runs with fast accumulation: the whole K loop stays in the FP8 MMA's own accumulator instead of
-being added into fp32 registers every few steps (vLLM's per-tensor FP8 GEMMs on Hopper do the same). On an H200
-that took the Qwen3-8B shape's DESIGN workload from 1.24-1.25x to 1.27-1.28x bf16; its error, against the exact
-product of the FP8 operands, is rms 1.5-3e-3 of the output's rms, a twelfth to a twentieth of what FP8
-quantization itself costs (3.6e-2; benchmarks/fp8_accum_gpu.py, RESULTS.md). Nothing here imports nvcli.engine.
+being added into fp32 registers every few steps (vLLM's per-tensor FP8 GEMMs on Hopper do the same): ~3% of the
+Qwen3-8B shape's fp8 DESIGN workload on an H200, for an error, against the exact product of the FP8 operands, of
+rms 1.5-3e-3 of the output's rms, a twelfth to a twentieth of what FP8 quantization itself costs (3.6e-2;
+benchmarks/fp8_accum_gpu.py, RESULTS.md). Nothing here imports nvcli.engine.
 """
 
 from __future__ import annotations
