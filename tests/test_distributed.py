@@ -4,6 +4,8 @@ share the message."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -104,12 +106,36 @@ def test_symmetric_all_reduce_needs_several_ranks() -> None:
     assert distributed.init_symmetric_all_reduce(1024, torch.bfloat16, torch.device("cpu")) is False
 
 
-def _symmetric_matches_nccl(rank: int, world: int, port: int, out: str) -> None:
+@contextmanager
+def _gpu_rank(rank: int, world: int, port: int) -> Iterator[torch.device]:
+    """This process as NCCL rank `rank` on GPU `rank`; on the way out its peer-mapped buffers are dropped and the
+    group destroyed (a test deletes its CUDA graphs before leaving the block)."""
     torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
+                            device_id=device)
     try:
-        ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, torch.device("cuda", rank))
+        yield device
+    finally:
+        distributed.release_deferred_sums()
+        distributed.release_symmetric_all_reduce()
+        dist.destroy_process_group()
+
+
+def _spawn_on_gpus(fn: Callable[[int, int, int, str], None], world: int, tmp_path: Path) -> list:
+    """fn(rank, world, port, out) on `world` GPUs, one process each (the test is skipped with fewer GPUs); returns
+    the results tensor rank 0 saved to `out`, as a list."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    out = tmp_path / "results.pt"
+    mp.start_processes(fn, args=(world, free_port(), str(out)), nprocs=world, start_method="spawn")
+    return torch.load(out).tolist()
+
+
+def _symmetric_matches_nccl(rank: int, world: int, port: int, out: str) -> None:
+    with _gpu_rank(rank, world, port) as device:
+        ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
         g = torch.Generator(device="cuda").manual_seed(rank)
         parts = torch.randn(300, 512, generator=g, device="cuda", dtype=torch.bfloat16)
         reference = parts.clone()
@@ -136,30 +162,19 @@ def _symmetric_matches_nccl(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save(results, out)
         del graph
-    finally:
-        distributed.release_symmetric_all_reduce()
-        dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_symmetric_all_reduce_matches_nccl_on_two_gpus(tmp_path: Path) -> None:
     """Two ranks: a + b has one rounding, so two-shot (eager and replayed from a CUDA graph) equals NCCL's bits."""
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    out = tmp_path / "symm.pt"
-    mp.start_processes(_symmetric_matches_nccl, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
-    ok, eager, big, graphed, same = torch.load(out).tolist()
+    ok, eager, big, graphed, same = _spawn_on_gpus(_symmetric_matches_nccl, 2, tmp_path)
     assert ok, "symmetric memory did not set up (see the log for why)"
     assert eager and big and graphed and same
 
 
 def _deferred_matches_rank_ordered_sums(rank: int, world: int, port: int, out: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with _gpu_rank(rank, world, port) as device:
         from nvcli.kernels.rms_norm import rms_norm_triton
 
-        device = torch.device("cuda", rank)
         ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
         ok = ok and distributed.init_deferred_sums(256 * 512, torch.bfloat16, device)
         g = torch.Generator(device="cuda").manual_seed(rank)
@@ -188,10 +203,6 @@ def _deferred_matches_rank_ordered_sums(rank: int, world: int, port: int, out: s
         results = torch.tensor([ok, same])
         if rank == 0:
             torch.save(results, out)
-    finally:
-        distributed.release_deferred_sums()
-        distributed.release_symmetric_all_reduce()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -199,25 +210,15 @@ def test_deferred_sums_are_the_rank_ordered_sum_then_the_norm(world: int, tmp_pa
     """A projection's share written into a deferred-sum buffer and summed inside the add+RMSNorm path
     (distributed.sum_add_norm) gives on every rank the bits of the shares summed in rank order and then
     add+RMSNorm."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    out = tmp_path / "deferred.pt"
-    mp.start_processes(_deferred_matches_rank_ordered_sums, args=(world, free_port(), str(out)), nprocs=world,
-                       start_method="spawn")
-    ok, same = torch.load(out).tolist()
+    ok, same = _spawn_on_gpus(_deferred_matches_rank_ordered_sums, world, tmp_path)
     assert ok, "symmetric memory or the deferred sums did not set up (see the log for why)"
     assert same
 
 
 def _in_place_matches_all_reduce_then_norm(rank: int, world: int, port: int, out: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with _gpu_rank(rank, world, port) as device:
         from nvcli.kernels.rms_norm import rms_norm_triton
 
-        device = torch.device("cuda", rank)
         ok = distributed.init_symmetric_all_reduce(256 * 512, torch.bfloat16, device)
         g = torch.Generator(device="cuda").manual_seed(rank)
         common = torch.Generator(device="cuda").manual_seed(99)
@@ -260,9 +261,6 @@ def _in_place_matches_all_reduce_then_norm(rank: int, world: int, port: int, out
         if rank == 0:
             torch.save(results, out)
         del graph
-    finally:
-        distributed.release_symmetric_all_reduce()
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -270,12 +268,6 @@ def test_a_sum_in_place_is_the_all_reduce_then_the_norm(world: int, tmp_path: Pa
     """A projection's share written into the symmetric all-reduce's buffer, summed there and read by the add+RMSNorm
     (distributed.summed_in_place, no copies) gives the bits of all_reduce then add+RMSNorm, on every rank, eager
     and replayed from a CUDA graph, each sum refilling the buffer the one before was read from."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    out = tmp_path / "in_place.pt"
-    mp.start_processes(_in_place_matches_all_reduce_then_norm, args=(world, free_port(), str(out)), nprocs=world,
-                       start_method="spawn")
-    ok, same, agree, graphed = torch.load(out).tolist()
+    ok, same, agree, graphed = _spawn_on_gpus(_in_place_matches_all_reduce_then_norm, world, tmp_path)
     assert ok, "symmetric memory did not set up (see the log for why)"
     assert same and agree and graphed
