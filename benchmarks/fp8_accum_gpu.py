@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.fp8_gemm_gpu import projection_shapes  # noqa: E402
+from benchmarks.kernels import graph_seconds  # noqa: E402
 from nvcli.kernels.block_fp8 import quantize_weight_per_tensor  # noqa: E402
 from nvcli.kernels.fp8_rows import _one, quantize_rows_ref  # noqa: E402
 
@@ -39,22 +40,12 @@ def gemm(q: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, out_dtype: torch.d
 def time_gemm(q: torch.Tensor, wqs: list[torch.Tensor], ws: torch.Tensor, fast: bool, calls: int = 40) -> float:
     """Microseconds per bf16-output call: `calls` calls cycling over the weight copies (the weight streams from HBM),
     captured in one CUDA graph and replayed, so that the host's launch cost is not timed."""
-    for w in wqs:
-        gemm(q, w, ws, torch.bfloat16, fast)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def run() -> None:
         for i in range(calls):
             gemm(q, wqs[i % len(wqs)], ws, torch.bfloat16, fast)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * calls)
+
+    return graph_seconds(run, warm_runs=1, replays=7, skip=2) * 1e6 / calls
 
 
 def rel(err: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
