@@ -87,9 +87,12 @@ def _worker(rank: int, world: int, port: int, hidden: int, rows: list[int], iter
 
 
 def _engine_paths(rank: int, hidden: int, rows: list[int], iters: int) -> dict[str, float]:
-    """A row-parallel projection's sum and the add+RMSNorm after it, as the engine runs them: `engine-two-shot+norm`
-    (copy into the symmetric buffer, two-shot all-reduce, copy out, add+RMSNorm kernel) against `deferred+norm`
-    (the GEMM already wrote the buffer: a barrier and the fused sum+add+RMSNorm kernel, distributed.sum_add_norm)."""
+    """A row-parallel projection's sum and the add+RMSNorm after it, as the engine can run them:
+    - `engine-two-shot+norm`: copy into the symmetric buffer, torch's two-shot all-reduce, copy out, add+RMSNorm;
+    - `in-place+norm` (the engine's path from TP 3 on past the deferred rows): the GEMM wrote the symmetric buffer;
+      the two-shot runs there in place and the sum+add+RMSNorm kernel reads the sum from it;
+    - `deferred+norm`: the GEMM wrote a deferred-sum buffer; a barrier and the fused one-shot sum+add+RMSNorm kernel
+      (distributed.sum_add_norm)."""
     from nvcli import distributed
     from nvcli.kernels.rms_norm import rms_norm_triton
 
@@ -106,6 +109,11 @@ def _engine_paths(rank: int, hidden: int, rows: list[int], iters: int) -> dict[s
             results[f"engine-two-shot+norm rows={r}"] = _graph_time_us(
                 lambda x=x, residual=residual: rms_norm_triton(distributed.all_reduce(x), weight, 1e-6, residual),
                 iters)
+            view = distributed.reduce_target(r, hidden, torch.bfloat16, device)
+            if view is not None:
+                results[f"in-place+norm rows={r}"] = _graph_time_us(
+                    lambda view=view, residual=residual: distributed.sum_add_norm(
+                        distributed.summed_in_place(view), residual, weight, 1e-6), iters)
             if deferred:
                 def op(r=r, residual=residual):
                     p = distributed.partial_target(r, hidden, torch.bfloat16, device)
