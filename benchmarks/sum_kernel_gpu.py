@@ -52,7 +52,6 @@ def _worker(rank: int, world: int, port: int, args, out: dict) -> None:
     from nvcli import distributed
 
     hidden = args.hidden
-    distributed.init_symmetric_all_reduce(8 * hidden, torch.bfloat16, device)
     assert distributed.init_deferred_sums(max(args.rows) * hidden, torch.bfloat16, device), "no deferred sums"
     weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
     results: dict[str, float] = {}
@@ -75,7 +74,6 @@ def _worker(rank: int, world: int, port: int, args, out: dict) -> None:
     if rank == 0:
         out.update(results)
     distributed.release_deferred_sums()
-    distributed.release_symmetric_all_reduce()
     dist.barrier()
     dist.destroy_process_group()
 
